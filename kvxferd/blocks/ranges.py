@@ -1,0 +1,68 @@
+"""The output of planning: byte ranges to move, per region, as NumPy arrays.
+
+A plan never holds per-descriptor Python objects: each region's ranges are three parallel
+``int64`` arrays, so building descriptors from a plan is one vectorised add of base addresses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+Int64Array = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True)
+class RegionRanges:
+    """Byte ranges for one region pair (regions pair by index: same name, same order).
+
+    ``local_offset[i]`` / ``remote_offset[i]`` are byte offsets from each side's region base,
+    ``length[i]`` the bytes of range ``i``. Ranges never cross a region's end.
+    """
+
+    region: int
+    name: str
+    local_offset: Int64Array
+    remote_offset: Int64Array
+    length: Int64Array
+
+    def __post_init__(self) -> None:
+        n = self.length.shape[0]
+        if self.local_offset.shape != (n,) or self.remote_offset.shape != (n,):
+            raise ValueError("local_offset, remote_offset and length must be 1-D of equal length")
+
+    @property
+    def num_ranges(self) -> int:
+        return int(self.length.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.length.sum())
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """Everything a pull moves: byte ranges per region plus the local kernel blocks written.
+
+    ``local_kernel_blocks[g]`` lists, per KV group ``g``, the local kernel block IDs the plan
+    writes (the blocks that become invalid if the transfer fails). ``naive_descriptors`` is how
+    many descriptors one-per-(region, kernel block) would have taken, for telemetry.
+    """
+
+    ranges: tuple[RegionRanges, ...]
+    local_kernel_blocks: tuple[Int64Array, ...] = field(default=())
+    naive_descriptors: int = 0
+
+    @property
+    def num_ranges(self) -> int:
+        return sum(r.num_ranges for r in self.ranges)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self.ranges)
+
+    @property
+    def empty(self) -> bool:
+        return self.num_ranges == 0

@@ -1,0 +1,462 @@
+"""``NixlAgent``: one NIXL agent, every call on one dedicated thread, typed in and out.
+
+Blocking methods (``register``, ``post``, ...) may be called from any thread; each has an
+``*_async`` twin returning a :class:`concurrent.futures.Future` that asyncio code awaits with
+``asyncio.wrap_future``. Pollers registered with :meth:`NixlAgent.add_poller` run on the NIXL
+thread and may call the blocking methods directly (they run inline there).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from kvxferd.errors import InvalidRequest, PeerUnavailable, TransportError
+from kvxferd.nixl._binding import api, nixl_agent, nixl_agent_config
+from kvxferd.nixl.errors import map_nixl_error
+from kvxferd.nixl.types import (
+    Int64Array,
+    MemType,
+    ProgressMode,
+    XferOp,
+    XferState,
+    XferTelemetry,
+    check_descs,
+)
+from kvxferd.nixl.worker import NixlThread, Poller
+
+log = logging.getLogger(__name__)
+
+# nixl_agent.__init__ hard-codes ``pthrDelay = 0`` (a busy-spinning progress thread). The raw
+# binding's config has the field; the wrapper's module-level ``nixlBind`` is swapped for a proxy
+# only while one agent is constructed, under this lock, so the proxy can set the delay.
+_CONSTRUCT_LOCK = threading.Lock()
+
+
+class _DelayedBindings:
+    def __init__(self, real: Any, delay_us: int) -> None:
+        self._real = real
+        self._delay_us = delay_us
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def nixlAgent(self, name: str, config: Any) -> Any:  # noqa: N802 (NIXL's spelling)
+        config.pthrDelay = self._delay_us
+        return self._real.nixlAgent(name, config)
+
+
+@dataclass(frozen=True)
+class Registration:
+    """Memory registered with the agent: one NIXL registration per region row."""
+
+    regions: Int64Array
+    mem_type: MemType
+    _dlist: Any = field(repr=False, compare=False)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.regions[:, 1].sum())
+
+
+@dataclass
+class XferHandle:
+    """A posted transfer. Release it exactly once (``NixlAgent.release``), on every path."""
+
+    peer: str
+    op: XferOp
+    nbytes: int
+    descriptors: int
+    posted_at: float
+    _handle: Any = field(repr=False)
+    released: bool = False
+
+
+class _PostArgs(NamedTuple):
+    op: XferOp
+    local: Int64Array
+    remote: Int64Array
+    peer: str
+    mems: tuple[MemType, MemType]
+    notif: bytes
+
+
+@dataclass(frozen=True)
+class AgentOptions:
+    """How the agent is built. Defaults are kvxferd's choice (see the package docstring)."""
+
+    progress: ProgressMode = ProgressMode.THREAD
+    progress_delay_us: int = 100
+    capture_telemetry: bool = True
+    num_threads: int = 0
+    backends: tuple[str, ...] = ("UCX",)
+    idle_poll_s: float = 0.005
+
+
+class NixlAgent:
+    """One NIXL agent named ``name``; constructing it starts no thread and no I/O."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        cuda_device: int | None = None,
+        options: AgentOptions | None = None,
+    ) -> None:
+        if not name:
+            raise InvalidRequest("agent name must not be empty", field="name")
+        self.name = name
+        self.cuda_device = cuda_device
+        self.options = options or AgentOptions()
+        self._thread = NixlThread(
+            f"nixl-{name}", cuda_device=cuda_device, idle_wait_s=self.options.idle_poll_s
+        )
+        self._agent: Any = None
+        self._remotes: set[str] = set()
+        self._registrations: list[Registration] = []
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the NIXL thread and create the agent on it."""
+        self._thread.start()
+        try:
+            self._thread.call(self._create)
+        except BaseException:
+            self._thread.stop()
+            raise
+
+    def _create(self) -> None:
+        opts = self.options
+        config = nixl_agent_config(
+            enable_prog_thread=opts.progress is ProgressMode.THREAD,
+            capture_telemetry=opts.capture_telemetry,
+            num_threads=opts.num_threads,
+            backends=list(opts.backends),
+        )
+        try:
+            if opts.progress is ProgressMode.THREAD:
+                with _CONSTRUCT_LOCK:
+                    real = api.nixlBind
+                    api.nixlBind = _DelayedBindings(real, opts.progress_delay_us)
+                    try:
+                        self._agent = nixl_agent(self.name, config)
+                    finally:
+                        api.nixlBind = real
+            else:
+                self._agent = nixl_agent(self.name, config)
+        except Exception as exc:
+            raise map_nixl_error(exc, op="create agent") from exc
+        if not self._agent.backends:
+            raise TransportError(
+                f"agent {self.name}: none of the backends {opts.backends} could be created",
+                fix="check that the NIXL wheel ships the UCX plugin (NIXL_PLUGIN_DIR)",
+            )
+        log.info(
+            "event=nixl_agent_started agent=%s progress=%s delay_us=%d device=%s",
+            self.name, opts.progress.value, opts.progress_delay_us, self.cuda_device,
+        )
+
+    def close(self) -> None:
+        """Deregister everything, drop the agent on its thread, stop the thread."""
+        if not self._thread.running:
+            return
+        try:
+            self._thread.call(self._destroy)
+        finally:
+            self._thread.stop()
+
+    def _destroy(self) -> None:
+        for reg in list(self._registrations):
+            try:
+                self._deregister(reg)
+            except Exception:
+                log.exception("event=nixl_deregister_failed agent=%s", self.name)
+        self._agent = None  # the binding's destructor runs here, on the NIXL thread
+
+    def __enter__(self) -> NixlAgent:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def started(self) -> bool:
+        return self._agent is not None
+
+    # -- thread access ----------------------------------------------------------------------
+
+    def add_poller(self, poller: Poller) -> None:
+        self._thread.add_poller(poller)
+
+    def remove_poller(self, poller: Poller) -> None:
+        self._thread.remove_poller(poller)
+
+    def submit(self, fn: Any, *args: Any) -> Future[Any]:
+        """Run an arbitrary callable on the NIXL thread (for callers that batch several calls)."""
+        return self._thread.submit(fn, *args)
+
+    def _live(self) -> Any:
+        if self._agent is None:
+            raise TransportError(
+                f"NIXL agent {self.name} is not started", fix="call NixlAgent.start() first"
+            )
+        return self._agent
+
+    # -- registration -----------------------------------------------------------------------
+
+    def register(self, regions: Int64Array, mem_type: MemType) -> Registration:
+        """Register N regions (an ``N x 3`` int64 ``(addr, len, dev)`` array), one NIXL
+        registration entry per region: never per block."""
+        return self._thread.call(self._register, regions, mem_type)
+
+    def register_async(self, regions: Int64Array, mem_type: MemType) -> Future[Registration]:
+        return self._thread.submit(self._register, regions, mem_type)
+
+    def _register(self, regions: Int64Array, mem_type: MemType) -> Registration:
+        arr = check_descs(regions, "regions")
+        if arr.shape[0] == 0:
+            raise InvalidRequest("nothing to register: zero regions", field="regions")
+        agent = self._live()
+        try:
+            dlist = agent.register_memory(arr, mem_type.value)
+        except Exception as exc:
+            raise map_nixl_error(exc, op="register memory") from exc
+        if dlist is None:
+            raise InvalidRequest(
+                f"NIXL refused to register {arr.shape[0]} {mem_type.value} region(s)",
+                field="regions",
+                fix="pass an N x 3 int64 array of (addr, len, dev) with the right memory type",
+            )
+        reg = Registration(arr.copy(), mem_type, dlist)
+        self._registrations.append(reg)
+        log.info("event=nixl_registered agent=%s regions=%d bytes=%d mem=%s",
+                 self.name, arr.shape[0], reg.nbytes, mem_type.value)
+        return reg
+
+    def deregister(self, reg: Registration) -> None:
+        self._thread.call(self._deregister, reg)
+
+    def _deregister(self, reg: Registration) -> None:
+        agent = self._live()
+        if reg not in self._registrations:
+            raise InvalidRequest("registration is unknown or already deregistered")
+        try:
+            agent.deregister_memory(reg._dlist)
+        except Exception as exc:
+            raise map_nixl_error(exc, op="deregister memory") from exc
+        self._registrations.remove(reg)
+
+    # -- metadata and peers -----------------------------------------------------------------
+
+    def metadata(self) -> bytes:
+        """This agent's metadata (send it to peers in the handshake)."""
+        return self._thread.call(self._metadata)
+
+    def _metadata(self) -> bytes:
+        try:
+            md = self._live().get_agent_metadata()
+        except Exception as exc:
+            raise map_nixl_error(exc, op="get agent metadata") from exc
+        if not isinstance(md, bytes | bytearray) or not md:
+            raise TransportError("NIXL returned no agent metadata")
+        return bytes(md)
+
+    def add_remote(self, name: str, metadata: bytes) -> None:
+        """Load peer ``name``'s metadata; a known name (restarted peer) is removed first."""
+        self._thread.call(self._add_remote, name, metadata)
+
+    def add_remote_async(self, name: str, metadata: bytes) -> Future[None]:
+        return self._thread.submit(self._add_remote, name, metadata)
+
+    def _add_remote(self, name: str, metadata: bytes) -> None:
+        agent = self._live()
+        if name in self._remotes:
+            self._remove_remote(name)
+        try:
+            loaded = agent.add_remote_agent(metadata)
+        except Exception as exc:
+            raise map_nixl_error(exc, op="add remote agent", peer=name) from exc
+        loaded_name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        if loaded_name != name:
+            try:
+                agent.remove_remote_agent(loaded_name)
+            except Exception:
+                log.exception("event=nixl_remove_mismatched_failed agent=%s", self.name)
+            raise PeerUnavailable(
+                f"metadata names agent {loaded_name!r}, expected {name!r}",
+                fix="the peer's handshake and NIXL metadata disagree: restart the peer",
+            )
+        self._remotes.add(name)
+        log.info("event=nixl_remote_added agent=%s peer=%s md_bytes=%d",
+                 self.name, name, len(metadata))
+
+    def remove_remote(self, name: str) -> None:
+        self._thread.call(self._remove_remote, name)
+
+    def _remove_remote(self, name: str) -> None:
+        agent = self._live()
+        self._remotes.discard(name)
+        try:
+            agent.remove_remote_agent(name)
+        except Exception as exc:
+            raise map_nixl_error(exc, op="remove remote agent", peer=name) from exc
+        log.info("event=nixl_remote_removed agent=%s peer=%s", self.name, name)
+
+    def has_remote(self, name: str) -> bool:
+        return name in self._remotes
+
+    # -- transfers --------------------------------------------------------------------------
+
+    def post(
+        self,
+        op: XferOp,
+        local: Int64Array,
+        remote: Int64Array,
+        *,
+        peer: str,
+        local_mem: MemType = MemType.DRAM,
+        remote_mem: MemType = MemType.DRAM,
+        notif: bytes = b"",
+    ) -> XferHandle:
+        """Create and post one transfer of paired descriptors (built per request)."""
+        return self._thread.call(
+            self._post, _PostArgs(op, local, remote, peer, (local_mem, remote_mem), notif)
+        )
+
+    def post_async(
+        self,
+        op: XferOp,
+        local: Int64Array,
+        remote: Int64Array,
+        *,
+        peer: str,
+        local_mem: MemType = MemType.DRAM,
+        remote_mem: MemType = MemType.DRAM,
+        notif: bytes = b"",
+    ) -> Future[XferHandle]:
+        return self._thread.submit(
+            self._post, _PostArgs(op, local, remote, peer, (local_mem, remote_mem), notif)
+        )
+
+    def _post(self, req: _PostArgs) -> XferHandle:
+        op, local, remote, peer, mems, notif = req
+        agent = self._live()
+        loc = check_descs(local, "local")
+        rem = check_descs(remote, "remote")
+        if loc.shape[0] != rem.shape[0] or loc.shape[0] == 0:
+            raise InvalidRequest(
+                f"local has {loc.shape[0]} descriptors, remote {rem.shape[0]}",
+                fix="pair every local range with one remote range of the same length",
+            )
+        if not np.array_equal(loc[:, 1], rem[:, 1]):
+            raise InvalidRequest("local and remote descriptor lengths differ",
+                                 fix="pair ranges of equal length")
+        if peer not in self._remotes:
+            raise PeerUnavailable(f"peer {peer!r} is not loaded on agent {self.name}",
+                                  fix="handshake with the peer (add_remote) before posting")
+        t0 = time.monotonic()
+        handle = None
+        try:
+            ldescs = agent.get_xfer_descs(loc, mems[0].value)
+            rdescs = agent.get_xfer_descs(rem, mems[1].value)
+            if ldescs is None or rdescs is None:
+                raise InvalidRequest("NIXL refused the descriptor arrays",
+                                     fix="pass N x 3 int64 arrays with a valid memory type")
+            handle = agent.initialize_xfer(op.value, ldescs, rdescs, peer, notif)
+            if handle is None:
+                raise TransportError("NIXL returned no transfer handle")
+            agent.transfer(handle)
+        except Exception as exc:
+            if handle is not None:
+                self._release_raw(handle, peer)
+            raise map_nixl_error(exc, op=f"post {op.value}", peer=peer) from exc
+        return XferHandle(peer=peer, op=op, nbytes=int(loc[:, 1].sum()),
+                          descriptors=int(loc.shape[0]), posted_at=t0, _handle=handle)
+
+    def poll(self, handle: XferHandle) -> XferState:
+        """Current state of ``handle``; failures raise the mapped kvxferd error."""
+        return self._thread.call(self._poll, handle)
+
+    def _poll(self, handle: XferHandle) -> XferState:
+        if handle.released:
+            raise InvalidRequest("transfer handle already released")
+        try:
+            return XferState.from_nixl(self._live().check_xfer_state(handle._handle))
+        except Exception as exc:
+            raise map_nixl_error(exc, op=f"poll {handle.op.value}", peer=handle.peer) from exc
+
+    def telemetry(self, handle: XferHandle) -> XferTelemetry | None:
+        """NIXL's figures for a completed transfer, or None without ``capture_telemetry``."""
+        return self._thread.call(self._telemetry, handle)
+
+    def _telemetry(self, handle: XferHandle) -> XferTelemetry | None:
+        if handle.released or not self.options.capture_telemetry:
+            return None
+        try:
+            t = self._live().get_xfer_telemetry(handle._handle)
+        except Exception:
+            return None
+        return XferTelemetry(post_us=int(t.postDuration), xfer_us=int(t.xferDuration),
+                             total_bytes=int(t.totalBytes), descriptors=int(t.descCount))
+
+    def release(self, handle: XferHandle) -> bool:
+        """Release (and thereby cancel) ``handle``; True when NIXL freed it."""
+        return self._thread.call(self._release, handle)
+
+    def release_async(self, handle: XferHandle) -> Future[bool]:
+        return self._thread.submit(self._release, handle)
+
+    def _release(self, handle: XferHandle) -> bool:
+        if handle.released:
+            return True
+        handle.released = self._release_raw(handle._handle, handle.peer)
+        return handle.released
+
+    def _release_raw(self, raw: Any, peer: str) -> bool:
+        try:
+            self._live().release_xfer_handle(raw)
+        except Exception as exc:
+            log.warning("event=nixl_release_failed agent=%s peer=%s error=%s",
+                        self.name, peer, map_nixl_error(exc, op="release", peer=peer))
+            return False
+        return True
+
+    # -- notifications ----------------------------------------------------------------------
+
+    def get_notifs(self) -> dict[str, list[bytes]]:
+        """New notifications since the last call, keyed by sender agent name (always str)."""
+        return self._thread.call(self._get_notifs)
+
+    def _get_notifs(self) -> dict[str, list[bytes]]:
+        try:
+            raw = self._live().get_new_notifs()
+        except Exception as exc:
+            raise map_nixl_error(exc, op="get notifications") from exc
+        out: dict[str, list[bytes]] = {}
+        for key, msgs in raw.items():
+            name = key.decode() if isinstance(key, bytes | bytearray) else str(key)
+            out.setdefault(name, []).extend(bytes(m) for m in msgs)
+        return out
+
+    def send_notif(self, peer: str, msg: bytes) -> None:
+        self._thread.call(self._send_notif, peer, msg)
+
+    def send_notif_async(self, peer: str, msg: bytes) -> Future[None]:
+        return self._thread.submit(self._send_notif, peer, msg)
+
+    def _send_notif(self, peer: str, msg: bytes) -> None:
+        if peer not in self._remotes:
+            raise PeerUnavailable(f"peer {peer!r} is not loaded on agent {self.name}",
+                                  fix="handshake with the peer before notifying it")
+        try:
+            self._live().send_notif(peer, msg)
+        except Exception as exc:
+            raise map_nixl_error(exc, op="send notification", peer=peer) from exc
