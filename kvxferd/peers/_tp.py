@@ -10,7 +10,7 @@ from __future__ import annotations
 
 
 def tp_ratio(local_tp: int, remote_tp: int) -> int | None:
-    """``local // remote`` when local >= remote, else ``-(remote // local)``; None if neither divides."""
+    """``local // remote`` if local >= remote, else ``-(remote // local)``; None: no division."""
     if local_tp >= remote_tp:
         return local_tp // remote_tp if local_tp % remote_tp == 0 else None
     return -(remote_tp // local_tp) if remote_tp % local_tp == 0 else None

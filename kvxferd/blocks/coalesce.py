@@ -1,0 +1,135 @@
+"""Paired kernel block IDs + per-block segments -> byte ranges, merged where memory allows.
+
+Two consecutive pairs ``(l, r)`` and ``(l+1, r+1)`` merge into one range when the segment is
+the whole block and both regions are dense (``stride == block_len``): only then does block
+``l``'s last byte touch block ``l+1``'s first on both sides. Pairs are sorted by local ID
+(stable) first, to maximise merging.
+
+Cost: :func:`find_runs` is computed once per group (``O(blocks)``, vectorised); each region
+then scales the runs by its own stride and length (:func:`region_ranges`, ``O(runs)`` NumPy
+for mergeable regions, ``O(blocks x segments)`` otherwise). No Python loop over blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from kvxferd.blocks.ranges import Int64Array, RegionRanges
+from kvxferd.blocks.tp import RankSegments
+from kvxferd.layout.spec import Region
+
+
+@dataclass(frozen=True)
+class Runs:
+    """Paired kernel IDs sorted by local ID, and their maximal runs of consecutive pairs.
+
+    ``local_ids``/``remote_ids``: shape ``(n,)``, pair ``i`` is ``(local_ids[i],
+    remote_ids[i])``. ``local_start``/``remote_start``/``length``: shape ``(runs,)``; run ``j``
+    is the pairs ``(local_start[j] + t, remote_start[j] + t)`` for ``t < length[j]``.
+    """
+
+    local_ids: Int64Array
+    remote_ids: Int64Array
+    local_start: Int64Array
+    remote_start: Int64Array
+    length: Int64Array
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.local_ids.shape[0])
+
+    @property
+    def num_runs(self) -> int:
+        return int(self.length.shape[0])
+
+
+def find_runs(local_ids: npt.ArrayLike, remote_ids: npt.ArrayLike) -> Runs:
+    """Sort pairs by local ID (stable) and find runs where both sides advance by exactly 1.
+
+    ``local_ids``, ``remote_ids``: equal-length 1-D integer arrays of paired kernel IDs.
+    """
+    loc = np.asarray(local_ids, dtype=np.int64).reshape(-1)
+    rem = np.asarray(remote_ids, dtype=np.int64).reshape(-1)
+    if loc.shape != rem.shape:
+        raise ValueError(f"paired ID arrays differ in length: {loc.shape[0]} vs {rem.shape[0]}")
+    n = loc.shape[0]
+    if n > 1 and not bool((loc[1:] > loc[:-1]).all()):
+        order = np.argsort(loc, kind="stable")
+        loc, rem = loc[order], rem[order]
+    if n == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return Runs(loc, rem, empty, empty.copy(), empty.copy())
+    brk = np.flatnonzero((np.diff(loc) != 1) | (np.diff(rem) != 1)) + 1
+    starts = np.concatenate((np.zeros(1, dtype=np.int64), brk))
+    lengths = np.diff(np.concatenate((starts, np.array([n], dtype=np.int64))))
+    return Runs(loc, rem, loc[starts], rem[starts], lengths)
+
+
+def mergeable(local: Region, remote: Region, seg: RankSegments) -> bool:
+    """Whether consecutive paired blocks of this region pair are contiguous on both sides."""
+    return (
+        seg.whole_block
+        and local.block_len == remote.block_len
+        and local.stride == local.block_len
+        and remote.stride == remote.block_len
+    )
+
+
+def region_ranges(
+    runs: Runs,
+    *,
+    region: int,
+    name: str,
+    local_stride: int,
+    remote_stride: int,
+    seg: RankSegments,
+    merge: bool,
+) -> RegionRanges:
+    """Byte ranges of one region pair for one remote rank.
+
+    ``merge=True`` (see :func:`mergeable`): one range per run, ``length = run_len *
+    seg.length[0]``. Otherwise one range per (pair, segment), ordered by local block then
+    segment: ``local = l*local_stride + seg.local_offset[s]`` and likewise remote.
+    """
+    if merge:
+        return RegionRanges(
+            region,
+            name,
+            runs.local_start * local_stride,
+            runs.remote_start * remote_stride,
+            runs.length * int(seg.length[0]),
+        )
+    loc = (runs.local_ids * local_stride)[:, None] + seg.local_offset[None, :]
+    rem = (runs.remote_ids * remote_stride)[:, None] + seg.remote_offset[None, :]
+    length = np.broadcast_to(seg.length[None, :], loc.shape)
+    return RegionRanges(
+        region, name, loc.reshape(-1), rem.reshape(-1), np.ascontiguousarray(length).reshape(-1)
+    )
+
+
+def coalesce(
+    local_ids: npt.ArrayLike,
+    remote_ids: npt.ArrayLike,
+    local: Region,
+    remote: Region,
+    seg: RankSegments,
+    *,
+    region: int = 0,
+) -> RegionRanges:
+    """One-shot form: paired kernel IDs of one region pair + its segments -> ``RegionRanges``.
+
+    :func:`kvxferd.blocks.plan.plan_pull` uses :func:`find_runs` once per group and
+    :func:`region_ranges` per region instead.
+    """
+    return region_ranges(
+        find_runs(local_ids, remote_ids),
+        region=region,
+        name=local.name,
+        local_stride=local.stride,
+        remote_stride=remote.stride,
+        seg=seg,
+        merge=mergeable(local, remote, seg),
+    )

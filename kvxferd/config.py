@@ -1,0 +1,299 @@
+"""One validated configuration: TOML file, then ``KVXFERD_*`` environment, then flags.
+
+Every key has its default and meaning next to its field; ``docs/config.md`` is the reference
+(a test checks the two agree). Environment variables are read here and nowhere else:
+``KVXFERD_<SECTION>_<KEY>`` (e.g. ``KVXFERD_SERVER_LISTEN``, ``KVXFERD_AUTH_TOKEN``). Flags
+arrive as ``section.key=value`` overrides. Errors name the key and say how to fix it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvxferd.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    listen: str = "127.0.0.1:50051"
+    """gRPC address for the Peer and Scheduler services (host:port; port 0 picks one)."""
+    advertise: str = ""
+    """Address peers and schedulers use to reach this daemon; default: the bound address."""
+    engine_socket: str = ""
+    """Unix socket path for the Engine service; empty disables it."""
+    metrics_listen: str = "127.0.0.1:9400"
+    """HTTP address for /metrics (Prometheus) and /healthz; empty disables it."""
+    allow_insecure_remote: bool = False
+    """Allow a non-loopback listen address with neither a token nor mTLS configured."""
+    drain_timeout_s: float = 10.0
+    """On SIGTERM, how long in-flight transfers may finish before the daemon stops."""
+    instance_id: str = ""
+    """Identifier of this daemon instance; default: generated at start (changes on restart)."""
+
+
+@dataclass(frozen=True)
+class AuthConfig:
+    token: str = ""
+    """Shared token every caller must send as ``authorization: Bearer <token>`` metadata."""
+    token_file: str = ""
+    """File holding the token (preferred over ``token`` for secrets)."""
+    tls_cert: str = ""
+    """PEM server certificate; with tls_key enables TLS on the gRPC port."""
+    tls_key: str = ""
+    """PEM private key of tls_cert."""
+    tls_ca: str = ""
+    """PEM CA bundle; when set, clients must present a certificate it signed (mTLS)."""
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    mode: str = "owned"
+    """``owned``: the daemon allocates the KV pool; ``attached``: an engine attaches it."""
+    preset: str = "dense:num_blocks=256"
+    """Preset (``name[:key=value,...]``) for an owned pool, used when spec_file is empty."""
+    spec_file: str = ""
+    """TOML spec (docs/spec.md) for an owned pool; overrides preset."""
+    device: str = "cpu"
+    """Where an owned pool lives: ``cpu`` (DRAM) or ``cuda[:N]`` (VRAM)."""
+    tp_rank: int = 0
+    """This worker's tensor-parallel rank."""
+    tp_size: int = 1
+    """This worker's tensor-parallel size."""
+    prefix_caching: bool = False
+    """Whether the engine beside this daemon uses prefix caching (checked at handshake)."""
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    default_deadline_ms: int = 30_000
+    """Deadline of a pull when the scheduler gives none."""
+    max_inflight: int = 256
+    """Transfers in flight at once; more are refused with RESOURCE_EXHAUSTED."""
+    max_inflight_bytes_per_peer: int = 8 << 30
+    """Bytes in flight per peer; a pull past it is refused with RESOURCE_EXHAUSTED."""
+    lease_ttl_ms: int = 60_000
+    """How long held blocks stay reserved for readers without a renewal."""
+    max_block_ids: int = 1 << 20
+    """Most block IDs accepted in one request (per group)."""
+    handshake_timeout_ms: int = 5_000
+    """Timeout of a handshake or lease call to a peer."""
+
+
+@dataclass(frozen=True)
+class NixlConfig:
+    agent_name: str = ""
+    """NIXL agent name; default: ``kvxferd-<host>-<pid>``."""
+    num_threads: int = 0
+    """UCX backend worker threads (0: NIXL's default)."""
+    progress_delay_us: int = 100
+    """Progress-thread sleep between polls; 0 busy-spins a core (see docs/nixl-notes)."""
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    level: str = "INFO"
+    """DEBUG, INFO, WARNING or ERROR."""
+    format: str = "json"
+    """``json`` (one object per line) or ``text``."""
+
+
+@dataclass(frozen=True)
+class Config:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    pool: PoolConfig = field(default_factory=PoolConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    nixl: NixlConfig = field(default_factory=NixlConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def resolved_token(self) -> str:
+        if self.auth.token_file:
+            try:
+                return Path(self.auth.token_file).read_text().strip()
+            except OSError as exc:
+                raise ConfigError(
+                    f"cannot read token file: {exc}",
+                    field="auth.token_file",
+                    fix="point it at a readable file holding the token",
+                ) from exc
+        return self.auth.token
+
+
+SECTIONS: dict[str, type[Any]] = {
+    "server": ServerConfig,
+    "auth": AuthConfig,
+    "pool": PoolConfig,
+    "transfer": TransferConfig,
+    "nixl": NixlConfig,
+    "log": LogConfig,
+}
+
+
+def documented_keys() -> list[str]:
+    """Every ``section.key`` the configuration accepts."""
+    return [f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
+
+
+def load_config(
+    path: str | Path | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, str] | None = None,
+) -> Config:
+    """Merge file < environment < overrides, convert types and validate."""
+    raw: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
+    if path:
+        p = Path(path)
+        try:
+            data = tomllib.loads(p.read_text())
+        except FileNotFoundError as exc:
+            raise ConfigError(f"config file {p} does not exist", fix="check --config") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {p} is not valid TOML: {exc}") from exc
+        for section, table in data.items():
+            if section not in SECTIONS or not isinstance(table, dict):
+                raise ConfigError(
+                    f"unknown section [{section}] in {p}",
+                    field=section,
+                    fix=f"sections are {', '.join(SECTIONS)}",
+                )
+            for k, v in table.items():
+                raw[section][k] = v
+    environ = os.environ if env is None else env
+    for key in documented_keys():
+        section, name = key.split(".")
+        var = f"KVXFERD_{section.upper()}_{name.upper()}"
+        if var in environ:
+            raw[section][name] = environ[var]
+    for key, value in (overrides or {}).items():
+        section, _, name = key.partition(".")
+        if section not in SECTIONS or not name:
+            raise ConfigError(
+                f"unknown setting {key!r}", field=key, fix="use section.key (docs/config.md)"
+            )
+        raw[section][name] = value
+    built = {s: _build(SECTIONS[s], s, raw[s]) for s in SECTIONS}
+    cfg = Config(**built)
+    validate(cfg)
+    return cfg
+
+
+def _build(cls: type[Any], section: str, values: Mapping[str, Any]) -> Any:
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for name, value in values.items():
+        if name not in fields:
+            raise ConfigError(
+                f"unknown key {name!r}",
+                field=f"{section}.{name}",
+                fix=f"keys of [{section}]: {', '.join(fields)}",
+            )
+        default = getattr(cls(), name)
+        kwargs[name] = _convert(value, type(default), f"{section}.{name}")
+    return cls(**kwargs)
+
+
+def _convert(value: Any, typ: type, key: str) -> Any:
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off", ""):
+            return False
+        raise ConfigError(f"{value!r} is not a boolean", field=key, fix="use true or false")
+    if typ in (int, float):
+        if isinstance(value, bool):
+            raise ConfigError(f"{value!r} is not a number", field=key)
+        try:
+            return typ(value)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(
+                f"{value!r} is not a{'n integer' if typ is int else ' number'}", field=key
+            ) from exc
+    if not isinstance(value, str):
+        raise ConfigError(f"{value!r} must be a string", field=key, fix="quote the value")
+    return value
+
+
+def split_hostport(addr: str, key: str) -> tuple[str, int]:
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ConfigError(f"{addr!r} is not host:port", field=key, fix="write e.g. 127.0.0.1:50051")
+    return host.strip("[]"), int(port)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def validate(cfg: Config) -> None:
+    host, _ = split_hostport(cfg.server.listen, "server.listen")
+    if cfg.server.metrics_listen:
+        split_hostport(cfg.server.metrics_listen, "server.metrics_listen")
+    secured = bool(cfg.auth.token or cfg.auth.token_file or cfg.auth.tls_ca)
+    if not is_loopback(host) and not secured and not cfg.server.allow_insecure_remote:
+        raise ConfigError(
+            f"listening on {host} with neither a token nor mTLS would let anyone on the"
+            " network read registered KV memory",
+            field="server.listen",
+            fix="set auth.token (or auth.token_file) or auth.tls_ca, or set"
+            " server.allow_insecure_remote = true on a trusted network",
+        )
+    if bool(cfg.auth.tls_cert) != bool(cfg.auth.tls_key):
+        raise ConfigError(
+            "tls_cert and tls_key must be set together", field="auth.tls_cert", fix="set both"
+        )
+    if cfg.auth.tls_ca and not cfg.auth.tls_cert:
+        raise ConfigError(
+            "tls_ca (mTLS) needs the server's own tls_cert and tls_key",
+            field="auth.tls_ca",
+            fix="set auth.tls_cert and auth.tls_key",
+        )
+    if cfg.pool.mode not in ("owned", "attached"):
+        raise ConfigError(
+            f"unknown pool mode {cfg.pool.mode!r}", field="pool.mode", fix="owned or attached"
+        )
+    if not (cfg.pool.device == "cpu" or cfg.pool.device.startswith("cuda")):
+        raise ConfigError(
+            f"unknown device {cfg.pool.device!r}", field="pool.device", fix="cpu or cuda:N"
+        )
+    if cfg.pool.tp_size < 1 or not 0 <= cfg.pool.tp_rank < cfg.pool.tp_size:
+        raise ConfigError(
+            f"tp_rank {cfg.pool.tp_rank} is not in [0, tp_size={cfg.pool.tp_size})",
+            field="pool.tp_rank",
+            fix="set 0 <= tp_rank < tp_size",
+        )
+    for key, v in (
+        ("transfer.default_deadline_ms", cfg.transfer.default_deadline_ms),
+        ("transfer.max_inflight", cfg.transfer.max_inflight),
+        ("transfer.max_inflight_bytes_per_peer", cfg.transfer.max_inflight_bytes_per_peer),
+        ("transfer.lease_ttl_ms", cfg.transfer.lease_ttl_ms),
+        ("transfer.max_block_ids", cfg.transfer.max_block_ids),
+        ("transfer.handshake_timeout_ms", cfg.transfer.handshake_timeout_ms),
+    ):
+        if v <= 0:
+            raise ConfigError(f"must be positive, got {v}", field=key, fix="use a value > 0")
+    if cfg.nixl.progress_delay_us < 0 or cfg.nixl.num_threads < 0:
+        raise ConfigError("must be >= 0", field="nixl", fix="use 0 or a positive value")
+    if cfg.log.level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        raise ConfigError(
+            f"unknown level {cfg.log.level!r}", field="log.level", fix="DEBUG/INFO/WARNING/ERROR"
+        )
+    if cfg.log.format not in ("json", "text"):
+        raise ConfigError(
+            f"unknown format {cfg.log.format!r}", field="log.format", fix="json or text"
+        )

@@ -1,0 +1,105 @@
+"""Prometheus collectors, built against an injected registry (tests use their own).
+
+Names follow Prometheus conventions (``_total`` counters, base units: bytes, seconds). Labels
+stay low-cardinality: peers are labelled by address, never by request or transfer ID.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_DURATION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+_DESC_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536)
+_BYTES_BUCKETS = tuple(float(1 << s) for s in range(16, 36, 2))
+
+
+@dataclass(frozen=True)
+class Metrics:
+    transfers: Counter
+    transfer_bytes: Counter
+    transfer_seconds: Histogram
+    transfer_size_bytes: Histogram
+    descriptors: Histogram
+    naive_descriptors: Counter
+    posted_descriptors: Counter
+    inflight_transfers: Gauge
+    inflight_bytes: Gauge
+    peers: Gauge
+    handshakes: Counter
+    leases_active: Gauge
+    lease_releases: Counter
+    rpc_errors: Counter
+    registered_bytes: Gauge
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry) -> Metrics:
+        r = registry
+        return cls(
+            transfers=Counter(
+                "kvxferd_transfers",
+                "Pulls that reached a terminal state.",
+                ["state", "strategy"],
+                registry=r,
+            ),
+            transfer_bytes=Counter(
+                "kvxferd_transfer_bytes", "Bytes moved by completed pulls.", ["peer"], registry=r
+            ),
+            transfer_seconds=Histogram(
+                "kvxferd_transfer_duration_seconds",
+                "From a pull's start to its terminal state.",
+                ["state"],
+                buckets=_DURATION_BUCKETS,
+                registry=r,
+            ),
+            transfer_size_bytes=Histogram(
+                "kvxferd_transfer_size_bytes",
+                "Bytes per pull.",
+                buckets=_BYTES_BUCKETS,
+                registry=r,
+            ),
+            descriptors=Histogram(
+                "kvxferd_transfer_descriptors",
+                "Descriptors posted per pull after coalescing.",
+                buckets=_DESC_BUCKETS,
+                registry=r,
+            ),
+            naive_descriptors=Counter(
+                "kvxferd_naive_descriptors",
+                "Descriptors one-per-(region, kernel block) would have posted.",
+                registry=r,
+            ),
+            posted_descriptors=Counter(
+                "kvxferd_posted_descriptors", "Descriptors actually posted.", registry=r
+            ),
+            inflight_transfers=Gauge(
+                "kvxferd_inflight_transfers", "Pulls not yet terminal.", registry=r
+            ),
+            inflight_bytes=Gauge(
+                "kvxferd_inflight_bytes", "Bytes of pulls in flight.", ["peer"], registry=r
+            ),
+            peers=Gauge("kvxferd_peers", "Known peers by handshake state.", ["state"], registry=r),
+            handshakes=Counter(
+                "kvxferd_handshakes",
+                "Handshakes by side and result.",
+                ["side", "result"],
+                registry=r,
+            ),
+            leases_active=Gauge("kvxferd_leases_active", "Requests held for readers.", registry=r),
+            lease_releases=Counter(
+                "kvxferd_lease_releases",
+                "Held requests released, by reason.",
+                ["reason"],
+                registry=r,
+            ),
+            rpc_errors=Counter(
+                "kvxferd_rpc_errors",
+                "gRPC calls that ended in an error.",
+                ["method", "code"],
+                registry=r,
+            ),
+            registered_bytes=Gauge(
+                "kvxferd_registered_bytes", "KV memory registered with NIXL.", registry=r
+            ),
+        )

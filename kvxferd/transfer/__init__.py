@@ -1,0 +1,37 @@
+"""Data plane above NIXL: plans to descriptors, the transfer engine, owner-side leases.
+
+Owns: turning a :class:`kvxferd.blocks.ranges.TransferPlan` plus both sides' region tables
+into NIXL descriptors (:mod:`.descriptors`, pure), posting and tracking transfers to a terminal
+:class:`TransferStatus` under deadlines and per-peer byte budgets (:mod:`.engine`), the
+owner-side lease table (:mod:`.leases`, pure, injected clock), the transfer-done notification
+format (:mod:`.notify`, pure) and the glue from NIXL notifications to leases (:mod:`.owner`).
+
+Must not import: ``nixl`` (only through :mod:`kvxferd.nixl`), ``grpc``, ``kvxferd.service``.
+The pure modules (descriptors, leases, notify, state) import neither NIXL nor asyncio.
+"""
+
+from kvxferd.transfer.descriptors import RegionTable, build_descriptors, coalesce
+from kvxferd.transfer.engine import EngineOptions, Transfer, TransferEngine
+from kvxferd.transfer.leases import Lease, LeaseTable, Released, ReleaseReason
+from kvxferd.transfer.notify import Notification, NotifKind
+from kvxferd.transfer.owner import NotificationPump, ReleaseFeed
+from kvxferd.transfer.state import TransferResult, TransferStatus
+
+__all__ = [
+    "EngineOptions",
+    "Lease",
+    "LeaseTable",
+    "NotifKind",
+    "Notification",
+    "NotificationPump",
+    "RegionTable",
+    "ReleaseFeed",
+    "ReleaseReason",
+    "Released",
+    "Transfer",
+    "TransferEngine",
+    "TransferResult",
+    "TransferStatus",
+    "build_descriptors",
+    "coalesce",
+]

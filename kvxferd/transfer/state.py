@@ -1,0 +1,49 @@
+"""Transfer states and results as values (pure)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from kvxferd.errors import KvxferdError
+
+Int64Array = npt.NDArray[np.int64]
+
+
+class TransferStatus(enum.Enum):
+    QUEUED = "QUEUED"            # accepted, not posted yet
+    IN_PROGRESS = "IN_PROGRESS"  # posted to NIXL
+    DONE = "DONE"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+    EXPIRED = "EXPIRED"          # still in progress at its deadline; handle released
+
+    @property
+    def terminal(self) -> bool:
+        return self not in (TransferStatus.QUEUED, TransferStatus.IN_PROGRESS)
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    """How a transfer ended. ``invalid_blocks`` (per KV group, local kernel block IDs) is empty
+    on DONE and the plan's ``local_kernel_blocks`` otherwise: those blocks hold partial data."""
+
+    transfer_id: str
+    peer: str
+    status: TransferStatus
+    reason: str = ""
+    error: KvxferdError | None = None
+    invalid_blocks: tuple[Int64Array, ...] = field(default=())
+    nbytes: int = 0
+    descriptors: int = 0
+    elapsed_s: float = 0.0
+    post_us: int | None = None
+    xfer_us: int | None = None
+    nixl_descriptors: int | None = None
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.elapsed_s / 1e9 if self.elapsed_s > 0 else 0.0
