@@ -86,10 +86,8 @@ class KVPool:
     def _byte_rows(self, name: str, num_blocks: int, stride: int) -> torch.Tensor:
         t = self.tensors[name]
         storage = torch.empty(0, dtype=torch.uint8, device=t.device)
-        storage.set_(
-            t.untyped_storage(), t.storage_offset() * t.element_size(), (num_blocks, stride)
-        )
-        return storage
+        offset = t.storage_offset() * t.element_size()
+        return storage.set_(t.untyped_storage(), offset, (num_blocks, stride), (stride, 1))
 
     def region_rows(self) -> npt.NDArray[np.int64]:
         """N x 3 ``(addr, nbytes, device)`` rows, one per region, for registration."""

@@ -1,0 +1,252 @@
+"""The entry point: a pull request's logical block IDs -> byte ranges per remote TP rank.
+
+:func:`plan_pull` runs, in order: group-count and region-pairing checks; bounds checks of every
+ID list (all groups, both sides) **before** anything is expanded; per-group pairing
+(:mod:`.trim`); a re-check of the kernel IDs against the registered kernel counts; TP segments
+per region pair (:mod:`.tp`); coalescing per region (:mod:`.coalesce`), with the run structure
+computed once per group and the ranges shared between regions of identical geometry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvxferd.blocks.bounds import DEFAULT_MAX_IDS, BlockIds, check_block_ids
+from kvxferd.blocks.coalesce import Runs, find_runs, mergeable, region_ranges
+from kvxferd.blocks.ranges import Int64Array, RegionRanges, TransferPlan
+from kvxferd.blocks.tp import RankSegments, TPPosition, check_tp, region_segments, tp_ratio
+from kvxferd.blocks.trim import pair_group
+from kvxferd.errors import BlockRangeError, InvalidRequest
+from kvxferd.layout.spec import KVCacheSpec, Region
+
+
+@dataclass(frozen=True, eq=False)
+class PullPlan:
+    """What one local (decode) rank reads for one request, split by remote (prefill) rank.
+
+    ``per_rank[r]``: the :class:`TransferPlan` read from remote rank ``r``; its ``ranges[i]``
+    is region ``i`` (empty when region ``i`` is not read from ``r``), its
+    ``local_kernel_blocks[g]`` the local kernel blocks of group ``g`` it writes (empty when no
+    region of ``g`` is read from ``r``). ``notify_ranks``: every remote rank this local rank
+    notifies when done: the ranks it reads from, plus ``r % local_tp == local_rank`` so that
+    every remote rank (MLA, deduplicated heads, a full prefix hit) is notified by someone.
+    ``local_kernel_blocks[g]`` / ``remote_kernel_blocks[g]``: the paired kernel IDs of group
+    ``g``, sorted by local ID, shape ``(k_g,)`` each.
+    """
+
+    local_tp: TPPosition
+    remote_tp: TPPosition
+    tp_ratio: int
+    per_rank: Mapping[int, TransferPlan]
+    notify_ranks: tuple[int, ...]
+    local_kernel_blocks: tuple[Int64Array, ...]
+    remote_kernel_blocks: tuple[Int64Array, ...]
+
+    @property
+    def read_ranks(self) -> tuple[int, ...]:
+        return tuple(sorted(self.per_rank))
+
+    @property
+    def num_ranges(self) -> int:
+        return sum(p.num_ranges for p in self.per_rank.values())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.per_rank.values())
+
+    @property
+    def naive_descriptors(self) -> int:
+        return sum(p.naive_descriptors for p in self.per_rank.values())
+
+    @property
+    def empty(self) -> bool:
+        """Nothing to read (a full prefix hit); the notifications are still due."""
+        return self.num_ranges == 0
+
+
+def _check_pairing(local: KVCacheSpec, remote: KVCacheSpec) -> None:
+    if len(local.groups) != len(remote.groups):
+        raise InvalidRequest(
+            f"local spec has {len(local.groups)} KV cache groups, remote {len(remote.groups)}",
+            field="groups",
+            fix="both peers must serve the same model with the same KV cache groups",
+        )
+    if len(local.regions) != len(remote.regions):
+        raise InvalidRequest(
+            f"local spec has {len(local.regions)} regions, remote {len(remote.regions)}",
+            field="regions",
+            fix="both peers must register the same regions in the same order",
+        )
+    for i, (lr, rr) in enumerate(zip(local.regions, remote.regions, strict=True)):
+        if lr.name != rr.name or lr.group != rr.group:
+            raise InvalidRequest(
+                f"region {i} does not pair: local {lr.name!r} (group {lr.group}), remote"
+                f" {rr.name!r} (group {rr.group})",
+                field=f"regions[{i}]",
+                fix="both peers must register the same regions in the same order",
+            )
+
+
+def _check_kernel(ids: Int64Array, num_blocks: int, field: str) -> None:
+    if ids.shape[0] and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
+        bad = np.flatnonzero((ids < 0) | (ids >= num_blocks))
+        raise BlockRangeError(
+            f"kernel block ID {int(ids[bad[0]])} at index {int(bad[0])} is outside the"
+            f" registered {num_blocks} kernel blocks; {bad.shape[0]} IDs are out of range",
+            field=f"{field}[{int(bad[0])}]",
+            fix="check the peers' registered block counts and ppl",
+        )
+
+
+def _geometry(r: Region) -> tuple[object, ...]:
+    return (r.layout, r.dtype, r.shape, r.stride)
+
+
+def _frozen(a: Int64Array) -> Int64Array:
+    a.setflags(write=False)
+    return a
+
+
+def plan_pull(
+    local: KVCacheSpec,
+    remote: KVCacheSpec,
+    local_ids: Sequence[BlockIds],
+    remote_ids: Sequence[BlockIds],
+    *,
+    prefix_caching: bool,
+    local_tp: TPPosition = (0, 1),
+    remote_tp: TPPosition = (0, 1),
+    max_ids: int = DEFAULT_MAX_IDS,
+    num_kv_heads: int | None = None,
+) -> PullPlan:
+    """Plan a pull of ``remote_ids`` (the peer's blocks) into ``local_ids`` (ours).
+
+    ``local_ids[g]`` / ``remote_ids[g]``: **logical** block IDs of group ``g`` (group order =
+    ``spec.groups``), each a sequence of ints or a 1-D integer array; state groups list states.
+    ``local_tp`` / ``remote_tp``: ``(rank, size)``; the remote rank is ignored (the plan picks
+    the remote ranks). ``num_kv_heads``: the model's total, inferred from the regions when
+    ``None``. Raises :class:`InvalidRequest` (:class:`BlockRangeError` for IDs) or
+    :class:`SpecError` before producing any range.
+    """
+    check_tp(local_tp, "local_tp")
+    check_tp(remote_tp, "remote_tp")
+    ratio = tp_ratio(local_tp[1], remote_tp[1])
+    _check_pairing(local, remote)
+    n_groups = len(local.groups)
+    if len(local_ids) != n_groups or len(remote_ids) != n_groups:
+        raise InvalidRequest(
+            f"the model has {n_groups} KV cache groups, got {len(local_ids)} local and"
+            f" {len(remote_ids)} remote block-ID lists",
+            field="groups",
+            fix="pass one block-ID list per group, in the spec's group order",
+        )
+
+    checked: list[tuple[Int64Array, Int64Array]] = []
+    for g in range(n_groups):
+        checked.append(
+            (
+                check_block_ids(
+                    local_ids[g],
+                    local.num_logical_blocks(g),
+                    f"groups[{g}].local_block_ids",
+                    max_ids=max_ids,
+                ),
+                check_block_ids(
+                    remote_ids[g],
+                    remote.num_logical_blocks(g),
+                    f"groups[{g}].remote_block_ids",
+                    max_ids=max_ids,
+                ),
+            )
+        )
+
+    runs: list[Runs] = []
+    for g, (lids, rids) in enumerate(checked):
+        lk, rk = pair_group(
+            local.groups[g],
+            remote.groups[g],
+            lids,
+            rids,
+            prefix_caching=prefix_caching,
+            field=f"groups[{g}]",
+        )
+        _check_kernel(lk, local.num_kernel_blocks(g), f"groups[{g}].local_kernel_ids")
+        _check_kernel(rk, remote.num_kernel_blocks(g), f"groups[{g}].remote_kernel_ids")
+        runs.append(find_runs(lk, rk))
+
+    seg_memo: dict[tuple[object, ...], tuple[RankSegments, ...]] = {}
+    range_memo: dict[tuple[object, ...], tuple[Int64Array, Int64Array, Int64Array]] = {}
+    by_rank: dict[int, list[RegionRanges]] = {}
+    naive: dict[int, int] = {}
+    groups_read: dict[int, set[int]] = {}
+    for i, (lr, rr) in enumerate(zip(local.regions, remote.regions, strict=True)):
+        skey = (_geometry(lr), _geometry(rr))
+        segs = seg_memo.get(skey)
+        if segs is None:
+            segs = region_segments(
+                lr,
+                rr,
+                local_tp=local_tp,
+                remote_tp=remote_tp,
+                num_kv_heads=num_kv_heads,
+                field=f"regions[{i}]",
+            )
+            seg_memo[skey] = segs
+        run = runs[lr.group]
+        for seg in segs:
+            merge = mergeable(lr, rr, seg)
+            rkey = (
+                lr.group,
+                lr.stride,
+                rr.stride,
+                merge,
+                seg.local_offset.tobytes(),
+                seg.remote_offset.tobytes(),
+                seg.length.tobytes(),
+            )
+            arrays = range_memo.get(rkey)
+            if arrays is None:
+                rg = region_ranges(
+                    run,
+                    region=i,
+                    name=lr.name,
+                    local_stride=lr.stride,
+                    remote_stride=rr.stride,
+                    seg=seg,
+                    merge=merge,
+                )
+                arrays = (_frozen(rg.local_offset), _frozen(rg.remote_offset), _frozen(rg.length))
+                range_memo[rkey] = arrays
+            by_rank.setdefault(seg.remote_rank, []).append(RegionRanges(i, lr.name, *arrays))
+            naive[seg.remote_rank] = naive.get(seg.remote_rank, 0) + (
+                run.num_blocks * seg.num_segments
+            )
+            groups_read.setdefault(seg.remote_rank, set()).add(lr.group)
+
+    empty = _frozen(np.zeros(0, dtype=np.int64))
+    per_rank: dict[int, TransferPlan] = {}
+    for r in sorted(by_rank):
+        have = {rg.region: rg for rg in by_rank[r]}
+        ranges = tuple(
+            have.get(i) or RegionRanges(i, lr.name, empty, empty, empty)
+            for i, lr in enumerate(local.regions)
+        )
+        blocks = tuple(
+            runs[g].local_ids if g in groups_read[r] else empty for g in range(n_groups)
+        )
+        per_rank[r] = TransferPlan(ranges, blocks, naive[r])
+
+    l_rank, l_size = local_tp
+    notify = set(per_rank) | {r for r in range(remote_tp[1]) if r % l_size == l_rank}
+    return PullPlan(
+        local_tp=local_tp,
+        remote_tp=remote_tp,
+        tp_ratio=ratio,
+        per_rank=per_rank,
+        notify_ranks=tuple(sorted(notify)),
+        local_kernel_blocks=tuple(r.local_ids for r in runs),
+        remote_kernel_blocks=tuple(r.remote_ids for r in runs),
+    )
