@@ -64,7 +64,8 @@ def find_runs(local_ids: npt.ArrayLike, remote_ids: npt.ArrayLike) -> Runs:
         return Runs(loc, rem, empty, empty.copy(), empty.copy())
     brk = np.flatnonzero((np.diff(loc) != 1) | (np.diff(rem) != 1)) + 1
     starts = np.concatenate((np.zeros(1, dtype=np.int64), brk))
-    lengths = np.diff(np.concatenate((starts, np.array([n], dtype=np.int64))))
+    ends = np.concatenate((brk, np.array([n], dtype=np.int64)))
+    lengths = ends - starts
     return Runs(loc, rem, loc[starts], rem[starts], lengths)
 
 

@@ -234,9 +234,7 @@ def plan_pull(
             have.get(i) or RegionRanges(i, lr.name, empty, empty, empty)
             for i, lr in enumerate(local.regions)
         )
-        blocks = tuple(
-            runs[g].local_ids if g in groups_read[r] else empty for g in range(n_groups)
-        )
+        blocks = tuple(runs[g].local_ids if g in groups_read[r] else empty for g in range(n_groups))
         per_rank[r] = TransferPlan(ranges, blocks, naive[r])
 
     l_rank, l_size = local_tp

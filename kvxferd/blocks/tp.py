@@ -187,7 +187,9 @@ class RankSegments:
         return RankSegments(remote_rank, z, z.copy(), np.array([block_len], np.int64), True)
 
 
-def _require_same(local: Region, remote: Region, what: str, a: object, b: object, field: str) -> None:
+def _require_same(
+    local: Region, remote: Region, what: str, a: object, b: object, *, field: str
+) -> None:
     if a != b:
         raise InvalidRequest(
             f"region {local.name!r}: {what} differs (local {a}, remote {b});"
@@ -218,37 +220,40 @@ def region_segments(
     l_rank, l_size = local_tp
     _, r_size = remote_tp
     tp_ratio(l_size, r_size)
-    _require_same(local, remote, "layout", local.layout.value, remote.layout.value, field)
-    _require_same(local, remote, "dtype", local.dtype.value, remote.dtype.value, field)
+    _require_same(local, remote, "layout", local.layout.value, remote.layout.value, field=field)
+    _require_same(local, remote, "dtype", local.dtype.value, remote.dtype.value, field=field)
 
     if not local.layout.has_kv_halves:
-        _require_same(local, remote, "block length", local.block_len, remote.block_len, field)
-        if local.layout is Layout.MLA:
-            src = l_rank % r_size
-        else:
-            src = l_rank * r_size // l_size
+        _require_same(local, remote, "block length", local.block_len, remote.block_len, field=field)
+        mla = local.layout is Layout.MLA
+        src = l_rank % r_size if mla else l_rank * r_size // l_size
         return (RankSegments.whole(src, local.block_len),)
 
-    _require_same(local, remote, "layers", local.num_layers, remote.num_layers, field)
-    _require_same(local, remote, "head size", local.head_size, remote.head_size, field)
+    _require_same(local, remote, "layers", local.num_layers, remote.num_layers, field=field)
+    _require_same(local, remote, "head size", local.head_size, remote.head_size, field=field)
     _require_same(
-        local, remote, "tokens per block", local.tokens_per_block, remote.tokens_per_block, field
+        local,
+        remote,
+        "tokens per block",
+        local.tokens_per_block,
+        remote.tokens_per_block,
+        field=field,
     )
     total = num_kv_heads or infer_num_kv_heads(
         local.num_kv_heads, l_size, remote.num_kv_heads, r_size, field=field
     )
     l_first, l_count = kv_head_range(l_rank, l_size, total)
-    _require_same(local, remote, "local heads per rank", local.num_kv_heads, l_count, field)
+    _require_same(local, remote, "local heads per rank", local.num_kv_heads, l_count, field=field)
     r_count = kv_head_range(0, r_size, total)[1]
-    _require_same(local, remote, "remote heads per rank", remote.num_kv_heads, r_count, field)
+    _require_same(local, remote, "remote heads per rank", remote.num_kv_heads, r_count, field=field)
 
     head_bytes = local.tokens_per_block * local.head_size * local.dtype.itemsize
     halves = np.arange(2 * local.num_layers, dtype=np.int64)
     out = []
-    for src in head_sources(l_rank, l_size, r_size, total):
-        r_first = kv_head_range(src.remote_rank, r_size, total)[0]
-        if src.first_head == l_first == r_first and src.count == l_count == r_count:
-            out.append(RankSegments.whole(src.remote_rank, local.block_len))
+    for hs in head_sources(l_rank, l_size, r_size, total):
+        r_first = kv_head_range(hs.remote_rank, r_size, total)[0]
+        if hs.first_head == l_first == r_first and hs.count == l_count == r_count:
+            out.append(RankSegments.whole(hs.remote_rank, local.block_len))
             continue
         if not local.layout.head_major:
             raise InvalidRequest(
@@ -261,10 +266,10 @@ def region_segments(
             )
         out.append(
             RankSegments(
-                src.remote_rank,
-                halves * (l_count * head_bytes) + (src.first_head - l_first) * head_bytes,
-                halves * (r_count * head_bytes) + (src.first_head - r_first) * head_bytes,
-                np.full(halves.shape[0], src.count * head_bytes, dtype=np.int64),
+                hs.remote_rank,
+                halves * (l_count * head_bytes) + (hs.first_head - l_first) * head_bytes,
+                halves * (r_count * head_bytes) + (hs.first_head - r_first) * head_bytes,
+                np.full(halves.shape[0], hs.count * head_bytes, dtype=np.int64),
                 False,
             )
         )
