@@ -76,7 +76,7 @@ class Mismatch:
     fix: str
 
     def __str__(self) -> str:
-        return f"{self.what}: local {self.local}, remote {self.remote} (fix: {self.fix})"
+        return f"{self.what} is local {self.local}, remote {self.remote} (fix: {self.fix})"
 
 
 class IncompatiblePeer(KvxferdError):
@@ -87,10 +87,8 @@ class IncompatiblePeer(KvxferdError):
         self.peer = peer
         who = f" with {peer}" if peer else ""
         lines = "; ".join(str(m) for m in self.mismatches)
-        super().__init__(
-            f"handshake{who} refused, {len(self.mismatches)} mismatch(es): {lines}",
-            fix="make the two sides' configurations agree as listed",
-        )
+        # Each mismatch carries its own fix; there is no single one for the whole refusal.
+        super().__init__(f"handshake{who} refused, {len(self.mismatches)} mismatch(es): {lines}")
 
 
 class PeerUnavailable(KvxferdError):

@@ -90,7 +90,7 @@ def proto_files() -> list[Path]:
 
 def generate(out: Path) -> list[Path]:
     """Run protoc into ``out``; return the generated files relative to ``out``, sorted."""
-    import grpc_tools  # imported late: check_versions() explains a missing install
+    import grpc_tools  # type: ignore[import-untyped]  # late: check_versions() explains
 
     protos = proto_files()
     well_known = Path(grpc_tools.__file__).parent / "_proto"

@@ -130,13 +130,14 @@ def _check_pair(
         sliced = lr.num_kv_heads != rr.num_kv_heads if heads is None else ctx.tp_ratio != 1
     unsliceable = [side for side, r in (("local", lr), ("remote", rr)) if not r.layout.head_major]
     if sliced and unsliceable:
+        sides = " and ".join(unsliceable) + (" sides" if len(unsliceable) > 1 else " side")
         yield (
             "layout for KV-head slicing",
             lr.layout.value,
             rr.layout.value,
-            f"set the HND layout (CROSS_LAYER_HND when cross-layer) on the"
-            f" {' and '.join(unsliceable)} side: TP local {ctx.local_tp} vs remote"
-            f" {ctx.remote_tp} moves per-KV-head slices of each block, contiguous only in HND",
+            f"set the HND layout (CROSS_LAYER_HND when cross-layer) on the {sides}: TP local"
+            f" {ctx.local_tp} vs remote {ctx.remote_tp} moves per-KV-head slices of each"
+            " block, contiguous only in HND",
         )
     elif lr.layout is not rr.layout and not ctx.allow_layout_conversion:
         yield (
@@ -192,7 +193,7 @@ def _check_heads(lr: Region, rr: Region, ctx: RegionContext) -> _Finding | None:
             )
     if len(lcand) == 1:
         notes.append(_expect(next(iter(lcand)), "local", "remote", rr, ctx.remote_tp))
-    elif len(rcand) == 1:
+    if len(rcand) == 1:
         notes.append(_expect(next(iter(rcand)), "remote", "local", lr, ctx.local_tp))
     ratio = ctx.tp_ratio
     if ratio is not None and ratio > 1:

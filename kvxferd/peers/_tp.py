@@ -1,26 +1,30 @@
-"""TP arithmetic the compatibility check needs (private).
+"""TP arithmetic the compatibility check needs (private), on top of :mod:`kvxferd.blocks.tp`.
 
-``kvxferd.blocks.tp`` (being written alongside) will own the TP slice math used for planning;
-until it lands, the handshake computes divisibility and KV heads per rank here. The rules are
-domain.md §6: one TP size must divide the other; heads are sliced evenly, and when TP exceeds
-the model's KV heads every rank holds one (replicated) head.
+The planner's rules (domain.md §6) are the single source: ``tp_ratio`` and ``kv_head_range``
+come from :mod:`kvxferd.blocks.tp`; here they answer ``None`` instead of raising, because the
+handshake reports every mismatch instead of stopping at the first.
 """
 
 from __future__ import annotations
 
+from kvxferd.blocks import tp as _tp
+from kvxferd.errors import InvalidRequest
+
 
 def tp_ratio(local_tp: int, remote_tp: int) -> int | None:
     """``local // remote`` if local >= remote, else ``-(remote // local)``; None: no division."""
-    if local_tp >= remote_tp:
-        return local_tp // remote_tp if local_tp % remote_tp == 0 else None
-    return -(remote_tp // local_tp) if remote_tp % local_tp == 0 else None
+    try:
+        return _tp.tp_ratio(local_tp, remote_tp)
+    except InvalidRequest:
+        return None
 
 
 def heads_per_rank(total_kv_heads: int, tp_size: int) -> int | None:
     """KV heads one rank holds for a model with ``total_kv_heads``; None if TP cannot split them."""
-    if total_kv_heads >= tp_size:
-        return total_kv_heads // tp_size if total_kv_heads % tp_size == 0 else None
-    return 1 if tp_size % total_kv_heads == 0 else None
+    try:
+        return _tp.kv_head_range(0, tp_size, total_kv_heads)[1]
+    except InvalidRequest:
+        return None
 
 
 def total_heads_candidates(heads: int, tp_size: int, declared: int | None) -> frozenset[int]:
@@ -28,7 +32,9 @@ def total_heads_candidates(heads: int, tp_size: int, declared: int | None) -> fr
 
     With more than one head per rank nothing is replicated, so the total is exact; with one head
     per rank any total dividing ``tp_size`` fits (replicated heads). ``declared`` (the model's
-    KV heads, when the peer advertises it) narrows the answer to itself, or to nothing.
+    KV heads, when the peer advertises it) narrows the answer to itself, or to nothing. Two
+    sides agree when their candidate sets intersect (the planner's ``infer_num_kv_heads``
+    accepts exactly those pairs, a property test checks).
     """
     if declared is not None:
         return frozenset({declared}) if heads_per_rank(declared, tp_size) == heads else frozenset()

@@ -1,0 +1,101 @@
+"""Descriptor building and coalescing: pure, no NIXL."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvxferd.blocks.ranges import RegionRanges, TransferPlan
+from kvxferd.errors import BlockRangeError, InvalidRequest
+from kvxferd.transfer.descriptors import RegionTable, build_descriptors, coalesce
+
+LOCAL = RegionTable.from_array([[0x10000, 1 << 20, 0], [0x400000, 1 << 20, 1]])
+REMOTE = RegionTable.from_array([[0x7000000, 1 << 20, 3], [0x9000000, 1 << 20, 4]])
+
+
+def _plan(region: int, lo: list[int], ro: list[int], ln: list[int]) -> TransferPlan:
+    a = lambda v: np.asarray(v, dtype=np.int64)  # noqa: E731
+    return TransferPlan((RegionRanges(region, "r", a(lo), a(ro), a(ln)),))
+
+
+def test_bases_and_devices_are_added_per_region() -> None:
+    loc, rem = build_descriptors(_plan(1, [0, 4096], [8192, 0], [1024, 1024]), LOCAL, REMOTE)
+    assert loc.tolist() == [[0x400000, 1024, 1], [0x400000 + 4096, 1024, 1]]
+    assert rem.tolist() == [[0x9000000 + 8192, 1024, 4], [0x9000000, 1024, 4]]
+    assert loc.dtype == np.int64 and rem.dtype == np.int64
+
+
+def test_contiguous_blocks_become_one_descriptor_per_region() -> None:
+    blocks = np.arange(10, 60, dtype=np.int64)
+    rng = np.random.default_rng(0)
+    perm = rng.permutation(blocks.size)  # order in the plan must not matter
+    ranges = tuple(
+        RegionRanges(r, f"l{r}", blocks[perm] * 4096, (blocks[perm] + 5) * 4096,
+                     np.full(blocks.size, 4096, dtype=np.int64))
+        for r in range(2)
+    )
+    loc, rem = build_descriptors(TransferPlan(ranges), LOCAL, REMOTE)
+    assert loc.shape == (2, 3)
+    assert loc[:, 1].tolist() == [50 * 4096, 50 * 4096]
+    assert rem[0, 0] == REMOTE.base[0] + 15 * 4096
+
+
+def test_contiguous_on_one_side_only_is_not_merged() -> None:
+    loc, _ = build_descriptors(_plan(0, [0, 1024], [0, 4096], [1024, 1024]), LOCAL, REMOTE)
+    assert loc.shape[0] == 2
+
+
+def test_merge_can_be_disabled() -> None:
+    loc, _ = build_descriptors(_plan(0, [0, 1024], [0, 1024], [1024, 1024]), LOCAL, REMOTE,
+                               merge=False)
+    assert loc.shape[0] == 2
+
+
+def test_empty_plan_gives_no_descriptors() -> None:
+    loc, rem = build_descriptors(TransferPlan(()), LOCAL, REMOTE)
+    assert loc.shape == (0, 3) and rem.shape == (0, 3)
+
+
+@pytest.mark.parametrize(
+    ("lo", "ro"), [([1 << 20], [0]), ([0], [(1 << 20) - 10]), ([-4], [0])]
+)
+def test_out_of_region_ranges_are_rejected(lo: list[int], ro: list[int]) -> None:
+    with pytest.raises(BlockRangeError):
+        build_descriptors(_plan(0, lo, ro, [16]), LOCAL, REMOTE)
+
+
+def test_unknown_region_is_rejected() -> None:
+    with pytest.raises(InvalidRequest, match="region 5"):
+        build_descriptors(_plan(5, [0], [0], [16]), LOCAL, REMOTE)
+
+
+def test_bad_region_table_is_rejected() -> None:
+    with pytest.raises(InvalidRequest):
+        RegionTable.from_array([[1, 2]])
+    with pytest.raises(InvalidRequest):
+        RegionTable.from_array([[0, 16, 0]])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 200), st.integers(0, 200)), min_size=0, max_size=60,
+                unique_by=lambda t: t[0]),
+       st.integers(1, 3))
+def test_coalesce_keeps_every_byte_pairing_exactly_once(
+    pairs: list[tuple[int, int]], blk: int
+) -> None:
+    lo = np.array([p[0] * blk for p in pairs], dtype=np.int64)
+    ro = np.array([p[1] * blk for p in pairs], dtype=np.int64)
+    ln = np.full(len(pairs), blk, dtype=np.int64)
+    mlo, mro, mln = coalesce(lo, ro, ln)
+    # Expanding merged ranges byte by byte gives exactly the original (local, remote) pairs.
+    want = sorted((int(a) + k, int(b) + k) for a, b, n in zip(lo, ro, ln, strict=True)
+                  for k in range(int(n)))
+    got = sorted((int(a) + k, int(b) + k) for a, b, n in zip(mlo, mro, mln, strict=True)
+                 for k in range(int(n)))
+    assert got == want
+    assert mln.size <= ln.size
+    # Maximal: no two merged ranges could be merged further.
+    if mln.size > 1:
+        assert not np.any((mlo[:-1] + mln[:-1] == mlo[1:]) & (mro[:-1] + mln[:-1] == mro[1:]))

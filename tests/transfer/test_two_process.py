@@ -1,0 +1,200 @@
+"""Real NIXL agents over UCX on loopback: an owner process, readers in this process."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+from conftest import BLOCK, REGION, Reader, close_reader, make_reader
+
+from bench.peer import OwnerProcess, OwnerSpec, pattern_words
+from bench.plan import plan_from_blocks
+from kvxferd.blocks.ranges import TransferPlan
+from kvxferd.errors import LeaseRefused, PeerUnavailable, ResourceExhausted
+from kvxferd.transfer import EngineOptions, TransferStatus, notify
+
+WORDS = BLOCK // 8
+
+
+def _check_blocks(r: Reader, seed: int, local: np.ndarray, remote: np.ndarray) -> None:
+    for region in range(len(r.buffers)):
+        got = r.words(region)
+        for lb, rb in zip(local.tolist(), remote.tolist(), strict=True):
+            want = pattern_words(seed, region, rb * WORDS, WORDS)
+            assert np.array_equal(got[lb * WORDS:(lb + 1) * WORDS], want), (region, lb, rb)
+
+
+def _clear(r: Reader) -> None:
+    for b in r.buffers:
+        b.zero_()
+
+
+def test_contiguous_read_moves_exact_bytes_in_one_descriptor_per_region(
+    owner: OwnerProcess, reader: Reader
+) -> None:
+    _clear(reader)
+    local, remote = np.arange(10, 74), np.arange(100, 164)
+    plan = plan_from_blocks(local, remote, num_regions=2, block_len=BLOCK)
+    res = reader.engine.submit("contig", owner.name, plan).result(10)
+    assert res.status is TransferStatus.DONE, res.reason
+    assert res.descriptors == 2 and res.nbytes == 2 * 64 * BLOCK
+    assert res.invalid_blocks == ()
+    _check_blocks(reader, 1, local, remote)
+    # Nothing outside the written blocks was touched.
+    assert not reader.words(0)[: 10 * WORDS].any() and not reader.words(1)[74 * WORDS:].any()
+
+
+def test_fragmented_read_moves_exact_bytes(owner: OwnerProcess, reader: Reader) -> None:
+    _clear(reader)
+    rng = np.random.default_rng(7)
+    n = REGION // BLOCK
+    local = rng.choice(n, 80, replace=False)
+    remote = rng.choice(n, 80, replace=False)
+    plan = plan_from_blocks(local, remote, num_regions=2, block_len=BLOCK)
+    res = reader.engine.submit("frag", owner.name, plan).result(10)
+    assert res.status is TransferStatus.DONE, res.reason
+    assert res.descriptors > 100
+    if res.nixl_descriptors is not None:
+        assert res.nixl_descriptors == res.descriptors
+    _check_blocks(reader, 1, local, remote)
+
+
+def test_empty_plan_is_done_and_still_notifies(owner: OwnerProcess, reader: Reader) -> None:
+    owner.call("hold", "empty-1", 1, 10.0)
+    before = len(owner.call("released"))
+    res = reader.engine.submit("empty", owner.name, TransferPlan(()),
+                               notif=notify.encode("empty-1")).result(5)
+    assert res.status is TransferStatus.DONE and res.nbytes == 0
+    rel = owner.wait_released(before + 1)
+    assert ("empty-1", "DONE", 1) in rel
+
+
+def test_two_readers_release_the_lease_once(owner: OwnerProcess, reader: Reader) -> None:
+    second = make_reader()
+    try:
+        second.connect(owner)
+        owner.call("hold", "two-1", 2, 10.0)
+        plan = plan_from_blocks(np.arange(4), np.arange(4), num_regions=2, block_len=BLOCK)
+        owner.call("confirm", "two-1")
+        r1 = reader.engine.submit("two-a", owner.name, plan, notif=notify.encode("two-1"))
+        assert r1.result(10).status is TransferStatus.DONE
+        time.sleep(0.1)
+        assert not [x for x in owner.call("released") if x[0] == "two-1"]
+        owner.call("confirm", "two-1")
+        r2 = second.engine.submit("two-b", owner.name, plan, notif=notify.encode("two-1"))
+        assert r2.result(10).status is TransferStatus.DONE
+        owner.wait_released(1_000, timeout_s=0.5)  # let any duplicate arrive
+        assert [x for x in owner.call("released") if x[0] == "two-1"] == [("two-1", "DONE", 2)]
+    finally:
+        close_reader(second)
+
+
+def test_lease_expiring_before_confirm_is_refused(owner: OwnerProcess) -> None:
+    owner.call("hold", "exp-1", 1, 0.2)
+    time.sleep(0.3)
+    with pytest.raises(LeaseRefused):
+        owner.call("confirm", "exp-1")
+    assert ("exp-1", "EXPIRED", 0) in owner.call("released")
+
+
+def test_per_peer_byte_budget_fails_fast(owner: OwnerProcess) -> None:
+    r = make_reader(options=EngineOptions(max_inflight_bytes_per_peer=3 * BLOCK))
+    try:
+        r.connect(owner)
+        owner.stop_signal()  # keep the first transfer in flight
+        try:
+            plan = plan_from_blocks(np.arange(2), np.arange(2), num_regions=1, block_len=BLOCK)
+            first = r.engine.submit("b1", owner.name, plan, timeout_s=2)
+            with pytest.raises(ResourceExhausted):
+                r.engine.submit("b2", owner.name, plan, timeout_s=2)
+            assert r.engine.cancel("b1").result(5) is True
+            assert first.result(5).status is TransferStatus.CANCELLED
+        finally:
+            owner.cont_signal()
+        assert r.engine.inflight_bytes(owner.name) == 0
+        assert r.engine.submit("b3", owner.name, plan).result(10).status is TransferStatus.DONE
+    finally:
+        close_reader(r)
+
+
+def test_stopped_owner_expires_at_the_deadline(
+    owner: OwnerProcess, reader: Reader
+) -> None:
+    plan = plan_from_blocks(np.arange(8), np.arange(8), num_regions=2, block_len=BLOCK)
+    assert reader.engine.submit("warm", owner.name, plan).result(10).status is \
+        TransferStatus.DONE
+    owner.stop_signal()
+    try:
+        t0 = time.monotonic()
+        # Small descriptors: UCX serves those with the target's help, so a stopped target stalls
+        # them (large CMA reads of a connected peer complete even against a stopped process).
+        big = plan_from_blocks(np.arange(0, 200, 2), np.arange(0, 200, 2), num_regions=2,
+                               block_len=BLOCK)
+        res = reader.engine.submit("stuck", owner.name, big, timeout_s=0.5).result(5)
+        took = time.monotonic() - t0
+    finally:
+        owner.cont_signal()
+    assert res.status is TransferStatus.EXPIRED, res.reason
+    assert 0.45 <= took < 1.5
+    assert res.invalid_blocks[0].tolist() == list(range(0, 200, 2))
+    assert reader.engine.inflight_bytes(owner.name) == 0
+    assert reader.engine._zombies == []  # the stuck handle was released (cancelled)
+    # The owner resumed: the same peer serves the next transfer.
+    res2 = reader.engine.submit("after", owner.name, plan).result(10)
+    assert res2.status is TransferStatus.DONE
+
+
+def test_killed_owner_fails_in_deadline_and_can_be_replaced(
+    owner: OwnerProcess, reader: Reader, spawn_owner: type[OwnerProcess]
+) -> None:
+    victim = spawn_owner(OwnerSpec("victim", (REGION,), seed=5))
+    r = make_reader(num_regions=1)
+    try:
+        r.connect(victim)
+        plan = plan_from_blocks(np.arange(8), np.arange(8), num_regions=1, block_len=BLOCK)
+        assert r.engine.submit("v-warm", "victim", plan).result(10).status is \
+            TransferStatus.DONE
+        victim.stop_signal()  # the READ below is surely in flight when the process dies
+        big = plan_from_blocks(np.arange(0, 200, 2), np.arange(0, 200, 2), num_regions=1,
+                               block_len=BLOCK)
+        t0 = time.monotonic()
+        doomed = r.engine.submit("v-doomed", "victim", big, timeout_s=5.0)
+        time.sleep(0.1)
+        assert doomed.status is TransferStatus.IN_PROGRESS
+        victim.kill()
+        res = doomed.result(10)
+        took = time.monotonic() - t0
+        assert res.status is TransferStatus.FAILED, res.reason
+        assert isinstance(res.error, PeerUnavailable)
+        assert took < 5.5
+        assert res.invalid_blocks[0].tolist() == list(range(0, 200, 2))
+        assert r.engine._zombies == [] and r.engine.inflight_bytes("victim") == 0
+        # Others keep working meanwhile.
+        other = plan_from_blocks(np.arange(4), np.arange(4), num_regions=2, block_len=BLOCK)
+        assert reader.engine.submit("o-ok", owner.name, other).result(10).status is \
+            TransferStatus.DONE
+        # A restarted peer with the same name is re-added from its new metadata.
+        reborn = spawn_owner(OwnerSpec("victim", (REGION,), seed=9))
+        r.connect(reborn)
+        _clear(r)
+        res3 = r.engine.submit("v-new", "victim", plan).result(10)
+        assert res3.status is TransferStatus.DONE, res3.reason
+        assert np.array_equal(r.words(0)[: 8 * WORDS], pattern_words(9, 0, 0, 8 * WORDS))
+    finally:
+        close_reader(r)
+
+
+def test_unknown_peer_is_refused(reader: Reader) -> None:
+    with pytest.raises(PeerUnavailable):
+        reader.engine.submit("nope", "no-such-peer", TransferPlan(()))
+
+
+def test_release_on_done_leaves_no_handles(reader: Reader, owner: OwnerProcess) -> None:
+    plan = plan_from_blocks(np.arange(3), np.arange(3), num_regions=1, block_len=BLOCK)
+    ts = [reader.engine.submit(f"many-{i}", owner.name, plan) for i in range(20)]
+    assert all(t.result(10).status is TransferStatus.DONE for t in ts)
+    assert reader.engine.inflight_bytes(owner.name) == 0
+    assert reader.engine._zombies == []  # every handle was freed by NIXL
+    assert torch.equal(reader.buffers[0][:0], reader.buffers[0][:0])
