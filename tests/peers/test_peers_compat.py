@@ -116,7 +116,7 @@ def test_per_layer_dtype() -> None:
     regions[0] = dataclasses.replace(regions[0], dtype=KVDType.BF16)
     remote = dataclasses.replace(local, regions=tuple(regions))
     m = only(check_compatible(peer(local), peer(remote)))
-    assert str(m).startswith("region 'layer.0': dtype: local fp8_e4m3, remote bf16 (fix: ")
+    assert str(m).startswith("region 'layer.0': dtype is local fp8_e4m3, remote bf16 (fix: ")
     assert "per layer" in m.fix
 
 

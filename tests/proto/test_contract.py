@@ -378,7 +378,7 @@ def test_error_kinds_mirror_the_exception_tree() -> None:
 class _EchoPeer(peer_pb2_grpc.PeerServicer):
     """Every method must be implemented: the generated stubs declare them abstract."""
 
-    def Handshake(
+    def Handshake(  # noqa: N802 - gRPC method name
         self, request: peer_pb2.HandshakeRequest, context: grpc.ServicerContext
     ) -> peer_pb2.HandshakeResponse:
         return peer_pb2.HandshakeResponse(
@@ -387,22 +387,22 @@ class _EchoPeer(peer_pb2_grpc.PeerServicer):
             payload=request.payload,
         )
 
-    def ConfirmLease(
+    def ConfirmLease(  # noqa: N802 - gRPC method name
         self, request: peer_pb2.ConfirmLeaseRequest, context: grpc.ServicerContext
     ) -> peer_pb2.ConfirmLeaseResponse:
         context.abort(grpc.StatusCode.NOT_FOUND, f"no lease for {request.request_id!r}")
 
-    def ExtendLease(
+    def ExtendLease(  # noqa: N802 - gRPC method name
         self, request: peer_pb2.ExtendLeaseRequest, context: grpc.ServicerContext
     ) -> peer_pb2.ExtendLeaseResponse:
         context.abort(grpc.StatusCode.NOT_FOUND, f"no lease for {request.request_id!r}")
 
-    def ReleaseLease(
+    def ReleaseLease(  # noqa: N802 - gRPC method name
         self, request: peer_pb2.ReleaseLeaseRequest, context: grpc.ServicerContext
     ) -> peer_pb2.ReleaseLeaseResponse:
         context.abort(grpc.StatusCode.NOT_FOUND, f"no lease for {request.request_id!r}")
 
-    def Heartbeat(
+    def Heartbeat(  # noqa: N802 - gRPC method name
         self, request: peer_pb2.HeartbeatRequest, context: grpc.ServicerContext
     ) -> peer_pb2.HeartbeatResponse:
         return peer_pb2.HeartbeatResponse(
