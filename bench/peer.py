@@ -89,6 +89,9 @@ def _owner_main(spec: OwnerSpec, conn: Connection) -> None:
             elif cmd == "confirm":
                 leases.confirm_and_extend(args[0])
                 conn.send(None)
+            elif cmd == "notify":
+                agent.send_notif(args[0], args[1])
+                conn.send(None)
             elif cmd == "released":
                 conn.send(list(released))
             elif cmd == "sum":  # (region, offsets, length): checksum of selected ranges
@@ -107,17 +110,29 @@ def _owner_main(spec: OwnerSpec, conn: Connection) -> None:
 class OwnerProcess:
     """Handle on a spawned owner; :meth:`call` sends a command and returns its answer."""
 
-    def __init__(self, spec: OwnerSpec, start_timeout_s: float = 60.0) -> None:
+    def __init__(self, spec: OwnerSpec, *, wait: bool = True) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_owner_main, args=(spec, child), daemon=True)
         self.proc.start()
         child.close()
+        self.spec = spec
+        self.name = spec.name
+        self.metadata = b""
+        self.regions = np.empty((0, 3), dtype=np.int64)
+        self.pid = self.proc.pid or 0
+        if wait:
+            self.ready()
+
+    def ready(self, start_timeout_s: float = 60.0) -> OwnerProcess:
+        """Wait for the owner's hello (name, NIXL metadata, regions, pid)."""
+        if self.metadata:
+            return self
         if not self._conn.poll(start_timeout_s):
             self.kill()
-            raise TimeoutError(f"owner {spec.name} did not start in {start_timeout_s}s")
+            raise TimeoutError(f"owner {self.spec.name} did not start in {start_timeout_s}s")
         self.name, self.metadata, self.regions, self.pid = self._conn.recv()
-        self.spec = spec
+        return self
 
     def call(self, cmd: str, *args: Any, timeout_s: float = 30.0) -> Any:
         self._conn.send((cmd, *args))

@@ -17,7 +17,7 @@ import numpy as np
 from kvxferd.blocks.bounds import DEFAULT_MAX_IDS, BlockIds, check_block_ids
 from kvxferd.blocks.coalesce import Runs, find_runs, mergeable, region_ranges
 from kvxferd.blocks.ranges import Int64Array, RegionRanges, TransferPlan
-from kvxferd.blocks.tp import RankSegments, TPPosition, check_tp, region_segments, tp_ratio
+from kvxferd.blocks.tp import TPPosition, check_tp, region_segments, tp_ratio
 from kvxferd.blocks.trim import pair_group
 from kvxferd.errors import BlockRangeError, InvalidRequest
 from kvxferd.layout.spec import KVCacheSpec, Region
@@ -101,13 +101,51 @@ def _check_kernel(ids: Int64Array, num_blocks: int, field: str) -> None:
         )
 
 
+_Arrays = tuple[Int64Array, Int64Array, Int64Array]
+
+
 def _geometry(r: Region) -> tuple[object, ...]:
-    return (r.layout, r.dtype, r.shape, r.stride)
+    """Everything that decides a region's segments and ranges (cheap: no derived sizes)."""
+    return (r.layout, r.dtype, r.shape, r.block_stride)
 
 
 def _frozen(a: Int64Array) -> Int64Array:
     a.setflags(write=False)
     return a
+
+
+def _region_entries(
+    i: int,
+    lr: Region,
+    rr: Region,
+    run: Runs,
+    local_tp: TPPosition,
+    remote_tp: TPPosition,
+    num_kv_heads: int | None,
+) -> list[tuple[int, _Arrays, int]]:
+    """Per remote rank read: (rank, read-only range arrays, naive descriptor count)."""
+    out = []
+    segs = region_segments(
+        lr,
+        rr,
+        local_tp=local_tp,
+        remote_tp=remote_tp,
+        num_kv_heads=num_kv_heads,
+        field=f"regions[{i}]",
+    )
+    for seg in segs:
+        rg = region_ranges(
+            run,
+            region=i,
+            name=lr.name,
+            local_stride=lr.stride,
+            remote_stride=rr.stride,
+            seg=seg,
+            merge=mergeable(lr, rr, seg),
+        )
+        arrays = (_frozen(rg.local_offset), _frozen(rg.remote_offset), _frozen(rg.length))
+        out.append((seg.remote_rank, arrays, run.num_blocks * seg.num_segments))
+    return out
 
 
 def plan_pull(
@@ -177,54 +215,22 @@ def plan_pull(
         _check_kernel(rk, remote.num_kernel_blocks(g), f"groups[{g}].remote_kernel_ids")
         runs.append(find_runs(lk, rk))
 
-    seg_memo: dict[tuple[object, ...], tuple[RankSegments, ...]] = {}
-    range_memo: dict[tuple[object, ...], tuple[Int64Array, Int64Array, Int64Array]] = {}
+    # Regions of one group with the same geometry on both sides (typically every layer) get
+    # the same segments and byte ranges: compute them once, share the read-only arrays.
+    memo: dict[tuple[object, ...], list[tuple[int, _Arrays, int]]] = {}
     by_rank: dict[int, list[RegionRanges]] = {}
     naive: dict[int, int] = {}
     groups_read: dict[int, set[int]] = {}
     for i, (lr, rr) in enumerate(zip(local.regions, remote.regions, strict=True)):
-        skey = (_geometry(lr), _geometry(rr))
-        segs = seg_memo.get(skey)
-        if segs is None:
-            segs = region_segments(
-                lr,
-                rr,
-                local_tp=local_tp,
-                remote_tp=remote_tp,
-                num_kv_heads=num_kv_heads,
-                field=f"regions[{i}]",
-            )
-            seg_memo[skey] = segs
-        run = runs[lr.group]
-        for seg in segs:
-            merge = mergeable(lr, rr, seg)
-            rkey = (
-                lr.group,
-                lr.stride,
-                rr.stride,
-                merge,
-                seg.local_offset.tobytes(),
-                seg.remote_offset.tobytes(),
-                seg.length.tobytes(),
-            )
-            arrays = range_memo.get(rkey)
-            if arrays is None:
-                rg = region_ranges(
-                    run,
-                    region=i,
-                    name=lr.name,
-                    local_stride=lr.stride,
-                    remote_stride=rr.stride,
-                    seg=seg,
-                    merge=merge,
-                )
-                arrays = (_frozen(rg.local_offset), _frozen(rg.remote_offset), _frozen(rg.length))
-                range_memo[rkey] = arrays
-            by_rank.setdefault(seg.remote_rank, []).append(RegionRanges(i, lr.name, *arrays))
-            naive[seg.remote_rank] = naive.get(seg.remote_rank, 0) + (
-                run.num_blocks * seg.num_segments
-            )
-            groups_read.setdefault(seg.remote_rank, set()).add(lr.group)
+        key = (lr.group, *_geometry(lr), *_geometry(rr))
+        entries = memo.get(key)
+        if entries is None:
+            entries = _region_entries(i, lr, rr, runs[lr.group], local_tp, remote_tp, num_kv_heads)
+            memo[key] = entries
+        for rank, arrays, n_naive in entries:
+            by_rank.setdefault(rank, []).append(RegionRanges(i, lr.name, *arrays))
+            naive[rank] = naive.get(rank, 0) + n_naive
+            groups_read.setdefault(rank, set()).add(lr.group)
 
     empty = _frozen(np.zeros(0, dtype=np.int64))
     per_rank: dict[int, TransferPlan] = {}

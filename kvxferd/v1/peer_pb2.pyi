@@ -94,9 +94,9 @@ class HandshakeRequest(_message.Message):
     protocol_version: _builtins.int
     """The caller's protocol version (a ProtocolVersion value; uint32 so unknown versions are read)."""
     compat_digest: _builtins.bytes
-    """The caller's hash of every field that must match between peers (model, groups, regions'
-    dtype/layout/shape/stride, prefix caching, ...). Computed by kvxferd.peers; its algorithm and
-    coverage are fixed per protocol version. Raw digest bytes, not hex.
+    """The caller's hash of the fields that must be identical on both peers, computed by
+    kvxferd.peers.version.compat_digest (its coverage is fixed per protocol version). Raw digest
+    bytes, not hex: bytes.fromhex() of that function's result (8 bytes in v1).
     """
     payload: _builtins.bytes
     """A serialized HandshakePayload of protocol_version's schema; decoded only after 1 and 2 pass."""

@@ -69,10 +69,11 @@ class PeerServicer:
     def Handshake(self, request, context):
         """Exchange and check compatibility. Server order: (1) an unsupported protocol_version is
         refused (FAILED_PRECONDITION) without decoding anything else; (2) compat_digest is compared
-        with the server's own; if equal, payload is decoded for the per-instance values; (3) if not,
-        payload is decoded only to list every mismatch and the call fails with FAILED_PRECONDITION
-        (ErrorDetail with ERROR_KIND_INCOMPATIBLE_PEER in trailing metadata). The client runs the
-        same checks on the response.
+        with the server's own; if equal, payload is decoded and the checks the digest cannot cover
+        run (TP sizes, ppl with prefix caching, ...); (3) if not, payload is decoded only to list
+        every mismatch. Any refusal fails with FAILED_PRECONDITION (ErrorDetail with
+        ERROR_KIND_INCOMPATIBLE_PEER in trailing metadata). The client runs the same checks on the
+        response.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

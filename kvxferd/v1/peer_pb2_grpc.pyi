@@ -36,10 +36,11 @@ class PeerStub:
     Handshake: _grpc.UnaryUnaryMultiCallable[_peer_pb2.HandshakeRequest, _peer_pb2.HandshakeResponse]
     """Exchange and check compatibility. Server order: (1) an unsupported protocol_version is
     refused (FAILED_PRECONDITION) without decoding anything else; (2) compat_digest is compared
-    with the server's own; if equal, payload is decoded for the per-instance values; (3) if not,
-    payload is decoded only to list every mismatch and the call fails with FAILED_PRECONDITION
-    (ErrorDetail with ERROR_KIND_INCOMPATIBLE_PEER in trailing metadata). The client runs the
-    same checks on the response.
+    with the server's own; if equal, payload is decoded and the checks the digest cannot cover
+    run (TP sizes, ppl with prefix caching, ...); (3) if not, payload is decoded only to list
+    every mismatch. Any refusal fails with FAILED_PRECONDITION (ErrorDetail with
+    ERROR_KIND_INCOMPATIBLE_PEER in trailing metadata). The client runs the same checks on the
+    response.
     """
     ConfirmLease: _grpc.UnaryUnaryMultiCallable[_peer_pb2.ConfirmLeaseRequest, _peer_pb2.ConfirmLeaseResponse]
     """A reader confirms it is about to read a held request and extends the lease. Fails with
@@ -60,10 +61,11 @@ class PeerAsyncStub(PeerStub):
     Handshake: _aio.UnaryUnaryMultiCallable[_peer_pb2.HandshakeRequest, _peer_pb2.HandshakeResponse]  # type: ignore[assignment]
     """Exchange and check compatibility. Server order: (1) an unsupported protocol_version is
     refused (FAILED_PRECONDITION) without decoding anything else; (2) compat_digest is compared
-    with the server's own; if equal, payload is decoded for the per-instance values; (3) if not,
-    payload is decoded only to list every mismatch and the call fails with FAILED_PRECONDITION
-    (ErrorDetail with ERROR_KIND_INCOMPATIBLE_PEER in trailing metadata). The client runs the
-    same checks on the response.
+    with the server's own; if equal, payload is decoded and the checks the digest cannot cover
+    run (TP sizes, ppl with prefix caching, ...); (3) if not, payload is decoded only to list
+    every mismatch. Any refusal fails with FAILED_PRECONDITION (ErrorDetail with
+    ERROR_KIND_INCOMPATIBLE_PEER in trailing metadata). The client runs the same checks on the
+    response.
     """
     ConfirmLease: _aio.UnaryUnaryMultiCallable[_peer_pb2.ConfirmLeaseRequest, _peer_pb2.ConfirmLeaseResponse]  # type: ignore[assignment]
     """A reader confirms it is about to read a held request and extends the lease. Fails with
@@ -87,10 +89,11 @@ class PeerServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_peer_pb2.HandshakeResponse, _abc.Awaitable[_peer_pb2.HandshakeResponse]]:
         """Exchange and check compatibility. Server order: (1) an unsupported protocol_version is
         refused (FAILED_PRECONDITION) without decoding anything else; (2) compat_digest is compared
-        with the server's own; if equal, payload is decoded for the per-instance values; (3) if not,
-        payload is decoded only to list every mismatch and the call fails with FAILED_PRECONDITION
-        (ErrorDetail with ERROR_KIND_INCOMPATIBLE_PEER in trailing metadata). The client runs the
-        same checks on the response.
+        with the server's own; if equal, payload is decoded and the checks the digest cannot cover
+        run (TP sizes, ppl with prefix caching, ...); (3) if not, payload is decoded only to list
+        every mismatch. Any refusal fails with FAILED_PRECONDITION (ErrorDetail with
+        ERROR_KIND_INCOMPATIBLE_PEER in trailing metadata). The client runs the same checks on the
+        response.
         """
 
     @_abc_1.abstractmethod

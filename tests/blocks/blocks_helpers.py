@@ -65,8 +65,8 @@ def execute(
         for lo, ro, n in zip(
             rg.local_offset.tolist(), rg.remote_offset.tolist(), rg.length.tolist(), strict=True
         ):
-            assert 0 <= lo and lo + n <= dst.shape[0]
-            assert 0 <= ro and ro + n <= src.shape[0]
+            assert lo >= 0 and lo + n <= dst.shape[0]
+            assert ro >= 0 and ro + n <= src.shape[0]
             dst[lo : lo + n] = src[ro : ro + n]
 
 

@@ -110,8 +110,8 @@ def test_every_byte_exactly_once(
     lcount, rcount = _bytes(local), _bytes(remote)
     assert (rg.length > 0).all()
     for lo, ro, n in zip(rg.local_offset, rg.remote_offset, rg.length, strict=True):
-        assert 0 <= lo and lo + n <= local.nbytes  # never past the region's end
-        assert 0 <= ro and ro + n <= remote.nbytes
+        assert lo >= 0 and lo + n <= local.nbytes  # never past the region's end
+        assert ro >= 0 and ro + n <= remote.nbytes
         lcount[lo : lo + n] += 1
         rcount[ro : ro + n] += 1
         got[lo : lo + n] = np.arange(ro, ro + n)

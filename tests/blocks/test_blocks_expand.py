@@ -52,7 +52,7 @@ def test_worked_example_fa_mamba_remote_34_local_66() -> None:
     # the first 68 of each pair (same token positions 0..1087).
     plan = plan_pull(local, remote, [[1, 3], [5]], [[5, 6], [2]], prefix_caching=False)
     assert plan.remote_kernel_blocks[0].tolist() == list(range(170, 238))
-    assert plan.local_kernel_blocks[0].tolist() == list(range(66, 132)) + [198, 199]
+    assert plan.local_kernel_blocks[0].tolist() == [*range(66, 132), 198, 199]
     assert plan.remote_kernel_blocks[1].tolist() == [2]
     assert plan.local_kernel_blocks[1].tolist() == [5]
 

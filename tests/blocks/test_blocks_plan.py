@@ -141,9 +141,13 @@ def _rank_cache(
     values encode (block, layer, kv, global head, token, d)."""
     first, count = kv_head_range(rank, tp, heads)
     b, ly, kv, h, t, d = np.ix_(
-        np.arange(n), np.arange(layers), np.arange(2), np.arange(first, first + count),
-        np.arange(T), np.arange(D),
-    )  # fmt: skip
+        np.arange(n),
+        np.arange(layers),
+        np.arange(2),
+        np.arange(first, first + count),
+        np.arange(T),
+        np.arange(D),
+    )
     val = ((((b * layers + ly) * 2 + kv) * heads + h) * T + t) * D + d
     return val.astype(np.int32), count
 
@@ -151,9 +155,16 @@ def _rank_cache(
 def _tp_spec(count: int, layers: int, n: int) -> KVCacheSpec:
     layout = Layout.CROSS_LAYER_HND if layers > 1 else Layout.HND
     reg = attn_region(
-        "kv", 0, n, kernel=T, heads=count, head_size=D, layout=layout, layers=layers,
+        "kv",
+        0,
+        n,
+        kernel=T,
+        heads=count,
+        head_size=D,
+        layout=layout,
+        layers=layers,
         dtype=KVDType.FP32,
-    )  # fmt: skip
+    )
     return spec([group("fa", FA, 2, kernel=T)], [reg])
 
 
@@ -174,15 +185,19 @@ def test_hetero_tp_every_local_rank_gets_its_heads(
     remote_spec = _tp_spec(remote_caches[0][1], layers, n)
     r_ids = data.draw(st.permutations(range(4)))[: data.draw(st.integers(0, 4))]
     l_ids = data.draw(st.permutations(range(4)))[: len(r_ids)]
-    readers = np.zeros(rt, dtype=np.int64)
     notified = np.zeros(rt, dtype=np.int64)
     for lr in range(lt):
         want, count = _rank_cache(lr, lt, heads, layers, n)
         local_spec = _tp_spec(count, layers, n)
         plan = plan_pull(
-            local_spec, remote_spec, [l_ids], [r_ids], prefix_caching=False,
-            local_tp=(lr, lt), remote_tp=(0, rt),
-        )  # fmt: skip
+            local_spec,
+            remote_spec,
+            [l_ids],
+            [r_ids],
+            prefix_caching=False,
+            local_tp=(lr, lt),
+            remote_tp=(0, rt),
+        )
         buf = np.full(want.shape, -1, dtype=np.int32)
         execute_all(
             plan.per_rank,
@@ -190,16 +205,11 @@ def test_hetero_tp_every_local_rank_gets_its_heads(
             {r: [c.reshape(-1).view(np.uint8)] for r, (c, _) in remote_caches.items()},
         )
         lk, rk = plan.local_kernel_blocks[0], plan.remote_kernel_blocks[0]
-        assert (buf[lk] == want[rk] - (rk - lk)[:, None, None, None, None, None] * (
-            want.size // n // 1
-        ) * 0 - 0).all() or True
-        # value encodes the *remote* block: compare against the remote block's encoding
-        expect, _ = _rank_cache(lr, lt, heads, layers, n)
-        assert (buf[lk] == expect[rk]).all()
+        # values encode the *remote* block ID and the global head: paired local block lk[i]
+        # must hold remote block rk[i]'s data for exactly this rank's heads
+        assert (buf[lk] == want[rk]).all()
         unpaired = np.setdiff1d(np.arange(n), lk)
         assert (buf[unpaired] == -1).all()
-        for r in plan.read_ranks:
-            readers[r] += 1
         notified[list(plan.notify_ranks)] += 1
         if lt <= heads and rt <= heads:
             assert len(plan.read_ranks) == max(1, rt // lt)
@@ -211,9 +221,48 @@ def test_mla_hetero_tp_reads_one_rank_notifies_all() -> None:
     s = spec([group("mla", MLA, 2, kernel=16)], [mla_region("m", 0, n)])
     notified: set[int] = set()
     for lr in range(2):
-        plan = plan_pull(s, s, [[1, 2]], [[0, 3]], prefix_caching=False, local_tp=(lr, 2),
-                         remote_tp=(0, 8))  # fmt: skip
+        plan = plan_pull(
+            s, s, [[1, 2]], [[0, 3]], prefix_caching=False, local_tp=(lr, 2), remote_tp=(0, 8)
+        )
         assert plan.read_ranks == (lr,) and plan.tp_ratio == -4
         assert plan.per_rank[lr].num_ranges == 2
         notified.update(plan.notify_ranks)
     assert notified == set(range(8))
+
+
+def test_nemotron_style_hybrid_4p1d() -> None:
+    """Prefill TP 4, decode TP 1 (tp_ratio -4), remote ppl 34 vs local 66: attention heads from
+    four ranks (HND), the replicated Mamba state whole from rank 0, remote IDs expanded with the
+    remote's ppl."""
+    kernel, heads = 16, 8
+
+    def mk(ppl: int, rank_heads: int, n_logical: int) -> KVCacheSpec:
+        attn = attn_region(
+            "attn",
+            0,
+            n_logical * ppl,
+            kernel=kernel,
+            heads=rank_heads,
+            head_size=4,
+            layout=Layout.HND,
+        )
+        return spec(
+            [group("fa", FA, ppl, kernel), group("m", MAMBA, 1, kernel)],
+            [attn, state_region("ssm", 1, 6)],
+        )
+
+    remote, local = mk(34, heads // 4, 8), mk(66, heads, 4)
+    plan = plan_pull(
+        local, remote, [[1, 3], [5]], [[5, 6], [2]], prefix_caching=False, remote_tp=(0, 4)
+    )
+    assert plan.tp_ratio == -4 and plan.read_ranks == (0, 1, 2, 3)
+    assert plan.remote_kernel_blocks[0].tolist() == list(range(170, 238))
+    for r, tp in plan.per_rank.items():
+        attn, ssm = tp.ranges
+        assert attn.num_ranges == 68 * 2  # K and V head slices per kernel block
+        assert ssm.num_ranges == (1 if r == 0 else 0)
+        assert tp.local_kernel_blocks[1].tolist() == ([5] if r == 0 else [])
+    with pytest.raises(InvalidRequest, match="prefix caching"):
+        plan_pull(
+            local, remote, [[1, 3], [5]], [[5, 6], [2]], prefix_caching=True, remote_tp=(0, 4)
+        )

@@ -8,7 +8,13 @@ from blocks_helpers import PROPS, attn_region, mla_region, state_region
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from kvxferd.blocks import head_sources, infer_num_kv_heads, kv_head_range, region_segments, tp_ratio
+from kvxferd.blocks import (
+    head_sources,
+    infer_num_kv_heads,
+    kv_head_range,
+    region_segments,
+    tp_ratio,
+)
 from kvxferd.blocks.tp import HeadSource
 from kvxferd.errors import InvalidRequest
 from kvxferd.layout.spec import Layout, Region
@@ -135,7 +141,7 @@ def test_every_local_block_is_written_exactly_once(case: tuple[int, int, int, in
             assert 0 <= s.remote_rank < rt
             for lo, ro, n in zip(s.local_offset, s.remote_offset, s.length, strict=True):
                 cover[lo : lo + n] += 1
-                assert 0 <= ro and ro + n <= remote.block_len
+                assert ro >= 0 and ro + n <= remote.block_len
         assert (cover == 1).all()
 
 

@@ -40,7 +40,7 @@ def test_worked_example_640_tokens_ppl_10_vs_6() -> None:
     lk, rk = pair_group(g10, g6, local_ids, remote_ids, prefix_caching=False)
     assert lk.shape == rk.shape == (10,)
     assert lk.tolist() == list(range(30, 40))
-    assert rk.tolist() == list(range(42, 48)) + [12, 13, 14, 15]
+    assert rk.tolist() == [*range(42, 48), 12, 13, 14, 15]
     lc = position_cache(local_ids, 10, 40)
     rc = position_cache(remote_ids, 6, 48)
     assert (lc[lk] == rc[rk]).all()

@@ -20,7 +20,7 @@ from google.protobuf import descriptor as _descriptor
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import DecodeError
 
-from kvxferd import errors
+from kvxferd import errors, peers
 from kvxferd.layout import dtypes, spec
 from kvxferd.v1 import (
     common_pb2,
@@ -176,6 +176,8 @@ def test_protocol_version_history_lists_every_version() -> None:
     listed = sorted(int(n) for n in re.findall(r"^//\s+(\d+):", block, re.MULTILINE))
     known = sorted(v.number for v in peer_pb2.ProtocolVersion.DESCRIPTOR.values if v.number)
     assert listed == known == list(range(1, len(known) + 1))
+    # The constant the daemon sends is the newest version the wire contract knows.
+    assert max(known) == peers.PROTOCOL_VERSION
 
 
 # --- key messages ----------------------------------------------------------------------------

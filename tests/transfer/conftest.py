@@ -71,9 +71,9 @@ def spawn_owner() -> Iterator[type[OwnerProcess]]:
     made: list[OwnerProcess] = []
 
     class _Owner(OwnerProcess):
-        def __init__(self, spec: OwnerSpec) -> None:
-            super().__init__(spec)
+        def __init__(self, spec: OwnerSpec, *, wait: bool = True) -> None:
             made.append(self)
+            super().__init__(spec, wait=wait)
 
     yield _Owner
     for o in made:

@@ -119,48 +119,52 @@ def test_per_peer_byte_budget_fails_fast(owner: OwnerProcess) -> None:
         close_reader(r)
 
 
+def _stopped_owner_and_fresh_reader(
+    spawn_owner: type[OwnerProcess], name: str
+) -> tuple[OwnerProcess, Reader]:
+    """An owner stopped before any reader contacted it: UCX cannot finish connecting, so a READ
+    stays in progress. (Against a peer already connected, CPU reads go through CMA, which the
+    kernel serves even from a stopped process: those complete.)"""
+    victim = spawn_owner(OwnerSpec(name, (REGION,), seed=5))
+    victim.stop_signal()
+    r = make_reader(num_regions=1)
+    r.engine.connect_peer(victim.name, victim.metadata, victim.regions)
+    return victim, r
+
+
 def test_stopped_owner_expires_at_the_deadline(
-    owner: OwnerProcess, reader: Reader
+    spawn_owner: type[OwnerProcess],
 ) -> None:
-    plan = plan_from_blocks(np.arange(8), np.arange(8), num_regions=2, block_len=BLOCK)
-    assert reader.engine.submit("warm", owner.name, plan).result(10).status is \
-        TransferStatus.DONE
-    owner.stop_signal()
+    victim, r = _stopped_owner_and_fresh_reader(spawn_owner, "stopped")
     try:
+        plan = plan_from_blocks(np.arange(0, 40, 2), np.arange(0, 40, 2), num_regions=1,
+                                block_len=BLOCK)
         t0 = time.monotonic()
-        # Small descriptors: UCX serves those with the target's help, so a stopped target stalls
-        # them (large CMA reads of a connected peer complete even against a stopped process).
-        big = plan_from_blocks(np.arange(0, 200, 2), np.arange(0, 200, 2), num_regions=2,
-                               block_len=BLOCK)
-        res = reader.engine.submit("stuck", owner.name, big, timeout_s=0.5).result(5)
+        res = r.engine.submit("stuck", victim.name, plan, timeout_s=0.5).result(5)
         took = time.monotonic() - t0
+        assert res.status is TransferStatus.EXPIRED, res.reason
+        assert 0.45 <= took < 1.5
+        assert res.invalid_blocks[0].tolist() == list(range(0, 40, 2))
+        assert r.engine.inflight_bytes(victim.name) == 0
+        assert r.engine._zombies == []  # the stuck handle was released (cancelled)
+        victim.cont_signal()  # resumed: the same peer serves the next transfer
+        res2 = r.engine.submit("after", victim.name, plan, timeout_s=10).result(15)
+        assert res2.status is TransferStatus.DONE, res2.reason
+        assert np.array_equal(r.words(0)[:WORDS], pattern_words(5, 0, 0, WORDS))
     finally:
-        owner.cont_signal()
-    assert res.status is TransferStatus.EXPIRED, res.reason
-    assert 0.45 <= took < 1.5
-    assert res.invalid_blocks[0].tolist() == list(range(0, 200, 2))
-    assert reader.engine.inflight_bytes(owner.name) == 0
-    assert reader.engine._zombies == []  # the stuck handle was released (cancelled)
-    # The owner resumed: the same peer serves the next transfer.
-    res2 = reader.engine.submit("after", owner.name, plan).result(10)
-    assert res2.status is TransferStatus.DONE
+        close_reader(r)
 
 
 def test_killed_owner_fails_in_deadline_and_can_be_replaced(
     owner: OwnerProcess, reader: Reader, spawn_owner: type[OwnerProcess]
 ) -> None:
-    victim = spawn_owner(OwnerSpec("victim", (REGION,), seed=5))
-    r = make_reader(num_regions=1)
+    reborn = spawn_owner(OwnerSpec("victim", (REGION,), seed=9), wait=False)  # starts early
+    victim, r = _stopped_owner_and_fresh_reader(spawn_owner, "victim")
     try:
-        r.connect(victim)
-        plan = plan_from_blocks(np.arange(8), np.arange(8), num_regions=1, block_len=BLOCK)
-        assert r.engine.submit("v-warm", "victim", plan).result(10).status is \
-            TransferStatus.DONE
-        victim.stop_signal()  # the READ below is surely in flight when the process dies
-        big = plan_from_blocks(np.arange(0, 200, 2), np.arange(0, 200, 2), num_regions=1,
-                               block_len=BLOCK)
+        plan = plan_from_blocks(np.arange(0, 40, 2), np.arange(0, 40, 2), num_regions=1,
+                                block_len=BLOCK)
         t0 = time.monotonic()
-        doomed = r.engine.submit("v-doomed", "victim", big, timeout_s=5.0)
+        doomed = r.engine.submit("v-doomed", "victim", plan, timeout_s=5.0)
         time.sleep(0.1)
         assert doomed.status is TransferStatus.IN_PROGRESS
         victim.kill()
@@ -168,20 +172,19 @@ def test_killed_owner_fails_in_deadline_and_can_be_replaced(
         took = time.monotonic() - t0
         assert res.status is TransferStatus.FAILED, res.reason
         assert isinstance(res.error, PeerUnavailable)
-        assert took < 5.5
-        assert res.invalid_blocks[0].tolist() == list(range(0, 200, 2))
+        assert took < 2.0  # UCX reports the dead peer in tens of ms, well before the deadline
+        assert res.invalid_blocks[0].tolist() == list(range(0, 40, 2))
         assert r.engine._zombies == [] and r.engine.inflight_bytes("victim") == 0
         # Others keep working meanwhile.
         other = plan_from_blocks(np.arange(4), np.arange(4), num_regions=2, block_len=BLOCK)
         assert reader.engine.submit("o-ok", owner.name, other).result(10).status is \
             TransferStatus.DONE
         # A restarted peer with the same name is re-added from its new metadata.
-        reborn = spawn_owner(OwnerSpec("victim", (REGION,), seed=9))
-        r.connect(reborn)
+        r.connect(reborn.ready())
         _clear(r)
         res3 = r.engine.submit("v-new", "victim", plan).result(10)
         assert res3.status is TransferStatus.DONE, res3.reason
-        assert np.array_equal(r.words(0)[: 8 * WORDS], pattern_words(9, 0, 0, 8 * WORDS))
+        assert np.array_equal(r.words(0)[:WORDS], pattern_words(9, 0, 0, WORDS))
     finally:
         close_reader(r)
 
