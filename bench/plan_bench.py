@@ -15,6 +15,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -74,31 +75,20 @@ def main() -> None:
     }
     nhd, cross = build_spec(Layout.NHD), build_spec(Layout.CROSS_LAYER_NHD)
     hnd_remote, hnd_local = build_spec(Layout.HND), build_spec(Layout.HND, HEADS // 2)
-    cases: list[tuple[str, str, Callable[[], PullPlan]]] = []
+    cases: list[tuple[str, str, Callable[..., PullPlan]]] = []
     for ids_name, (loc, rem) in ids.items():
-        # bind loop variables through default arguments
         cases += [
-            (
-                "per-layer (64 regions)",
-                ids_name,
-                lambda loc=loc, rem=rem: plan_pull(nhd, nhd, [loc], [rem], prefix_caching=False),
-            ),
-            (
-                "cross-layer (1 region)",
-                ids_name,
-                lambda loc=loc, rem=rem: plan_pull(
-                    cross, cross, [loc], [rem], prefix_caching=False
-                ),
-            ),
+            ("per-layer (64 regions)", ids_name, partial(plan_pull, nhd, nhd, [loc], [rem])),
+            ("cross-layer (1 region)", ids_name, partial(plan_pull, cross, cross, [loc], [rem])),
             (
                 "per-layer HND, TP 1->2",
                 ids_name,
-                lambda loc=loc, rem=rem: plan_pull(
+                partial(
+                    plan_pull,
                     hnd_local,
                     hnd_remote,
                     [loc],
                     [rem],
-                    prefix_caching=False,
                     local_tp=(1, 2),
                     remote_tp=(0, 1),
                 ),
@@ -112,7 +102,7 @@ def main() -> None:
     print(hdr)
     print("-" * len(hdr))
     for name, ids_name, fn in cases:
-        med, p99, plan = timed(fn, args.runs)
+        med, p99, plan = timed(partial(fn, prefix_caching=False), args.runs)
         print(
             f"{name:<24} {ids_name:<11} {med:>10.2f} {p99:>8.2f} {plan.num_ranges:>9}"
             f" {plan.naive_descriptors:>9}"

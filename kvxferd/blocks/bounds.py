@@ -26,6 +26,10 @@ _INT_TYPES: frozenset[type] = frozenset(
 )
 
 
+_MASK_LIMIT = 1 << 22
+"""Duplicates are found with a mask of ``num_blocks`` booleans up to this size (else a sort)."""
+
+
 def _where(field: str, i: int) -> str:
     return f"{field}[{i}]"
 
@@ -131,6 +135,11 @@ def check_block_ids(
             field=_where(field, i),
             fix=f"pass block IDs in [0, {num_blocks}) as registered with the peer",
         )
+    if num_blocks <= max(_MASK_LIMIT, 16 * n):
+        seen = np.zeros(num_blocks, dtype=bool)
+        seen[arr] = True
+        if int(np.count_nonzero(seen)) == n:
+            return arr
     order = np.argsort(arr, kind="stable")
     s = arr[order]
     dup_sorted = np.flatnonzero(s[1:] == s[:-1]) + 1

@@ -46,6 +46,20 @@ class Runs:
         return int(self.length.shape[0])
 
 
+def _sort_order(ids: Int64Array) -> Int64Array:
+    """Stable ascending order of ``ids``: a counting scatter (``O(n + max)``) when the IDs are
+    non-negative, unique and dense enough, else a stable argsort."""
+    n = ids.shape[0]
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo >= 0 and hi < 4 * n + 4096:
+        pos = np.full(hi + 1, -1, dtype=np.int64)
+        pos[ids] = np.arange(n, dtype=np.int64)
+        order = pos[pos >= 0]
+        if order.shape[0] == n:  # unique: nothing was overwritten
+            return order
+    return np.argsort(ids, kind="stable")
+
+
 def find_runs(local_ids: npt.ArrayLike, remote_ids: npt.ArrayLike) -> Runs:
     """Sort pairs by local ID (stable) and find runs where both sides advance by exactly 1.
 
@@ -57,7 +71,7 @@ def find_runs(local_ids: npt.ArrayLike, remote_ids: npt.ArrayLike) -> Runs:
         raise ValueError(f"paired ID arrays differ in length: {loc.shape[0]} vs {rem.shape[0]}")
     n = loc.shape[0]
     if n > 1 and not bool((loc[1:] > loc[:-1]).all()):
-        order = np.argsort(loc, kind="stable")
+        order = _sort_order(loc)
         loc, rem = loc[order], rem[order]
     if n == 0:
         empty = np.zeros(0, dtype=np.int64)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import numpy as np
 
@@ -35,6 +36,9 @@ class PullPlan:
     every remote rank (MLA, deduplicated heads, a full prefix hit) is notified by someone.
     ``local_kernel_blocks[g]`` / ``remote_kernel_blocks[g]``: the paired kernel IDs of group
     ``g``, sorted by local ID, shape ``(k_g,)`` each.
+
+    All arrays are read-only: regions of identical geometry share their range arrays (every
+    layer of a per-layer model), so a plan costs ``O(blocks)`` memory, not ``blocks x layers``.
     """
 
     local_tp: TPPosition
@@ -119,6 +123,7 @@ def _region_entries(
     lr: Region,
     rr: Region,
     run: Runs,
+    *,
     local_tp: TPPosition,
     remote_tp: TPPosition,
     num_kv_heads: int | None,
@@ -201,7 +206,7 @@ def plan_pull(
             )
         )
 
-    runs: list[Runs] = []
+    runs: list[Runs] = []  # per group; its arrays are frozen and shared by the plans
     for g, (lids, rids) in enumerate(checked):
         lk, rk = pair_group(
             local.groups[g],
@@ -213,7 +218,10 @@ def plan_pull(
         )
         _check_kernel(lk, local.num_kernel_blocks(g), f"groups[{g}].local_kernel_ids")
         _check_kernel(rk, remote.num_kernel_blocks(g), f"groups[{g}].remote_kernel_ids")
-        runs.append(find_runs(lk, rk))
+        run = find_runs(lk, rk)
+        for a in (run.local_ids, run.remote_ids, run.local_start, run.remote_start, run.length):
+            _frozen(a)
+        runs.append(run)
 
     # Regions of one group with the same geometry on both sides (typically every layer) get
     # the same segments and byte ranges: compute them once, share the read-only arrays.
@@ -225,7 +233,15 @@ def plan_pull(
         key = (lr.group, *_geometry(lr), *_geometry(rr))
         entries = memo.get(key)
         if entries is None:
-            entries = _region_entries(i, lr, rr, runs[lr.group], local_tp, remote_tp, num_kv_heads)
+            entries = _region_entries(
+                i,
+                lr,
+                rr,
+                runs[lr.group],
+                local_tp=local_tp,
+                remote_tp=remote_tp,
+                num_kv_heads=num_kv_heads,
+            )
             memo[key] = entries
         for rank, arrays, n_naive in entries:
             by_rank.setdefault(rank, []).append(RegionRanges(i, lr.name, *arrays))
@@ -249,7 +265,7 @@ def plan_pull(
         local_tp=local_tp,
         remote_tp=remote_tp,
         tp_ratio=ratio,
-        per_rank=per_rank,
+        per_rank=MappingProxyType(per_rank),
         notify_ranks=tuple(sorted(notify)),
         local_kernel_blocks=tuple(r.local_ids for r in runs),
         remote_kernel_blocks=tuple(r.remote_ids for r in runs),

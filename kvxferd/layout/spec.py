@@ -18,6 +18,7 @@ A block of one region is ``block_len`` contiguous bytes starting at ``base + b *
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -211,13 +212,13 @@ class Region:
     def num_layers(self) -> int:
         return self.shape[0] if self.layout.is_cross_layer else 1
 
-    @property
+    @functools.cached_property
     def block_len(self) -> int:
         """Bytes of one block (all layers of it, for a cross-layer region)."""
         inner = [d for i, d in enumerate(self.shape) if i != self.layout.block_dim]
         return math.prod(inner) * self.dtype.itemsize
 
-    @property
+    @functools.cached_property
     def stride(self) -> int:
         """Bytes between the starts of consecutive blocks."""
         return self.block_stride or self.block_len

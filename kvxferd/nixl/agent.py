@@ -120,6 +120,7 @@ class NixlAgent:
         self._agent: Any = None
         self._remotes: set[str] = set()
         self._registrations: list[Registration] = []
+        self._stashed: dict[str, list[bytes]] = {}
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -158,6 +159,10 @@ class NixlAgent:
                 f"agent {self.name}: none of the backends {opts.backends} could be created",
                 fix="check that the NIXL wheel ships the UCX plugin (NIXL_PLUGIN_DIR)",
             )
+        if opts.progress is ProgressMode.POLL:
+            # No progress thread: the NIXL thread must progress the worker even when no engine
+            # or pump polls, or a peer reading from us would hang.
+            self._thread.add_poller(self._progress)
         log.info(
             "event=nixl_agent_started agent=%s progress=%s delay_us=%d device=%s",
             self.name, opts.progress.value, opts.progress_delay_us, self.cuda_device,
@@ -436,15 +441,24 @@ class NixlAgent:
         return self._thread.call(self._get_notifs)
 
     def _get_notifs(self) -> dict[str, list[bytes]]:
+        self._drain_notifs()
+        out, self._stashed = self._stashed, {}
+        return out
+
+    def _drain_notifs(self) -> None:
         try:
             raw = self._live().get_new_notifs()
         except Exception as exc:
             raise map_nixl_error(exc, op="get notifications") from exc
-        out: dict[str, list[bytes]] = {}
         for key, msgs in raw.items():
             name = key.decode() if isinstance(key, bytes | bytearray) else str(key)
-            out.setdefault(name, []).extend(bytes(m) for m in msgs)
-        return out
+            self._stashed.setdefault(name, []).extend(bytes(m) for m in msgs)
+
+    def _progress(self) -> float | None:
+        """POLL mode: progress the UCX worker (getting notifications does) and keep them."""
+        if self._agent is not None:
+            self._drain_notifs()
+        return None
 
     def send_notif(self, peer: str, msg: bytes) -> None:
         self._thread.call(self._send_notif, peer, msg)

@@ -71,6 +71,24 @@ def coalesce(
     return lo[starts], ro[starts], np.add.reduceat(ln, starts)
 
 
+def split_long(
+    local_offset: Int64Array, remote_offset: Int64Array, length: Int64Array, max_len: int
+) -> tuple[Int64Array, Int64Array, Int64Array]:
+    """Cut ranges longer than ``max_len`` into ``max_len`` pieces (the last may be shorter), so
+    a multi-threaded UCX backend can spread one huge range over its worker threads."""
+    if max_len <= 0:
+        raise InvalidRequest(f"max descriptor length must be positive, got {max_len}")
+    pieces = (length + max_len - 1) // max_len
+    if length.size == 0 or int(pieces.max()) <= 1:
+        return local_offset, remote_offset, length
+    idx = np.repeat(np.arange(length.size), pieces)
+    first = np.cumsum(pieces) - pieces
+    k = np.arange(idx.size, dtype=np.int64) - np.repeat(first, pieces)
+    skip = k * max_len
+    ln = np.minimum(length[idx] - skip, max_len)
+    return local_offset[idx] + skip, remote_offset[idx] + skip, ln
+
+
 def _check_bounds(side: str, table: RegionTable, region: int, off: Int64Array,
                   ln: Int64Array) -> None:
     if not 0 <= region < table.num_regions:
@@ -95,12 +113,18 @@ def _check_bounds(side: str, table: RegionTable, region: int, off: Int64Array,
 
 
 def build_descriptors(
-    plan: TransferPlan, local: RegionTable, remote: RegionTable, *, merge: bool = True
+    plan: TransferPlan,
+    local: RegionTable,
+    remote: RegionTable,
+    *,
+    merge: bool = True,
+    max_desc_bytes: int | None = None,
 ) -> tuple[Int64Array, Int64Array]:
     """``(local, remote)`` ``N x 3`` int64 descriptor arrays for ``plan``, rows paired.
 
     Bounds are checked against both sides' region lengths; ``merge`` coalesces ranges
-    contiguous on both sides (within one region: a descriptor never spans registrations).
+    contiguous on both sides (within one region: a descriptor never spans registrations);
+    ``max_desc_bytes`` then cuts longer ranges (see :func:`split_long`).
     """
     loc_parts: list[Int64Array] = []
     rem_parts: list[Int64Array] = []
@@ -114,6 +138,8 @@ def build_descriptors(
         _check_bounds("remote", remote, rr.region, ro, ln)
         if merge:
             lo, ro, ln = coalesce(lo, ro, ln)
+        if max_desc_bytes is not None:
+            lo, ro, ln = split_long(lo, ro, ln, max_desc_bytes)
         n = ln.shape[0]
         loc = np.empty((n, 3), dtype=np.int64)
         loc[:, 0] = local.base[rr.region] + lo

@@ -95,6 +95,10 @@ class EngineOptions:
     default_timeout_s: float = 30.0
     min_poll_s: float = 20e-6
     max_poll_s: float = 1e-3
+    coalesce: bool = True  # False only to measure the one-descriptor-per-range baseline
+    # Cut merged ranges above this size; with a multi-threaded UCX backend (num_threads > 1)
+    # pieces spread over its threads, while one huge descriptor is copied by one thread.
+    max_desc_bytes: int | None = None
 
 
 class TransferEngine:
@@ -193,7 +197,9 @@ class TransferEngine:
         if p is None:
             raise PeerUnavailable(f"peer {peer!r} is not connected",
                                   fix="handshake with the peer before pulling from it")
-        local, remote = build_descriptors(plan, self._local, p.regions)
+        local, remote = build_descriptors(plan, self._local, p.regions,
+                                          merge=self._opts.coalesce,
+                                          max_desc_bytes=self._opts.max_desc_bytes)
         now = self._clock()
         xfer = Transfer(transfer_id, peer, op, plan, int(local[:, 1].sum()),
                         int(local.shape[0]), now, now + timeout,

@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 
 import kvxferd.blocks.plan as plan_mod
 from kvxferd.blocks import check_block_ids, plan_pull
+from kvxferd.blocks.coalesce import find_runs as orig_runs
+from kvxferd.blocks.trim import pair_group as orig_pair
 from kvxferd.errors import BlockRangeError, InvalidRequest
 
 F = "groups[1].remote_block_ids"
@@ -120,7 +122,6 @@ def test_plan_refuses_before_any_range(
     other[g] = list(range(len(bad_ids)))[:n]
     local, remote = (ids, other) if side == "local" else (other, ids)
     calls: list[str] = []
-    orig_pair, orig_runs = plan_mod.pair_group, plan_mod.find_runs
 
     def spy_pair(*a: object, **k: object) -> object:
         calls.append("pair")
@@ -157,3 +158,12 @@ def test_max_ids_applies_in_plan() -> None:
     with pytest.raises(InvalidRequest) as e:
         plan_pull(s, s, [list(range(9))], [list(range(9))], prefix_caching=False, max_ids=8)
     assert e.value.field == "groups[0].local_block_ids"
+
+
+def test_duplicates_found_without_a_mask_for_huge_counts() -> None:
+    """A registered count too large for the duplicate mask takes the sorting path."""
+    big = 1 << 40
+    assert check_block_ids([big - 1, 0, 5], big, F).tolist() == [big - 1, 0, 5]
+    with pytest.raises(BlockRangeError) as e:
+        check_block_ids([big - 1, 7, big - 1], big, F)
+    assert e.value.field == f"{F}[2]"

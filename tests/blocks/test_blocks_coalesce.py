@@ -62,7 +62,10 @@ def _segments(draw: st.DrawFn) -> tuple[RankSegments, int, int]:
             pos += lens[i] + gp
         offs.append((out, pos))
     (lo, l_len), (ro, r_len) = offs
-    arr = lambda x: np.array(x, dtype=np.int64)  # noqa: E731
+
+    def arr(x: list[int]) -> npt.NDArray[np.int64]:
+        return np.array(x, dtype=np.int64)
+
     return RankSegments(0, arr(lo), arr(ro), arr(lens), False), max(l_len, 1), max(r_len, 1)
 
 
@@ -127,3 +130,13 @@ def test_every_byte_exactly_once(
         assert not ((ends_l == rg.local_offset[1:]) & (ends_r == rg.remote_offset[1:])).any()
     else:
         assert rg.num_ranges == len(lids) * seg.num_segments
+
+
+def test_find_runs_sparse_and_duplicate_ids_sort_stably() -> None:
+    """IDs too sparse for the counting sort, or repeated, fall back to a stable argsort."""
+    far = [1 << 40, 3, (1 << 40) + 1, 2]
+    runs = find_runs(far, [11, 1, 12, 0])
+    assert runs.local_ids.tolist() == [2, 3, 1 << 40, (1 << 40) + 1]
+    assert runs.length.tolist() == [2, 2]
+    dup = find_runs([4, 1, 4], [9, 8, 7])
+    assert dup.local_ids.tolist() == [1, 4, 4] and dup.remote_ids.tolist() == [8, 9, 7]

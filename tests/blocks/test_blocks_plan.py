@@ -41,14 +41,17 @@ def _block(buf: U8, r: Region, b: int) -> U8:
 
 def _hybrid(ppl: int, n: int, *, stride_pad: int = 0) -> KVCacheSpec:
     """Full attention (fp8, 2 layers) + sliding window (bf16, 1 layer) + Mamba state."""
-    kw = {"kernel": 4, "heads": 2, "head_size": 4}
-    fa0 = attn_region("fa.0", 0, n * ppl, dtype=KVDType.FP8_E4M3, **kw)
-    fa1 = attn_region("fa.1", 0, n * ppl, dtype=KVDType.FP8_E4M3, **kw)
-    sw = attn_region("swa.0", 1, n * ppl, dtype=KVDType.BF16, block_stride=0, **kw)
-    if stride_pad:
-        sw = attn_region(
-            "swa.0", 1, n * ppl, dtype=KVDType.BF16, block_stride=sw.block_len + stride_pad, **kw
+    n_k = n * ppl
+
+    def attn(name: str, grp: int, dtype: KVDType, stride: int = 0) -> Region:
+        return attn_region(
+            name, grp, n_k, kernel=4, heads=2, head_size=4, dtype=dtype, block_stride=stride
         )
+
+    fa0, fa1 = attn("fa.0", 0, KVDType.FP8_E4M3), attn("fa.1", 0, KVDType.FP8_E4M3)
+    sw = attn("swa.0", 1, KVDType.BF16)
+    if stride_pad:
+        sw = attn("swa.0", 1, KVDType.BF16, sw.block_len + stride_pad)
     return spec(
         [group("fa", FA, ppl, 4), group("swa", SWA, ppl, 4), group("m", MAMBA, 1, 4)],
         [fa0, sw, state_region("ssm.0", 2, n), fa1],

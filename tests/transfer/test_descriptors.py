@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from kvxferd.blocks.ranges import RegionRanges, TransferPlan
 from kvxferd.errors import BlockRangeError, InvalidRequest
-from kvxferd.transfer.descriptors import RegionTable, build_descriptors, coalesce
+from kvxferd.transfer.descriptors import RegionTable, build_descriptors, coalesce, split_long
 
 LOCAL = RegionTable.from_array([[0x10000, 1 << 20, 0], [0x400000, 1 << 20, 1]])
 REMOTE = RegionTable.from_array([[0x7000000, 1 << 20, 3], [0x9000000, 1 << 20, 4]])
@@ -99,3 +99,26 @@ def test_coalesce_keeps_every_byte_pairing_exactly_once(
     # Maximal: no two merged ranges could be merged further.
     if mln.size > 1:
         assert not np.any((mlo[:-1] + mln[:-1] == mlo[1:]) & (mro[:-1] + mln[:-1] == mro[1:]))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(1, 50), min_size=0, max_size=20), st.integers(1, 16))
+def test_split_long_covers_each_range_exactly(lengths: list[int], max_len: int) -> None:
+    ln = np.array(lengths, dtype=np.int64)
+    lo = np.cumsum(np.concatenate(([0], ln[:-1] + 7))).astype(np.int64) if lengths else ln
+    ro = lo + 1000
+    slo, sro, sln = split_long(lo, ro, ln, max_len)
+    assert (sln <= max_len).all() and (sln > 0).all()
+    assert (sro - slo == 1000).all()
+    want = sorted(int(a) + k for a, n in zip(lo, ln, strict=True) for k in range(int(n)))
+    got = sorted(int(a) + k for a, n in zip(slo, sln, strict=True) for k in range(int(n)))
+    assert got == want
+
+
+def test_build_descriptors_splits_after_merging() -> None:
+    blocks = np.arange(0, 16, dtype=np.int64)
+    plan = TransferPlan((RegionRanges(0, "l0", blocks * 4096, blocks * 4096,
+                                      np.full(16, 4096, dtype=np.int64)),))
+    loc, rem = build_descriptors(plan, LOCAL, REMOTE, max_desc_bytes=5 * 4096)
+    assert loc[:, 1].tolist() == [5 * 4096, 5 * 4096, 5 * 4096, 4096]
+    assert (loc[:, 0] - LOCAL.base[0]).tolist() == [0, 5 * 4096, 10 * 4096, 15 * 4096]

@@ -1,0 +1,120 @@
+"""Conversions between kvxferd's values and the ``kvxferd.v1`` wire messages.
+
+Decoding is strict: an unknown enum value or an impossible shape becomes a ``SpecError`` /
+``InvalidRequest`` naming the field, never a crash.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from kvxferd.errors import InvalidRequest, KvxferdError, SpecError
+from kvxferd.layout.dtypes import KVDType
+from kvxferd.layout.spec import GroupKind, KVCacheSpec, KVGroup, Layout, MemoryType, Region
+from kvxferd.v1 import common_pb2, spec_pb2
+
+_KIND = {
+    GroupKind.FULL_ATTENTION: spec_pb2.GROUP_KIND_FULL_ATTENTION,
+    GroupKind.SLIDING_WINDOW: spec_pb2.GROUP_KIND_SLIDING_WINDOW,
+    GroupKind.MLA: spec_pb2.GROUP_KIND_MLA,
+    GroupKind.MAMBA: spec_pb2.GROUP_KIND_MAMBA,
+}
+_DTYPE = {
+    KVDType.BF16: spec_pb2.KV_DTYPE_BF16,
+    KVDType.FP16: spec_pb2.KV_DTYPE_FP16,
+    KVDType.FP32: spec_pb2.KV_DTYPE_FP32,
+    KVDType.FP8_E4M3: spec_pb2.KV_DTYPE_FP8_E4M3,
+    KVDType.FP8_E5M2: spec_pb2.KV_DTYPE_FP8_E5M2,
+}
+_LAYOUT = {
+    Layout.NHD: spec_pb2.LAYOUT_NHD,
+    Layout.HND: spec_pb2.LAYOUT_HND,
+    Layout.CROSS_LAYER_NHD: spec_pb2.LAYOUT_CROSS_LAYER_NHD,
+    Layout.CROSS_LAYER_HND: spec_pb2.LAYOUT_CROSS_LAYER_HND,
+    Layout.MLA: spec_pb2.LAYOUT_MLA,
+    Layout.STATE: spec_pb2.LAYOUT_STATE,
+}
+T = TypeVar("T")
+
+_MEMORY = {MemoryType.DRAM: spec_pb2.MEMORY_TYPE_DRAM, MemoryType.VRAM: spec_pb2.MEMORY_TYPE_VRAM}
+
+
+def _inverse(table: Mapping[T, int], name: str, value: int, where: str) -> T:
+    for k, v in table.items():
+        if v == value:
+            return k
+    raise SpecError(f"unknown {name} value {value}", field=where, fix="upgrade the older daemon")
+
+
+def spec_to_proto(spec: KVCacheSpec) -> spec_pb2.KvCacheSpec:
+    msg = spec_pb2.KvCacheSpec(model=spec.model)
+    for g in spec.groups:
+        msg.groups.add(
+            name=g.name,
+            kind=_KIND[g.kind],
+            logical_block_size=g.logical_block_size,
+            kernel_block_size=g.kernel_block_size,
+        )
+    for r in spec.regions:
+        msg.regions.add(
+            name=r.name,
+            group_index=r.group,
+            dtype=_DTYPE[r.dtype],
+            layout=_LAYOUT[r.layout],
+            shape=list(r.shape),
+            memory=_MEMORY[r.memory],
+            block_stride=r.block_stride,
+        )
+    return msg
+
+
+def spec_from_proto(msg: spec_pb2.KvCacheSpec, where: str = "spec") -> KVCacheSpec:
+    try:
+        groups = tuple(
+            KVGroup(
+                g.name,
+                _inverse(_KIND, "group kind", g.kind, f"{where}.groups[{i}].kind"),
+                g.logical_block_size,
+                g.kernel_block_size,
+            )
+            for i, g in enumerate(msg.groups)
+        )
+        regions = tuple(
+            Region(
+                name=r.name,
+                group=r.group_index,
+                dtype=_inverse(_DTYPE, "dtype", r.dtype, f"{where}.regions[{i}].dtype"),
+                layout=_inverse(_LAYOUT, "layout", r.layout, f"{where}.regions[{i}].layout"),
+                shape=tuple(int(d) for d in r.shape),
+                memory=_inverse(_MEMORY, "memory", r.memory, f"{where}.regions[{i}].memory"),
+                block_stride=r.block_stride,
+            )
+            for i, r in enumerate(msg.regions)
+        )
+        return KVCacheSpec(msg.model, groups, regions)
+    except KvxferdError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise SpecError(f"malformed spec: {exc}", field=where) from exc
+
+
+def group_ids_to_proto(
+    groups: Sequence[Sequence[int] | npt.NDArray[np.int64]],
+) -> common_pb2.GroupBlockIds:
+    msg = common_pb2.GroupBlockIds()
+    for ids in groups:
+        msg.groups.add(ids=[int(i) for i in ids])
+    return msg
+
+
+def group_ids_from_proto(msg: common_pb2.GroupBlockIds) -> list[npt.NDArray[np.int64]]:
+    return [np.asarray(g.ids, dtype=np.int64) for g in msg.groups]
+
+
+def require(cond: bool, message: str, field: str, fix: str = "") -> None:
+    if not cond:
+        raise InvalidRequest(message, field=field, fix=fix)
