@@ -40,15 +40,22 @@ BLOCK_BYTES = 2 * 16 * 8 * 128 * 2  # bf16: 64 KiB
 REQ_BLOCKS = 512
 
 
-def _verify(bufs: list[torch.Tensor], local: np.ndarray, remote: np.ndarray, seed: int,
-            rng: np.random.Generator, samples: int = 128) -> None:
+def _verify(
+    bufs: list[torch.Tensor],
+    local: np.ndarray,
+    remote: np.ndarray,
+    *,
+    seed: int,
+    rng: np.random.Generator,
+    samples: int = 128,
+) -> None:
     words = BLOCK_BYTES // 8
     for _ in range(samples):
         layer = int(rng.integers(LAYERS))
         i = int(rng.integers(local.size))
         got = bufs[layer].view(torch.uint8).view(-1).view(torch.int64)
         lb, rb = int(local[i]), int(remote[i])
-        chunk = got[lb * words:(lb + 1) * words].numpy()
+        chunk = got[lb * words : (lb + 1) * words].numpy()
         if not np.array_equal(chunk, pattern_words(seed, layer, rb * words, words)):
             raise AssertionError(f"layer {layer} block {lb} does not hold remote block {rb}")
 
@@ -58,7 +65,7 @@ def _memcpy_gbps(bufs: list[torch.Tensor], repeat: int) -> list[float]:
     for _ in range(repeat):
         t0 = time.perf_counter()
         for b in bufs:  # same bytes: 512 blocks per layer, copied within the layer's tensor
-            b[REQ_BLOCKS:2 * REQ_BLOCKS].copy_(b[:REQ_BLOCKS])
+            b[REQ_BLOCKS : 2 * REQ_BLOCKS].copy_(b[:REQ_BLOCKS])
         out.append(LAYERS * REQ_BLOCKS * BLOCK_BYTES / (time.perf_counter() - t0) / 1e9)
     return out
 
@@ -70,8 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="also write results here")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ucx-threads", type=int, default=0, help="UCX backend num_threads")
-    ap.add_argument("--max-desc-kib", type=int, default=0,
-                    help="split merged ranges above this size (0: never)")
+    ap.add_argument(
+        "--max-desc-kib", type=int, default=0, help="split merged ranges above this size (0: never)"
+    )
     args = ap.parse_args(argv)
     nb = args.num_blocks
     if nb < 2 * REQ_BLOCKS:
@@ -84,10 +92,16 @@ def main(argv: list[str] | None = None) -> int:
     regions = np.array([[b.data_ptr(), layer_bytes, 0] for b in bufs], dtype=np.int64)
     agent.register(regions, MemType.DRAM)
     engines = {
-        True: TransferEngine(agent, regions, options=EngineOptions(
-            default_timeout_s=120, max_desc_bytes=(args.max_desc_kib << 10) or None)),
-        False: TransferEngine(agent, regions,
-                              options=EngineOptions(default_timeout_s=120, coalesce=False)),
+        True: TransferEngine(
+            agent,
+            regions,
+            options=EngineOptions(
+                default_timeout_s=120, max_desc_bytes=(args.max_desc_kib << 10) or None
+            ),
+        ),
+        False: TransferEngine(
+            agent, regions, options=EngineOptions(default_timeout_s=120, coalesce=False)
+        ),
     }
     for e in engines.values():
         e.start()
@@ -104,8 +118,9 @@ def main(argv: list[str] | None = None) -> int:
             ("coalesced: contiguous blocks", True, "contiguous"),
             ("fragmented: random blocks", True, "random"),
         ]
-        warm = plan_from_blocks(contiguous[:2], contiguous[:2], num_regions=1,
-                                block_len=BLOCK_BYTES)
+        warm = plan_from_blocks(
+            contiguous[:2], contiguous[:2], num_regions=1, block_len=BLOCK_BYTES
+        )
         engines[True].submit("warm", owner.name, warm).result(60)
         n = 0
         for label, merge, pattern in schemes:
@@ -116,20 +131,22 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     local = np.sort(rng.choice(nb, REQ_BLOCKS, replace=False)).astype(np.int64)
                     remote = rng.permutation(rng.choice(nb, REQ_BLOCKS, replace=False))
-                plan = plan_from_blocks(local, remote, num_regions=LAYERS,
-                                        block_len=BLOCK_BYTES)
+                plan = plan_from_blocks(local, remote, num_regions=LAYERS, block_len=BLOCK_BYTES)
                 n += 1
                 t0 = time.perf_counter()
                 res = engines[merge].submit(f"x{n}", owner.name, plan).result(120)
                 dt = time.perf_counter() - t0
                 if res.status is not TransferStatus.DONE:
                     raise RuntimeError(f"{label}: {res.status.value} {res.reason}")
-                _verify(bufs, local, remote, 3, rng)
+                _verify(bufs, local, remote, seed=3, rng=rng)
                 speeds.append(res.nbytes / dt / 1e9)
                 posts.append((res.post_us or 0) / 1e3)
                 descs = res.descriptors
-            rows[label] = {"gbps": statistics.median(speeds), "descriptors": descs,
-                           "post_ms": statistics.median(posts)}
+            rows[label] = {
+                "gbps": statistics.median(speeds),
+                "descriptors": descs,
+                "post_ms": statistics.median(posts),
+            }
     finally:
         for e in engines.values():
             e.close()
@@ -137,15 +154,22 @@ def main(argv: list[str] | None = None) -> int:
         owner.close()
     base = rows["memcpy (torch copy_)"]["gbps"]
     naive = rows["naive: 1 desc per (layer, block)"]["gbps"]
-    print(f"1 GiB request ({LAYERS} layers x {REQ_BLOCKS} blocks x 64 KiB), CPU DRAM, "
-          f"UCX loopback, median of {args.repeat}")
+    print(
+        f"1 GiB request ({LAYERS} layers x {REQ_BLOCKS} blocks x 64 KiB), CPU DRAM, "
+        f"UCX loopback, median of {args.repeat}"
+    )
     print(f"{'scheme':36} {'descs':>7} {'post ms':>8} {'GB/s':>7} {'x memcpy':>9} {'x naive':>8}")
     for label, r in rows.items():
         post = f"{r['post_ms']:.1f}" if "post_ms" in r else "-"
-        print(f"{label:36} {r['descriptors']:>7} {post:>8} {r['gbps']:>7.2f} "
-              f"{r['gbps'] / base:>9.2f} {r['gbps'] / naive:>8.2f}")
-    result = {"request_bytes": LAYERS * REQ_BLOCKS * BLOCK_BYTES, "repeat": args.repeat,
-              "rows": rows}
+        print(
+            f"{label:36} {r['descriptors']:>7} {post:>8} {r['gbps']:>7.2f} "
+            f"{r['gbps'] / base:>9.2f} {r['gbps'] / naive:>8.2f}"
+        )
+    result = {
+        "request_bytes": LAYERS * REQ_BLOCKS * BLOCK_BYTES,
+        "repeat": args.repeat,
+        "rows": rows,
+    }
     print(json.dumps(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))

@@ -70,30 +70,46 @@ def main(argv: list[str] | None = None) -> int:
         lp = raw.prep_xfer_dlist("", local_all, "DRAM")
         rp = raw.prep_xfer_dlist(peer, remote_all, "DRAM")
         prep_ms = (time.perf_counter() - t0) * 1e3
-        h = raw.initialize_xfer("READ", raw.get_xfer_descs(local_all[:1], "DRAM"),
-                                raw.get_xfer_descs(remote_all[:1], "DRAM"), peer)
+        h = raw.initialize_xfer(
+            "READ",
+            raw.get_xfer_descs(local_all[:1], "DRAM"),
+            raw.get_xfer_descs(remote_all[:1], "DRAM"),
+            peer,
+        )
         raw.transfer(h)
         _wait(raw, h)
         raw.release_xfer_handle(h)  # connection warm
         out: dict[str, Any] = {"prep_ms": prep_ms, "sizes": {}}
         n = 16
         while n <= 16384:
-            stats: dict[str, list[float]] = {k: [] for k in
-                                             ("init_create", "init_post", "init_total",
-                                              "prep_create", "prep_post", "prep_total")}
+            stats: dict[str, list[float]] = {
+                k: []
+                for k in (
+                    "init_create",
+                    "init_post",
+                    "init_total",
+                    "prep_create",
+                    "prep_post",
+                    "prep_total",
+                )
+            }
             for rep in range(args.repeat):
                 # Fresh blocks per strategy, alternating which goes first: no cache bias.
-                for kind in (("init", "prep") if rep % 2 == 0 else ("prep", "init")):
+                for kind in ("init", "prep") if rep % 2 == 0 else ("prep", "init"):
                     li = rng.choice(local_all.shape[0], n, replace=False)
                     ri = rng.choice(remote_all.shape[0], n, replace=False)
                     t0 = time.perf_counter()
                     if kind == "init":
                         h = raw.initialize_xfer(
-                            "READ", raw.get_xfer_descs(local_all[li], "DRAM"),
-                            raw.get_xfer_descs(remote_all[ri], "DRAM"), peer)
+                            "READ",
+                            raw.get_xfer_descs(local_all[li], "DRAM"),
+                            raw.get_xfer_descs(remote_all[ri], "DRAM"),
+                            peer,
+                        )
                     else:
-                        h = raw.make_prepped_xfer("READ", lp, li.astype(np.int32), rp,
-                                                  ri.astype(np.int32))
+                        h = raw.make_prepped_xfer(
+                            "READ", lp, li.astype(np.int32), rp, ri.astype(np.int32)
+                        )
                     t1 = time.perf_counter()
                     raw.transfer(h)
                     t2 = time.perf_counter()
@@ -114,13 +130,18 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         agent.close()
         owner.close()
-    print(f"per-block dlists prepared once: {LAYERS * nb} entries per side, "
-          f"{res['prep_ms']:.1f} ms")
-    print(f"{'descs':>6} | {'initialize_xfer ms: create post total':>38} | "
-          f"{'make_prepped_xfer ms: create post total':>40}")
+    print(
+        f"per-block dlists prepared once: {LAYERS * nb} entries per side, {res['prep_ms']:.1f} ms"
+    )
+    print(
+        f"{'descs':>6} | {'initialize_xfer ms: create post total':>38} | "
+        f"{'make_prepped_xfer ms: create post total':>40}"
+    )
     for n, s in res["sizes"].items():
-        print(f"{n:>6} | {s['init_create']:>16.3f} {s['init_post']:>9.3f} {s['init_total']:>9.3f}"
-              f" | {s['prep_create']:>18.3f} {s['prep_post']:>9.3f} {s['prep_total']:>9.3f}")
+        print(
+            f"{n:>6} | {s['init_create']:>16.3f} {s['init_post']:>9.3f} {s['init_total']:>9.3f}"
+            f" | {s['prep_create']:>18.3f} {s['prep_post']:>9.3f} {s['prep_total']:>9.3f}"
+        )
     print(json.dumps(res))
     if args.json:
         args.json.write_text(json.dumps(res, indent=2))

@@ -38,7 +38,7 @@ def fill_pattern(buf: Any, seed: int, region: int) -> None:
     chunk = 1 << 24
     for start in range(0, words.numel(), chunk):
         n = min(chunk, words.numel() - start)
-        words[start:start + n] = torch.from_numpy(pattern_words(seed, region, start, n))
+        words[start : start + n] = torch.from_numpy(pattern_words(seed, region, start, n))
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,8 @@ def plan_from_blocks(
     stride = block_len if block_stride is None else block_stride
     length = np.full(lb.shape, block_len, dtype=np.int64)
     ranges = tuple(
-        RegionRanges(r, f"layer{r}", lb * stride, rb * stride, length)
-        for r in range(num_regions)
+        RegionRanges(r, f"layer{r}", lb * stride, rb * stride, length) for r in range(num_regions)
     )
-    return TransferPlan(ranges, local_kernel_blocks=(lb,),
-                        naive_descriptors=num_regions * int(lb.size))
+    return TransferPlan(
+        ranges, local_kernel_blocks=(lb,), naive_descriptors=num_regions * int(lb.size)
+    )

@@ -165,7 +165,10 @@ class NixlAgent:
             self._thread.add_poller(self._progress)
         log.info(
             "event=nixl_agent_started agent=%s progress=%s delay_us=%d device=%s",
-            self.name, opts.progress.value, opts.progress_delay_us, self.cuda_device,
+            self.name,
+            opts.progress.value,
+            opts.progress_delay_us,
+            self.cuda_device,
         )
 
     def close(self) -> None:
@@ -242,8 +245,13 @@ class NixlAgent:
             )
         reg = Registration(arr.copy(), mem_type, dlist)
         self._registrations.append(reg)
-        log.info("event=nixl_registered agent=%s regions=%d bytes=%d mem=%s",
-                 self.name, arr.shape[0], reg.nbytes, mem_type.value)
+        log.info(
+            "event=nixl_registered agent=%s regions=%d bytes=%d mem=%s",
+            self.name,
+            arr.shape[0],
+            reg.nbytes,
+            mem_type.value,
+        )
         return reg
 
     def deregister(self, reg: Registration) -> None:
@@ -300,8 +308,9 @@ class NixlAgent:
                 fix="the peer's handshake and NIXL metadata disagree: restart the peer",
             )
         self._remotes.add(name)
-        log.info("event=nixl_remote_added agent=%s peer=%s md_bytes=%d",
-                 self.name, name, len(metadata))
+        log.info(
+            "event=nixl_remote_added agent=%s peer=%s md_bytes=%d", self.name, name, len(metadata)
+        )
 
     def remove_remote(self, name: str) -> None:
         self._thread.call(self._remove_remote, name)
@@ -362,19 +371,24 @@ class NixlAgent:
                 fix="pair every local range with one remote range of the same length",
             )
         if not np.array_equal(loc[:, 1], rem[:, 1]):
-            raise InvalidRequest("local and remote descriptor lengths differ",
-                                 fix="pair ranges of equal length")
+            raise InvalidRequest(
+                "local and remote descriptor lengths differ", fix="pair ranges of equal length"
+            )
         if peer not in self._remotes:
-            raise PeerUnavailable(f"peer {peer!r} is not loaded on agent {self.name}",
-                                  fix="handshake with the peer (add_remote) before posting")
+            raise PeerUnavailable(
+                f"peer {peer!r} is not loaded on agent {self.name}",
+                fix="handshake with the peer (add_remote) before posting",
+            )
         t0 = time.monotonic()
         handle = None
         try:
             ldescs = agent.get_xfer_descs(loc, mems[0].value)
             rdescs = agent.get_xfer_descs(rem, mems[1].value)
             if ldescs is None or rdescs is None:
-                raise InvalidRequest("NIXL refused the descriptor arrays",
-                                     fix="pass N x 3 int64 arrays with a valid memory type")
+                raise InvalidRequest(
+                    "NIXL refused the descriptor arrays",
+                    fix="pass N x 3 int64 arrays with a valid memory type",
+                )
             handle = agent.initialize_xfer(op.value, ldescs, rdescs, peer, notif)
             if handle is None:
                 raise TransportError("NIXL returned no transfer handle")
@@ -383,8 +397,14 @@ class NixlAgent:
             if handle is not None:
                 self._release_raw(handle, peer)
             raise map_nixl_error(exc, op=f"post {op.value}", peer=peer) from exc
-        return XferHandle(peer=peer, op=op, nbytes=int(loc[:, 1].sum()),
-                          descriptors=int(loc.shape[0]), posted_at=t0, _handle=handle)
+        return XferHandle(
+            peer=peer,
+            op=op,
+            nbytes=int(loc[:, 1].sum()),
+            descriptors=int(loc.shape[0]),
+            posted_at=t0,
+            _handle=handle,
+        )
 
     def poll(self, handle: XferHandle) -> XferState:
         """Current state of ``handle``; failures raise the mapped kvxferd error."""
@@ -409,8 +429,12 @@ class NixlAgent:
             t = self._live().get_xfer_telemetry(handle._handle)
         except Exception:
             return None
-        return XferTelemetry(post_us=int(t.postDuration), xfer_us=int(t.xferDuration),
-                             total_bytes=int(t.totalBytes), descriptors=int(t.descCount))
+        return XferTelemetry(
+            post_us=int(t.postDuration),
+            xfer_us=int(t.xferDuration),
+            total_bytes=int(t.totalBytes),
+            descriptors=int(t.descCount),
+        )
 
     def release(self, handle: XferHandle) -> bool:
         """Release (and thereby cancel) ``handle``; True when NIXL freed it."""
@@ -429,8 +453,12 @@ class NixlAgent:
         try:
             self._live().release_xfer_handle(raw)
         except Exception as exc:
-            log.warning("event=nixl_release_failed agent=%s peer=%s error=%s",
-                        self.name, peer, map_nixl_error(exc, op="release", peer=peer))
+            log.warning(
+                "event=nixl_release_failed agent=%s peer=%s error=%s",
+                self.name,
+                peer,
+                map_nixl_error(exc, op="release", peer=peer),
+            )
             return False
         return True
 
@@ -468,8 +496,10 @@ class NixlAgent:
 
     def _send_notif(self, peer: str, msg: bytes) -> None:
         if peer not in self._remotes:
-            raise PeerUnavailable(f"peer {peer!r} is not loaded on agent {self.name}",
-                                  fix="handshake with the peer before notifying it")
+            raise PeerUnavailable(
+                f"peer {peer!r} is not loaded on agent {self.name}",
+                fix="handshake with the peer before notifying it",
+            )
         try:
             self._live().send_notif(peer, msg)
         except Exception as exc:

@@ -51,8 +51,10 @@ def map_nixl_error(exc: BaseException, *, op: str, peer: str = "") -> KvxferdErr
             "new metadata) before retrying",
         )
     if isinstance(exc, _CANCELLED):
-        return Cancelled(f"cancelled: {detail}",
-                         fix="the transfer was cancelled locally; retry it if still wanted")
+        return Cancelled(
+            f"cancelled: {detail}",
+            fix="the transfer was cancelled locally; retry it if still wanted",
+        )
     if isinstance(exc, _NOT_FOUND):
         return InvalidRequest(
             f"unknown agent or unregistered memory in {detail}",

@@ -85,12 +85,14 @@ def check_descs(descs: Int64Array, what: str) -> Int64Array:
     if arr.dtype != np.int64:
         if not np.issubdtype(arr.dtype, np.integer):
             raise InvalidRequest(
-                f"descriptor array must be integer, got {arr.dtype}", field=what,
+                f"descriptor array must be integer, got {arr.dtype}",
+                field=what,
                 fix="use np.int64",
             )
         arr = arr.astype(np.int64)
-    if arr.shape[0] and (int(arr[:, 1].min()) <= 0 or int(arr[:, 0].min()) <= 0
-                         or int(arr[:, 2].min()) < 0):
+    if arr.shape[0] and (
+        int(arr[:, 1].min()) <= 0 or int(arr[:, 0].min()) <= 0 or int(arr[:, 2].min()) < 0
+    ):
         raise InvalidRequest(
             "descriptor addresses and lengths must be positive and devices non-negative",
             field=what,

@@ -108,8 +108,9 @@ class NixlThread:
         self._queue.put(_STOP)
         self._thread.join(timeout_s)
         if self._thread.is_alive():
-            log.error("event=nixl_thread_stop_timeout thread=%s timeout_s=%s", self._name,
-                      timeout_s)
+            log.error(
+                "event=nixl_thread_stop_timeout thread=%s timeout_s=%s", self._name, timeout_s
+            )
 
     def _run(self) -> None:
         self._ident = threading.get_ident()

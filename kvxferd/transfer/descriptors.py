@@ -38,11 +38,11 @@ class RegionTable:
         """From an ``N x 3`` ``(addr, len, dev)`` array (what a handshake carries)."""
         arr = np.asarray(regions, dtype=np.int64)
         if arr.ndim != 2 or arr.shape[1] != 3:
-            raise InvalidRequest(f"regions must be N x 3 (addr, len, dev), got {arr.shape}",
-                                 field="regions")
+            raise InvalidRequest(
+                f"regions must be N x 3 (addr, len, dev), got {arr.shape}", field="regions"
+            )
         if arr.shape[0] and (arr[:, 0].min() <= 0 or arr[:, 1].min() <= 0):
-            raise InvalidRequest("region addresses and lengths must be positive",
-                                 field="regions")
+            raise InvalidRequest("region addresses and lengths must be positive", field="regions")
         return cls(arr[:, 0].copy(), arr[:, 1].copy(), arr[:, 2].copy())
 
     def as_array(self) -> Int64Array:
@@ -89,8 +89,9 @@ def split_long(
     return local_offset[idx] + skip, remote_offset[idx] + skip, ln
 
 
-def _check_bounds(side: str, table: RegionTable, region: int, off: Int64Array,
-                  ln: Int64Array) -> None:
+def _check_bounds(
+    side: str, table: RegionTable, region: int, off: Int64Array, ln: Int64Array
+) -> None:
     if not 0 <= region < table.num_regions:
         raise InvalidRequest(
             f"plan names region {region}, the {side} side registered {table.num_regions}",
@@ -100,8 +101,10 @@ def _check_bounds(side: str, table: RegionTable, region: int, off: Int64Array,
     if off.size == 0:
         return
     if int(ln.min()) <= 0:
-        raise BlockRangeError(f"{side} ranges of region {region} include an empty range",
-                              field=f"ranges[{region}].length")
+        raise BlockRangeError(
+            f"{side} ranges of region {region} include an empty range",
+            field=f"ranges[{region}].length",
+        )
     end = off + ln
     if int(off.min()) < 0 or int(end.max()) > int(table.length[region]):
         raise BlockRangeError(

@@ -121,8 +121,8 @@ class TransferEngine:
         self._lock = threading.Lock()
         self._peers: dict[str, _Peer] = {}
         self._transfers: dict[str, Transfer] = {}
-        self._active: list[Transfer] = []         # touched on the NIXL thread only
-        self._zombies: list[XferHandle] = []      # handles NIXL refused to free yet
+        self._active: list[Transfer] = []  # touched on the NIXL thread only
+        self._zombies: list[XferHandle] = []  # handles NIXL refused to free yet
         self._wait = self._opts.min_poll_s
         self._started = False
 
@@ -142,30 +142,33 @@ class TransferEngine:
 
     # -- peers ------------------------------------------------------------------------------
 
-    def connect_peer(self, name: str, metadata: bytes, regions: npt.ArrayLike,
-                     mem: MemType = MemType.DRAM) -> None:
+    def connect_peer(
+        self, name: str, metadata: bytes, regions: npt.ArrayLike, mem: MemType = MemType.DRAM
+    ) -> None:
         """Load a peer's NIXL metadata and regions (from its handshake). A peer already known
         (restarted, re-registered) has its in-flight transfers cancelled and is replaced."""
         table = RegionTable.from_array(regions)
         self._agent.submit(self._connect_now, name, metadata, table, mem).result()
 
-    def _connect_now(self, name: str, metadata: bytes, table: RegionTable,
-                     mem: MemType) -> None:
-        self._fail_peer_now(name, Cancelled(f"peer {name} re-handshaked with new metadata",
-                                            fix="retry the pull"), TransferStatus.CANCELLED)
+    def _connect_now(self, name: str, metadata: bytes, table: RegionTable, mem: MemType) -> None:
+        self._fail_peer_now(
+            name,
+            Cancelled(f"peer {name} re-handshaked with new metadata", fix="retry the pull"),
+            TransferStatus.CANCELLED,
+        )
         self._agent.add_remote(name, metadata)
         with self._lock:
             self._peers[name] = _Peer(name, table, mem)
-        log.info("event=peer_connected peer=%s regions=%d mem=%s", name, table.num_regions,
-                 mem.value)
+        log.info(
+            "event=peer_connected peer=%s regions=%d mem=%s", name, table.num_regions, mem.value
+        )
 
     def disconnect_peer(self, name: str, reason: str = "peer removed") -> None:
         """Fail the peer's transfers (FAILED, PeerUnavailable) and unload its metadata."""
         self._agent.submit(self._disconnect_now, name, reason).result()
 
     def _disconnect_now(self, name: str, reason: str) -> None:
-        self._fail_peer_now(name, PeerUnavailable(f"peer {name}: {reason}"),
-                            TransferStatus.FAILED)
+        self._fail_peer_now(name, PeerUnavailable(f"peer {name}: {reason}"), TransferStatus.FAILED)
         with self._lock:
             self._peers.pop(name, None)
         if self._agent.has_remote(name):
@@ -195,22 +198,40 @@ class TransferEngine:
         with self._lock:
             p = self._peers.get(peer)
         if p is None:
-            raise PeerUnavailable(f"peer {peer!r} is not connected",
-                                  fix="handshake with the peer before pulling from it")
-        local, remote = build_descriptors(plan, self._local, p.regions,
-                                          merge=self._opts.coalesce,
-                                          max_desc_bytes=self._opts.max_desc_bytes)
+            raise PeerUnavailable(
+                f"peer {peer!r} is not connected",
+                fix="handshake with the peer before pulling from it",
+            )
+        local, remote = build_descriptors(
+            plan,
+            self._local,
+            p.regions,
+            merge=self._opts.coalesce,
+            max_desc_bytes=self._opts.max_desc_bytes,
+        )
         now = self._clock()
-        xfer = Transfer(transfer_id, peer, op, plan, int(local[:, 1].sum()),
-                        int(local.shape[0]), now, now + timeout,
-                        _local=local, _remote=remote, _notif=notif)
+        xfer = Transfer(
+            transfer_id,
+            peer,
+            op,
+            plan,
+            int(local[:, 1].sum()),
+            int(local.shape[0]),
+            now,
+            now + timeout,
+            _local=local,
+            _remote=remote,
+            _notif=notif,
+        )
         with self._lock:
             if transfer_id in self._transfers:
-                raise AlreadyExists(f"transfer {transfer_id!r} is already in flight",
-                                    field="transfer_id")
+                raise AlreadyExists(
+                    f"transfer {transfer_id!r} is already in flight", field="transfer_id"
+                )
             if self._peers.get(peer) is not p:
-                raise PeerUnavailable(f"peer {peer!r} changed while submitting",
-                                      fix="retry the pull")
+                raise PeerUnavailable(
+                    f"peer {peer!r} changed while submitting", fix="retry the pull"
+                )
             budget = self._opts.max_inflight_bytes_per_peer
             if p.inflight and p.inflight_bytes + xfer.nbytes > budget:
                 raise ResourceExhausted(
@@ -222,17 +243,31 @@ class TransferEngine:
             p.inflight_bytes += xfer.nbytes
             p.inflight += 1
             self._transfers[transfer_id] = xfer
-        log.info("event=transfer_submitted id=%s peer=%s op=%s bytes=%d descs=%d naive=%d "
-                 "timeout_s=%.3f", transfer_id, peer, op.value, xfer.nbytes, xfer.descriptors,
-                 plan.naive_descriptors, timeout)
+        log.info(
+            "event=transfer_submitted id=%s peer=%s op=%s bytes=%d descs=%d naive=%d "
+            "timeout_s=%.3f",
+            transfer_id,
+            peer,
+            op.value,
+            xfer.nbytes,
+            xfer.descriptors,
+            plan.naive_descriptors,
+            timeout,
+        )
         fut = self._agent.submit(self._post_now, xfer)
         fut.add_done_callback(lambda f: self._post_failed(xfer, f))
         return xfer
 
-    async def pull(self, transfer_id: str, peer: str, plan: TransferPlan, *,
-                   notif: bytes = b"", timeout_s: float | None = None) -> TransferResult:
-        return await self.submit(transfer_id, peer, plan, notif=notif,
-                                 timeout_s=timeout_s).wait()
+    async def pull(
+        self,
+        transfer_id: str,
+        peer: str,
+        plan: TransferPlan,
+        *,
+        notif: bytes = b"",
+        timeout_s: float | None = None,
+    ) -> TransferResult:
+        return await self.submit(transfer_id, peer, plan, notif=notif, timeout_s=timeout_s).wait()
 
     def get(self, transfer_id: str) -> Transfer | None:
         with self._lock:
@@ -258,8 +293,11 @@ class TransferEngine:
             self._finish_empty(xfer)
             return
         if self._clock() >= xfer.deadline:
-            self._finish(xfer, TransferStatus.EXPIRED,
-                         DeadlineExceeded("deadline passed before the transfer was posted"))
+            self._finish(
+                xfer,
+                TransferStatus.EXPIRED,
+                DeadlineExceeded("deadline passed before the transfer was posted"),
+            )
             return
         assert xfer._local is not None and xfer._remote is not None
         with self._lock:
@@ -268,8 +306,14 @@ class TransferEngine:
             if p is None:
                 raise PeerUnavailable(f"peer {xfer.peer} was disconnected")
             xfer._handle = self._agent.post(
-                xfer.op, xfer._local, xfer._remote, peer=xfer.peer,
-                local_mem=self._local_mem, remote_mem=p.mem, notif=xfer._notif)
+                xfer.op,
+                xfer._local,
+                xfer._remote,
+                peer=xfer.peer,
+                local_mem=self._local_mem,
+                remote_mem=p.mem,
+                notif=xfer._notif,
+            )
         except KvxferdError as err:
             self._finish(xfer, TransferStatus.FAILED, err)
             return
@@ -283,8 +327,12 @@ class TransferEngine:
             try:
                 self._agent.send_notif(xfer.peer, xfer._notif)
             except KvxferdError as err:
-                log.warning("event=transfer_notif_failed id=%s peer=%s error=%s",
-                            xfer.transfer_id, xfer.peer, err)
+                log.warning(
+                    "event=transfer_notif_failed id=%s peer=%s error=%s",
+                    xfer.transfer_id,
+                    xfer.peer,
+                    err,
+                )
         self._finish(xfer, TransferStatus.DONE, None)
 
     def _poll(self) -> float | None:
@@ -306,13 +354,21 @@ class TransferEngine:
                 self._finish(xfer, TransferStatus.DONE, None)
                 progressed = True
             elif state is XferState.FAILED:
-                self._finish(xfer, TransferStatus.FAILED,
-                             PeerUnavailable("NIXL reported the transfer failed"))
+                self._finish(
+                    xfer,
+                    TransferStatus.FAILED,
+                    PeerUnavailable("NIXL reported the transfer failed"),
+                )
                 progressed = True
             elif now >= xfer.deadline:
-                self._finish(xfer, TransferStatus.EXPIRED, DeadlineExceeded(
-                    f"transfer still in progress after {xfer.deadline - xfer.created_at:.3f}s",
-                    fix="the peer may be stopped or overloaded; retry with a new lease"))
+                self._finish(
+                    xfer,
+                    TransferStatus.EXPIRED,
+                    DeadlineExceeded(
+                        f"transfer still in progress after {xfer.deadline - xfer.created_at:.3f}s",
+                        fix="the peer may be stopped or overloaded; retry with a new lease",
+                    ),
+                )
                 progressed = True
         if progressed:
             self._wait = self._opts.min_poll_s
@@ -345,8 +401,7 @@ class TransferEngine:
             if not xfer.status.terminal:
                 self._finish(xfer, status, err)
 
-    def _finish(self, xfer: Transfer, status: TransferStatus,
-                err: KvxferdError | None) -> None:
+    def _finish(self, xfer: Transfer, status: TransferStatus, err: KvxferdError | None) -> None:
         post_us = xfer_us = ndesc = None
         handle = xfer._handle
         if handle is not None:
@@ -368,14 +423,30 @@ class TransferEngine:
                 p.inflight -= 1
         invalid = () if status is TransferStatus.DONE else xfer.plan.local_kernel_blocks
         result = TransferResult(
-            xfer.transfer_id, xfer.peer, status, reason=str(err) if err else "", error=err,
+            xfer.transfer_id,
+            xfer.peer,
+            status,
+            reason=str(err) if err else "",
+            error=err,
             invalid_blocks=tuple(np.asarray(b, dtype=np.int64) for b in invalid),
-            nbytes=xfer.nbytes, descriptors=xfer.descriptors,
+            nbytes=xfer.nbytes,
+            descriptors=xfer.descriptors,
             elapsed_s=self._clock() - xfer.created_at,
-            post_us=post_us, xfer_us=xfer_us, nixl_descriptors=ndesc)
-        log.log(logging.INFO if status is TransferStatus.DONE else logging.WARNING,
-                "event=transfer_end id=%s peer=%s status=%s bytes=%d descs=%d elapsed_ms=%.3f "
-                "reason=%s", xfer.transfer_id, xfer.peer, status.value, xfer.nbytes,
-                xfer.descriptors, result.elapsed_s * 1e3, result.reason or "-")
+            post_us=post_us,
+            xfer_us=xfer_us,
+            nixl_descriptors=ndesc,
+        )
+        log.log(
+            logging.INFO if status is TransferStatus.DONE else logging.WARNING,
+            "event=transfer_end id=%s peer=%s status=%s bytes=%d descs=%d elapsed_ms=%.3f "
+            "reason=%s",
+            xfer.transfer_id,
+            xfer.peer,
+            status.value,
+            xfer.nbytes,
+            xfer.descriptors,
+            result.elapsed_s * 1e3,
+            result.reason or "-",
+        )
         if not xfer.future.done():
             xfer.future.set_result(result)

@@ -33,8 +33,8 @@ Clock = Callable[[], float]
 
 
 class ReleaseReason(enum.Enum):
-    DONE = "DONE"            # every expected reader reported completion
-    EXPIRED = "EXPIRED"      # the TTL passed first
+    DONE = "DONE"  # every expected reader reported completion
+    EXPIRED = "EXPIRED"  # the TTL passed first
     CANCELLED = "CANCELLED"  # the engine or an operator gave the blocks up
 
 
@@ -92,8 +92,9 @@ class LeaseTable:
 
     def _ttl(self, ttl_s: float) -> float:
         if not 0 < ttl_s <= self._max_ttl_s:
-            raise InvalidRequest(f"lease TTL {ttl_s}s is outside (0, {self._max_ttl_s}]",
-                                 field="ttl_s")
+            raise InvalidRequest(
+                f"lease TTL {ttl_s}s is outside (0, {self._max_ttl_s}]", field="ttl_s"
+            )
         return ttl_s
 
     def hold(
@@ -108,19 +109,25 @@ class LeaseTable:
         if not request_id:
             raise InvalidRequest("request ID must not be empty", field="request_id")
         if readers < 1:
-            raise InvalidRequest(f"expected readers must be >= 1, got {readers}",
-                                 field="readers")
+            raise InvalidRequest(f"expected readers must be >= 1, got {readers}", field="readers")
         ttl = self._ttl(ttl_s)
         blocks = tuple(np.asarray(b, dtype=np.int64).copy() for b in kernel_blocks)
         with self._lock:
             if request_id in self._leases:
-                raise AlreadyExists(f"request {request_id!r} already holds a lease",
-                                    field="request_id")
+                raise AlreadyExists(
+                    f"request {request_id!r} already holds a lease", field="request_id"
+                )
             lease = Lease(request_id, blocks, readers, self._clock() + ttl, ttl)
             self._leases[request_id] = lease
             self._ended.pop(request_id, None)
-        log.info("event=lease_held request=%s readers=%d ttl_s=%.3f groups=%d blocks=%d",
-                 request_id, readers, ttl, len(blocks), sum(b.size for b in blocks))
+        log.info(
+            "event=lease_held request=%s readers=%d ttl_s=%.3f groups=%d blocks=%d",
+            request_id,
+            readers,
+            ttl,
+            len(blocks),
+            sum(b.size for b in blocks),
+        )
         return lease
 
     def confirm_and_extend(self, request_id: str, ttl_s: float | None = None) -> Lease:
@@ -134,8 +141,11 @@ class LeaseTable:
                 lease = None
             if lease is not None:
                 ttl = lease.ttl_s if ttl_s is None else self._ttl(ttl_s)
-                lease = replace(lease, expires_at=max(lease.expires_at, now + ttl),
-                                confirmations=lease.confirmations + 1)
+                lease = replace(
+                    lease,
+                    expires_at=max(lease.expires_at, now + ttl),
+                    confirmations=lease.confirmations + 1,
+                )
                 self._leases[request_id] = lease
             reason = self._ended.get(request_id)
         if expired is not None:
@@ -155,12 +165,12 @@ class LeaseTable:
         with self._lock:
             lease = self._leases.get(request_id)
             if lease is None:
-                log.info("event=lease_late_completion request=%s reader=%s",
-                         request_id, reader)
+                log.info("event=lease_late_completion request=%s reader=%s", request_id, reader)
                 return None
             if reader in lease.done_readers:
-                log.warning("event=lease_duplicate_completion request=%s reader=%s",
-                            request_id, reader)
+                log.warning(
+                    "event=lease_duplicate_completion request=%s reader=%s", request_id, reader
+                )
                 return None
             lease = replace(lease, done_readers=lease.done_readers | {reader})
             self._leases[request_id] = lease
@@ -183,8 +193,11 @@ class LeaseTable:
         """Release every lease whose TTL has passed (a full scan)."""
         with self._lock:
             now = self._clock()
-            out = [self._end(lease, ReleaseReason.EXPIRED)
-                   for lease in list(self._leases.values()) if now >= lease.expires_at]
+            out = [
+                self._end(lease, ReleaseReason.EXPIRED)
+                for lease in list(self._leases.values())
+                if now >= lease.expires_at
+            ]
         self._notify(out)
         return out
 
@@ -193,13 +206,19 @@ class LeaseTable:
         self._ended[lease.request_id] = reason
         while len(self._ended) > self._remember:
             self._ended.popitem(last=False)
-        return Released(lease.request_id, reason, lease.kernel_blocks,
-                        len(lease.done_readers), lease.readers)
+        return Released(
+            lease.request_id, reason, lease.kernel_blocks, len(lease.done_readers), lease.readers
+        )
 
     def _notify(self, released: list[Released]) -> None:
         for rel in released:
-            log.info("event=lease_released request=%s reason=%s readers_done=%d/%d",
-                     rel.request_id, rel.reason.value, rel.readers_done, rel.readers)
+            log.info(
+                "event=lease_released request=%s reason=%s readers_done=%d/%d",
+                rel.request_id,
+                rel.reason.value,
+                rel.readers_done,
+                rel.readers,
+            )
             for cb in self._callbacks:
                 try:
                     cb(rel)

@@ -53,11 +53,15 @@ def decode(msg: bytes) -> Notification:
         raise InvalidRequest(f"notification of {len(msg)} bytes is shorter than its header")
     magic, version, kind, n = _HEADER.unpack_from(msg)
     if magic != MAGIC:
-        raise InvalidRequest(f"notification magic {magic!r} is not {MAGIC!r}",
-                             fix="the sender is not a kvxferd daemon")
+        raise InvalidRequest(
+            f"notification magic {magic!r} is not {MAGIC!r}",
+            fix="the sender is not a kvxferd daemon",
+        )
     if version != VERSION:
-        raise InvalidRequest(f"notification version {version}, this daemon speaks {VERSION}",
-                             fix="run the same kvxferd version on both peers")
+        raise InvalidRequest(
+            f"notification version {version}, this daemon speaks {VERSION}",
+            fix="run the same kvxferd version on both peers",
+        )
     if len(msg) != _HEADER.size + n or n == 0:
         raise InvalidRequest(f"notification length {len(msg)} does not match its header")
     try:
@@ -65,7 +69,7 @@ def decode(msg: bytes) -> Notification:
     except ValueError:
         raise InvalidRequest(f"unknown notification kind {kind}") from None
     try:
-        rid = msg[_HEADER.size:].decode("utf-8")
+        rid = msg[_HEADER.size :].decode("utf-8")
     except UnicodeDecodeError:
         raise InvalidRequest("notification request ID is not UTF-8") from None
     return Notification(knd, rid)

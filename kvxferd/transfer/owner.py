@@ -59,8 +59,9 @@ class NotificationPump:
                     note = notify.decode(msg)
                 except KvxferdError as err:
                     self.dropped += 1
-                    log.warning("event=notif_dropped sender=%s bytes=%d error=%s",
-                                sender, len(msg), err)
+                    log.warning(
+                        "event=notif_dropped sender=%s bytes=%d error=%s", sender, len(msg), err
+                    )
                     continue
                 if note.kind is notify.NotifKind.READ_DONE:
                     self._leases.complete(note.request_id, sender)

@@ -14,12 +14,12 @@ Int64Array = npt.NDArray[np.int64]
 
 
 class TransferStatus(enum.Enum):
-    QUEUED = "QUEUED"            # accepted, not posted yet
+    QUEUED = "QUEUED"  # accepted, not posted yet
     IN_PROGRESS = "IN_PROGRESS"  # posted to NIXL
     DONE = "DONE"
     FAILED = "FAILED"
     CANCELLED = "CANCELLED"
-    EXPIRED = "EXPIRED"          # still in progress at its deadline; handle released
+    EXPIRED = "EXPIRED"  # still in progress at its deadline; handle released
 
     @property
     def terminal(self) -> bool:

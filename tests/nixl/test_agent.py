@@ -51,9 +51,14 @@ def test_constructor_starts_nothing() -> None:
 
 @pytest.mark.parametrize(
     ("exc_name", "kind"),
-    [("nixlRemoteDisconnectError", PeerUnavailable), ("nixlInvalidParamError", InvalidRequest),
-     ("nixlNotFoundError", InvalidRequest), ("nixlNotAllowedError", TransportError),
-     ("nixlCancelledError", Cancelled), ("nixlBackendError", TransportError)],
+    [
+        ("nixlRemoteDisconnectError", PeerUnavailable),
+        ("nixlInvalidParamError", InvalidRequest),
+        ("nixlNotFoundError", InvalidRequest),
+        ("nixlNotAllowedError", TransportError),
+        ("nixlCancelledError", Cancelled),
+        ("nixlBackendError", TransportError),
+    ],
 )
 def test_nixl_exceptions_map_to_kvxferd_errors(exc_name: str, kind: type) -> None:
     exc = getattr(bindings, exc_name)("boom")
@@ -64,8 +69,12 @@ def test_nixl_exceptions_map_to_kvxferd_errors(exc_name: str, kind: type) -> Non
 
 @pytest.mark.parametrize(
     "regions",
-    [np.zeros((0, 3), dtype=np.int64), np.array([[1, 2]], dtype=np.int64),
-     np.array([[0, 16, 0]], dtype=np.int64), np.array([[1.5, 16, 0]])],
+    [
+        np.zeros((0, 3), dtype=np.int64),
+        np.array([[1, 2]], dtype=np.int64),
+        np.array([[0, 16, 0]], dtype=np.int64),
+        np.array([[1.5, 16, 0]]),
+    ],
 )
 def test_register_rejects_malformed_regions(agent: NixlAgent, regions: np.ndarray) -> None:
     with pytest.raises(InvalidRequest):
@@ -140,8 +149,7 @@ def test_every_call_runs_on_the_one_nixl_thread(agent: NixlAgent) -> None:
 
     agent.add_poller(poller)
     results: list[bytes] = []
-    threads = [threading.Thread(target=lambda: results.append(agent.metadata()))
-               for _ in range(8)]
+    threads = [threading.Thread(target=lambda: results.append(agent.metadata())) for _ in range(8)]
     for t in threads:
         t.start()
     for t in threads:
@@ -157,8 +165,7 @@ def _idle_cpu(q: mp.Queue) -> None:  # type: ignore[type-arg]
         agent = NixlAgent(f"idle-{mode.value}", options=AgentOptions(progress=mode))
         agent.start()
         buf = torch.zeros(1 << 16, dtype=torch.uint8)
-        agent.register(np.array([[buf.data_ptr(), buf.numel(), 0]], dtype=np.int64),
-                       MemType.DRAM)
+        agent.register(np.array([[buf.data_ptr(), buf.numel(), 0]], dtype=np.int64), MemType.DRAM)
         time.sleep(0.1)
         t0, c0 = time.monotonic(), time.process_time()
         time.sleep(0.8)

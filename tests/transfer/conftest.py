@@ -33,8 +33,9 @@ class Reader:
         owner.call("add_remote", self.agent.name, self.agent.metadata())
 
 
-def make_reader(num_regions: int = 2, region_bytes: int = REGION,
-                options: EngineOptions | None = None) -> Reader:
+def make_reader(
+    num_regions: int = 2, region_bytes: int = REGION, options: EngineOptions | None = None
+) -> Reader:
     agent = NixlAgent(f"reader{next(_names)}", options=AgentOptions(idle_poll_s=0.005))
     agent.start()
     bufs = [torch.zeros(region_bytes, dtype=torch.uint8) for _ in range(num_regions)]

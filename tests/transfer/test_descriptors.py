@@ -32,8 +32,13 @@ def test_contiguous_blocks_become_one_descriptor_per_region() -> None:
     rng = np.random.default_rng(0)
     perm = rng.permutation(blocks.size)  # order in the plan must not matter
     ranges = tuple(
-        RegionRanges(r, f"l{r}", blocks[perm] * 4096, (blocks[perm] + 5) * 4096,
-                     np.full(blocks.size, 4096, dtype=np.int64))
+        RegionRanges(
+            r,
+            f"l{r}",
+            blocks[perm] * 4096,
+            (blocks[perm] + 5) * 4096,
+            np.full(blocks.size, 4096, dtype=np.int64),
+        )
         for r in range(2)
     )
     loc, rem = build_descriptors(TransferPlan(ranges), LOCAL, REMOTE)
@@ -48,8 +53,9 @@ def test_contiguous_on_one_side_only_is_not_merged() -> None:
 
 
 def test_merge_can_be_disabled() -> None:
-    loc, _ = build_descriptors(_plan(0, [0, 1024], [0, 1024], [1024, 1024]), LOCAL, REMOTE,
-                               merge=False)
+    loc, _ = build_descriptors(
+        _plan(0, [0, 1024], [0, 1024], [1024, 1024]), LOCAL, REMOTE, merge=False
+    )
     assert loc.shape[0] == 2
 
 
@@ -58,9 +64,7 @@ def test_empty_plan_gives_no_descriptors() -> None:
     assert loc.shape == (0, 3) and rem.shape == (0, 3)
 
 
-@pytest.mark.parametrize(
-    ("lo", "ro"), [([1 << 20], [0]), ([0], [(1 << 20) - 10]), ([-4], [0])]
-)
+@pytest.mark.parametrize(("lo", "ro"), [([1 << 20], [0]), ([0], [(1 << 20) - 10]), ([-4], [0])])
 def test_out_of_region_ranges_are_rejected(lo: list[int], ro: list[int]) -> None:
     with pytest.raises(BlockRangeError):
         build_descriptors(_plan(0, lo, ro, [16]), LOCAL, REMOTE)
@@ -79,9 +83,15 @@ def test_bad_region_table_is_rejected() -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 200), st.integers(0, 200)), min_size=0, max_size=60,
-                unique_by=lambda t: t[0]),
-       st.integers(1, 3))
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 200), st.integers(0, 200)),
+        min_size=0,
+        max_size=60,
+        unique_by=lambda t: t[0],
+    ),
+    st.integers(1, 3),
+)
 def test_coalesce_keeps_every_byte_pairing_exactly_once(
     pairs: list[tuple[int, int]], blk: int
 ) -> None:
@@ -90,10 +100,14 @@ def test_coalesce_keeps_every_byte_pairing_exactly_once(
     ln = np.full(len(pairs), blk, dtype=np.int64)
     mlo, mro, mln = coalesce(lo, ro, ln)
     # Expanding merged ranges byte by byte gives exactly the original (local, remote) pairs.
-    want = sorted((int(a) + k, int(b) + k) for a, b, n in zip(lo, ro, ln, strict=True)
-                  for k in range(int(n)))
-    got = sorted((int(a) + k, int(b) + k) for a, b, n in zip(mlo, mro, mln, strict=True)
-                 for k in range(int(n)))
+    want = sorted(
+        (int(a) + k, int(b) + k) for a, b, n in zip(lo, ro, ln, strict=True) for k in range(int(n))
+    )
+    got = sorted(
+        (int(a) + k, int(b) + k)
+        for a, b, n in zip(mlo, mro, mln, strict=True)
+        for k in range(int(n))
+    )
     assert got == want
     assert mln.size <= ln.size
     # Maximal: no two merged ranges could be merged further.
@@ -117,8 +131,10 @@ def test_split_long_covers_each_range_exactly(lengths: list[int], max_len: int) 
 
 def test_build_descriptors_splits_after_merging() -> None:
     blocks = np.arange(0, 16, dtype=np.int64)
-    plan = TransferPlan((RegionRanges(0, "l0", blocks * 4096, blocks * 4096,
-                                      np.full(16, 4096, dtype=np.int64)),))
+    plan = TransferPlan(
+        (RegionRanges(0, "l0", blocks * 4096, blocks * 4096, np.full(16, 4096, dtype=np.int64)),)
+    )
     loc, rem = build_descriptors(plan, LOCAL, REMOTE, max_desc_bytes=5 * 4096)
+    assert (rem[:, 0] - REMOTE.base[0]).tolist() == [0, 5 * 4096, 10 * 4096, 15 * 4096]
     assert loc[:, 1].tolist() == [5 * 4096, 5 * 4096, 5 * 4096, 4096]
     assert (loc[:, 0] - LOCAL.base[0]).tolist() == [0, 5 * 4096, 10 * 4096, 15 * 4096]

@@ -22,8 +22,16 @@ def test_layout_is_fixed() -> None:
 
 @pytest.mark.parametrize(
     "msg",
-    [b"", b"hi", b"XXXX\x01\x01\x00\x02r1", b"KVXN\x02\x01\x00\x02r1", b"KVXN\x01\x09\x00\x02r1",
-     b"KVXN\x01\x01\x00\x03r1", b"KVXN\x01\x01\x00\x00", b"KVXN\x01\x01\x00\x02\xff\xfe"],
+    [
+        b"",
+        b"hi",
+        b"XXXX\x01\x01\x00\x02r1",
+        b"KVXN\x02\x01\x00\x02r1",
+        b"KVXN\x01\x09\x00\x02r1",
+        b"KVXN\x01\x01\x00\x03r1",
+        b"KVXN\x01\x01\x00\x00",
+        b"KVXN\x01\x01\x00\x02\xff\xfe",
+    ],
 )
 def test_malformed_is_rejected(msg: bytes) -> None:
     with pytest.raises(InvalidRequest):

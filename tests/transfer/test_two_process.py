@@ -23,7 +23,7 @@ def _check_blocks(r: Reader, seed: int, local: np.ndarray, remote: np.ndarray) -
         got = r.words(region)
         for lb, rb in zip(local.tolist(), remote.tolist(), strict=True):
             want = pattern_words(seed, region, rb * WORDS, WORDS)
-            assert np.array_equal(got[lb * WORDS:(lb + 1) * WORDS], want), (region, lb, rb)
+            assert np.array_equal(got[lb * WORDS : (lb + 1) * WORDS], want), (region, lb, rb)
 
 
 def _clear(r: Reader) -> None:
@@ -43,7 +43,7 @@ def test_contiguous_read_moves_exact_bytes_in_one_descriptor_per_region(
     assert res.invalid_blocks == ()
     _check_blocks(reader, 1, local, remote)
     # Nothing outside the written blocks was touched.
-    assert not reader.words(0)[: 10 * WORDS].any() and not reader.words(1)[74 * WORDS:].any()
+    assert not reader.words(0)[: 10 * WORDS].any() and not reader.words(1)[74 * WORDS :].any()
 
 
 def test_fragmented_read_moves_exact_bytes(owner: OwnerProcess, reader: Reader) -> None:
@@ -64,8 +64,9 @@ def test_fragmented_read_moves_exact_bytes(owner: OwnerProcess, reader: Reader) 
 def test_empty_plan_is_done_and_still_notifies(owner: OwnerProcess, reader: Reader) -> None:
     owner.call("hold", "empty-1", 1, 10.0)
     before = len(owner.call("released"))
-    res = reader.engine.submit("empty", owner.name, TransferPlan(()),
-                               notif=notify.encode("empty-1")).result(5)
+    res = reader.engine.submit(
+        "empty", owner.name, TransferPlan(()), notif=notify.encode("empty-1")
+    ).result(5)
     assert res.status is TransferStatus.DONE and res.nbytes == 0
     rel = owner.wait_released(before + 1)
     assert ("empty-1", "DONE", 1) in rel
@@ -137,8 +138,9 @@ def test_stopped_owner_expires_at_the_deadline(
 ) -> None:
     victim, r = _stopped_owner_and_fresh_reader(spawn_owner, "stopped")
     try:
-        plan = plan_from_blocks(np.arange(0, 40, 2), np.arange(0, 40, 2), num_regions=1,
-                                block_len=BLOCK)
+        plan = plan_from_blocks(
+            np.arange(0, 40, 2), np.arange(0, 40, 2), num_regions=1, block_len=BLOCK
+        )
         t0 = time.monotonic()
         res = r.engine.submit("stuck", victim.name, plan, timeout_s=0.5).result(5)
         took = time.monotonic() - t0
@@ -161,8 +163,9 @@ def test_killed_owner_fails_in_deadline_and_can_be_replaced(
     reborn = spawn_owner(OwnerSpec("victim", (REGION,), seed=9), wait=False)  # starts early
     victim, r = _stopped_owner_and_fresh_reader(spawn_owner, "victim")
     try:
-        plan = plan_from_blocks(np.arange(0, 40, 2), np.arange(0, 40, 2), num_regions=1,
-                                block_len=BLOCK)
+        plan = plan_from_blocks(
+            np.arange(0, 40, 2), np.arange(0, 40, 2), num_regions=1, block_len=BLOCK
+        )
         t0 = time.monotonic()
         doomed = r.engine.submit("v-doomed", "victim", plan, timeout_s=5.0)
         time.sleep(0.1)
@@ -177,8 +180,9 @@ def test_killed_owner_fails_in_deadline_and_can_be_replaced(
         assert r.engine._zombies == [] and r.engine.inflight_bytes("victim") == 0
         # Others keep working meanwhile.
         other = plan_from_blocks(np.arange(4), np.arange(4), num_regions=2, block_len=BLOCK)
-        assert reader.engine.submit("o-ok", owner.name, other).result(10).status is \
-            TransferStatus.DONE
+        assert (
+            reader.engine.submit("o-ok", owner.name, other).result(10).status is TransferStatus.DONE
+        )
         # A restarted peer with the same name is re-added from its new metadata.
         r.connect(reborn.ready())
         _clear(r)

@@ -1,0 +1,5 @@
+"""``python -m kvxferd``: the same as the ``kvxferd`` console script."""
+
+from kvxferd.cli import main
+
+raise SystemExit(main())
