@@ -104,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
         "error": None,
         "plan": None,
     }
+    refused: KvxferdError | None = None
     if report.compatible:
         try:
             plan = plan_pull(
@@ -116,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
                 remote_tp=args.remote_tp,
             )
         except KvxferdError as exc:
+            refused = exc
             doc["error"] = {
                 "type": type(exc).__name__,
                 "field": exc.field,
@@ -128,11 +130,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(doc, indent=2))
     else:
         print("\n".join(_text(doc, args.max_ranges)))
-        if doc["error"] is not None:
-            err = doc["error"]
-            fix = f" (fix: {err['fix']})" if err["fix"] else ""
-            where = f"{err['field']}: " if err["field"] else ""
-            print(f"kvxferd: error: {where}{err['message']}{fix}", file=sys.stderr)
+        if refused is not None:
+            print(f"kvxferd: error: {refused}", file=sys.stderr)
     return 0 if doc["plan"] is not None else 1
 
 

@@ -628,13 +628,18 @@ class ChecksumRequest(_message.Message):
     GROUP_INDEX_FIELD_NUMBER: _builtins.int
     BLOCK_IDS_FIELD_NUMBER: _builtins.int
     ALGORITHM_FIELD_NUMBER: _builtins.int
+    KERNEL_BLOCK_IDS_FIELD_NUMBER: _builtins.int
     group_index: _builtins.int
     """Index into the spec's groups."""
     algorithm: Global___ChecksumAlgorithm.ValueType
     """Algorithm wanted; UNSPECIFIED lets the server choose."""
+    kernel_block_ids: _builtins.bool
+    """When true, block_ids are kernel block IDs and there is one digest per kernel block: the
+    unit a pull pairs blocks in, so a reader can verify each pulled kernel block.
+    """
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Logical block IDs of that group."""
+        """Logical block IDs of that group (kernel block IDs when kernel_block_ids is set)."""
 
     def __init__(
         self,
@@ -642,10 +647,11 @@ class ChecksumRequest(_message.Message):
         group_index: _builtins.int = ...,
         block_ids: _abc.Iterable[_builtins.int] | None = ...,
         algorithm: Global___ChecksumAlgorithm.ValueType = ...,
+        kernel_block_ids: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["algorithm", b"algorithm", "block_ids", b"block_ids", "group_index", b"group_index"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["algorithm", b"algorithm", "block_ids", b"block_ids", "group_index", b"group_index", "kernel_block_ids", b"kernel_block_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -225,7 +225,7 @@ def test_spec_validation_errors() -> None:
     layout=st.sampled_from(list(Layout)),
     dtype=st.sampled_from(list(KVDType)),
 )
-def test_any_allocated_region_infers_back(
+def test_any_allocated_region_infers_back(  # noqa: PLR0917
     blocks: int, heads: int, hs: int, bs: int, layout: Layout, dtype: KVDType
 ) -> None:
     if layout is Layout.MLA:

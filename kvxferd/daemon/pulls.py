@@ -1,0 +1,132 @@
+"""The book of pulls: each pull's status as a value, revisioned, with watchers.
+
+Runs on the daemon's event loop only (no locks). Watchers get every change of the pulls they
+watch through their own queue, so a slow watcher never blocks a pull.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from kvxferd.errors import KvxferdError, NotFound
+
+Int64Array = npt.NDArray[np.int64]
+
+
+class PullState(enum.Enum):
+    PENDING = "PENDING"
+    HANDSHAKING = "HANDSHAKING"
+    CONFIRMING = "CONFIRMING"
+    TRANSFERRING = "TRANSFERRING"
+    DONE = "DONE"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+    EXPIRED = "EXPIRED"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (PullState.DONE, PullState.FAILED, PullState.CANCELLED, PullState.EXPIRED)
+
+
+@dataclass(frozen=True)
+class PullRecord:
+    """A snapshot of one pull. ``invalid_local_blocks``: per group, local kernel block IDs."""
+
+    transfer_id: str
+    request_id: str
+    peer_address: str
+    state: PullState = PullState.PENDING
+    nbytes: int = 0
+    naive_descriptors: int = 0
+    posted_descriptors: int = 0
+    strategy: str = "DIRECT"
+    error: KvxferdError | None = None
+    invalid_local_blocks: tuple[Int64Array, ...] = field(default=())
+    created_ns: int = 0
+    started_ns: int = 0
+    finished_ns: int = 0
+    deadline_ns: int = 0
+    revision: int = 0
+
+
+class PullBook:
+    """Pulls by transfer ID; keeps the last ``keep_finished`` terminal ones for lookups."""
+
+    def __init__(self, keep_finished: int = 4096) -> None:
+        self._pulls: dict[str, PullRecord] = {}
+        self._finished: OrderedDict[str, None] = OrderedDict()
+        self._keep = keep_finished
+        self._watchers: list[tuple[frozenset[str], asyncio.Queue[PullRecord]]] = []
+        self._done_events: dict[str, asyncio.Event] = {}
+
+    def __contains__(self, transfer_id: str) -> bool:
+        return transfer_id in self._pulls
+
+    def add(self, record: PullRecord) -> PullRecord:
+        rec = dataclasses.replace(record, created_ns=time.time_ns(), revision=1)
+        self._pulls[rec.transfer_id] = rec
+        self._done_events[rec.transfer_id] = asyncio.Event()
+        self._publish(rec)
+        return rec
+
+    def get(self, transfer_id: str) -> PullRecord:
+        rec = self._pulls.get(transfer_id)
+        if rec is None:
+            raise NotFound(
+                f"no transfer {transfer_id!r}",
+                field="transfer_id",
+                fix="use an ID returned by StartPull (finished pulls are kept for a while)",
+            )
+        return rec
+
+    def update(self, transfer_id: str, **changes: object) -> PullRecord:
+        old = self.get(transfer_id)
+        if old.state.terminal:
+            return old  # terminal states are final
+        rec = dataclasses.replace(old, revision=old.revision + 1, **changes)  # type: ignore[arg-type]
+        if rec.state.terminal:
+            rec = dataclasses.replace(rec, finished_ns=time.time_ns())
+            self._done_events.pop(transfer_id).set()
+            self._finished[transfer_id] = None
+            while len(self._finished) > self._keep:
+                gone, _ = self._finished.popitem(last=False)
+                self._pulls.pop(gone, None)
+        self._pulls[transfer_id] = rec
+        self._publish(rec)
+        return rec
+
+    async def wait_terminal(self, transfer_id: str) -> PullRecord:
+        ev = self._done_events.get(transfer_id)
+        if ev is not None:
+            await ev.wait()
+        return self.get(transfer_id)
+
+    def active(self) -> list[PullRecord]:
+        return [r for r in self._pulls.values() if not r.state.terminal]
+
+    def watch(self, transfer_ids: frozenset[str]) -> asyncio.Queue[PullRecord]:
+        """A queue of every future change to ``transfer_ids`` (all pulls when empty), primed
+        with the current snapshot of the named ones."""
+        q: asyncio.Queue[PullRecord] = asyncio.Queue()
+        self._watchers.append((transfer_ids, q))
+        for tid in transfer_ids:
+            rec = self._pulls.get(tid)
+            if rec is not None:
+                q.put_nowait(rec)
+        return q
+
+    def unwatch(self, q: asyncio.Queue[PullRecord]) -> None:
+        self._watchers = [(ids, w) for ids, w in self._watchers if w is not q]
+
+    def _publish(self, rec: PullRecord) -> None:
+        for ids, q in self._watchers:
+            if not ids or rec.transfer_id in ids:
+                q.put_nowait(rec)
