@@ -18,9 +18,10 @@ from collections.abc import Sequence
 from kvxferd import __version__
 from kvxferd.commands import Command
 from kvxferd.commands import plan as _plan
+from kvxferd.commands import serve as _serve
 from kvxferd.errors import KvxferdError
 
-COMMANDS: tuple[Command, ...] = (_plan,)
+COMMANDS: tuple[Command, ...] = (_plan, _serve)
 """Every subcommand, in the order ``kvxferd --help`` lists them."""
 
 

@@ -82,13 +82,18 @@ class Mismatch:
 class IncompatiblePeer(KvxferdError):
     """The handshake was refused; every mismatch found is listed, not just the first."""
 
-    def __init__(self, mismatches: Sequence[Mismatch], *, peer: str = "") -> None:
+    def __init__(self, mismatches: Sequence[Mismatch], *, peer: str = "", detail: str = "") -> None:
+        """``detail``: the peer's own refusal text, when the peer refused (not us)."""
         self.mismatches = tuple(mismatches)
         self.peer = peer
         who = f" with {peer}" if peer else ""
-        lines = "; ".join(str(m) for m in self.mismatches)
+        if detail:
+            text = f"handshake{who} refused by the peer: {detail}"
+        else:
+            lines = "; ".join(str(m) for m in self.mismatches)
+            text = f"handshake{who} refused, {len(self.mismatches)} mismatch(es): {lines}"
         # Each mismatch carries its own fix; there is no single one for the whole refusal.
-        super().__init__(f"handshake{who} refused, {len(self.mismatches)} mismatch(es): {lines}")
+        super().__init__(text)
 
 
 class PeerUnavailable(KvxferdError):

@@ -1,0 +1,97 @@
+"""``kvxferd serve``: run the daemon (systemd service or Kubernetes sidecar)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from kvxferd.commands import Subparsers
+from kvxferd.config import load_config
+from kvxferd.logs import setup_logging
+
+_FLAGS = {
+    "listen": "server.listen",
+    "advertise": "server.advertise",
+    "engine_socket": "server.engine_socket",
+    "metrics_listen": "server.metrics_listen",
+    "token": "auth.token",
+    "preset": "pool.preset",
+    "spec": "pool.spec_file",
+    "device": "pool.device",
+    "log_level": "log.level",
+    "log_format": "log.format",
+}
+
+
+def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "serve",
+        help="run the daemon",
+        description=(
+            "Run the kvxferd daemon: Peer and Scheduler gRPC services on --listen, the Engine"
+            " service on --engine-socket, /metrics and /healthz on --metrics-listen. Settings"
+            " come from --config (TOML), then KVXFERD_<SECTION>_<KEY> environment variables,"
+            " then flags; every key is in docs/config.md. SIGTERM drains in-flight pulls for"
+            " server.drain_timeout_s, then stops."
+        ),
+    )
+    p.add_argument("--config", metavar="FILE", help="TOML configuration file")
+    p.add_argument("--listen", metavar="HOST:PORT", help="server.listen (port 0: any free)")
+    p.add_argument("--advertise", metavar="HOST:PORT", help="server.advertise")
+    p.add_argument("--engine-socket", metavar="PATH", help="server.engine_socket")
+    p.add_argument("--metrics-listen", metavar="HOST:PORT", help='server.metrics_listen ("" off)')
+    p.add_argument("--token", help="auth.token (prefer auth.token_file or the environment)")
+    p.add_argument("--preset", help="pool.preset, e.g. dense:num_blocks=512")
+    p.add_argument("--spec", metavar="FILE", help="pool.spec_file (TOML spec)")
+    p.add_argument("--device", help="pool.device: cpu or cuda[:N]")
+    p.add_argument("--prefix-caching", action="store_true", help="pool.prefix_caching = true")
+    p.add_argument("--tp", metavar="RANK/SIZE", help="pool.tp_rank / pool.tp_size")
+    p.add_argument("--log-level", help="log.level")
+    p.add_argument("--log-format", choices=("json", "text"), help="log.format")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="any configuration key (repeatable)",
+    )
+    p.add_argument("--ready-file", metavar="PATH", help="write bound addresses as JSON when up")
+    p.add_argument(
+        "--fill-pattern",
+        type=int,
+        metavar="SEED",
+        help="fill the owned pool with a deterministic per-block pattern (demos and tests)",
+    )
+    return p
+
+
+def overrides_from(args: argparse.Namespace) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for flag, key in _FLAGS.items():
+        value = getattr(args, flag)
+        if value is not None:
+            out[key] = str(value)
+    if args.prefix_caching:
+        out["pool.prefix_caching"] = "true"
+    if args.tp:
+        rank, _, size = args.tp.partition("/")
+        out["pool.tp_rank"], out["pool.tp_size"] = rank, size
+    for item in args.set:
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise argparse.ArgumentTypeError(f"--set {item!r}: write SECTION.KEY=VALUE")
+        out[key.strip()] = value
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, overrides=overrides_from(args))
+    setup_logging(cfg.log.level, cfg.log.format)
+    from kvxferd.service.app import serve_forever
+
+    main = serve_forever(cfg, ready_file=args.ready_file or "", fill_seed=args.fill_pattern)
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency; Windows lacks it
+        return asyncio.run(main)
+    return uvloop.run(main)

@@ -1,0 +1,290 @@
+"""Peers this daemon reads from: handshake client, cached per address and generation.
+
+A :class:`PeerLink` is made once per peer address and reused for every pull; the handshake
+(gRPC ``Peer.Handshake``) runs once per peer incarnation and registration generation, and
+everything per peer (NIXL metadata, region table, spec, TP) is loaded then, never per request.
+A refused or failed handshake is a typed error on the pull that needed it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import numpy as np
+from grpc import aio
+
+from kvxferd.errors import (
+    IncompatiblePeer,
+    KvxferdError,
+    LeaseRefused,
+    Mismatch,
+    PeerUnavailable,
+    Unauthenticated,
+)
+from kvxferd.logs import kv
+from kvxferd.peers import PeerInfo, compat_digest, require_compatible
+from kvxferd.peers.version import PROTOCOL_VERSION
+from kvxferd.service.convert import spec_from_proto, spec_to_proto
+from kvxferd.v1 import peer_pb2, peer_pb2_grpc, spec_pb2
+
+log = logging.getLogger(__name__)
+
+
+class LinkState(enum.Enum):
+    NEW = "NEW"
+    HANDSHAKING = "HANDSHAKING"
+    READY = "READY"
+    REFUSED = "REFUSED"
+    UNREACHABLE = "UNREACHABLE"
+
+
+@dataclass(frozen=True)
+class SelfDescription:
+    """What this daemon says about itself in a handshake."""
+
+    info: PeerInfo
+    agent_name: str
+    agent_metadata: bytes
+    registrations: tuple[spec_pb2.RegionRegistration, ...]
+    generation: int
+    daemon_id: str
+    instance_id: str
+    address: str
+
+    def payload(self) -> peer_pb2.HandshakePayload:
+        return peer_pb2.HandshakePayload(
+            spec=spec_to_proto(self.info.spec),
+            registrations=list(self.registrations),
+            nixl_agent_name=self.agent_name,
+            nixl_agent_metadata=self.agent_metadata,
+            registration_generation=self.generation,
+            tp_rank=self.info.tp_rank,
+            tp_size=self.info.tp_size,
+            prefix_caching=self.info.prefix_caching,
+            daemon_id=self.daemon_id,
+            instance_id=self.instance_id,
+            peer_address=self.address,
+        )
+
+    def envelope(self) -> tuple[int, bytes, bytes]:
+        digest = bytes.fromhex(compat_digest(self.info.spec))
+        return PROTOCOL_VERSION, digest, self.payload().SerializeToString()
+
+
+@dataclass(frozen=True)
+class RemoteDescription:
+    """A peer as its handshake payload described it."""
+
+    info: PeerInfo
+    agent_name: str
+    agent_metadata: bytes
+    regions: np.ndarray[Any, np.dtype[np.int64]]  # N x 3 (addr, len, dev)
+    generation: int
+    daemon_id: str
+    instance_id: str
+    address: str
+
+
+def decode_envelope(
+    version: int, digest: bytes, payload: bytes, local: SelfDescription, who: str
+) -> RemoteDescription:
+    """Check the version before decoding anything else, then decode and check compatibility.
+
+    The digest is compared first as a fast path; a differing digest still decodes the payload
+    so that the refusal can list every mismatch.
+    """
+    if version != PROTOCOL_VERSION:
+        raise IncompatiblePeer(
+            [
+                Mismatch(
+                    "protocol version",
+                    str(PROTOCOL_VERSION),
+                    str(version),
+                    "run the same kvxferd protocol version on both sides (upgrade the older)",
+                )
+            ],
+            peer=who,
+        )
+    msg = peer_pb2.HandshakePayload()
+    try:
+        msg.ParseFromString(payload)
+    except Exception as exc:  # protobuf raises DecodeError (a bare Exception subclass)
+        raise IncompatiblePeer(
+            [Mismatch("handshake payload", "kvxferd.v1", "undecodable", "check the peer build")],
+            peer=who,
+        ) from exc
+    remote = RemoteDescription(
+        info=PeerInfo(
+            spec=spec_from_proto(msg.spec, "payload.spec"),
+            tp_rank=msg.tp_rank,
+            tp_size=msg.tp_size,
+            prefix_caching=msg.prefix_caching,
+            protocol_version=version,
+            name=who,
+        ),
+        agent_name=msg.nixl_agent_name,
+        agent_metadata=msg.nixl_agent_metadata,
+        regions=np.array(
+            [(r.base_address, r.nbytes, r.device_id) for r in msg.registrations], dtype=np.int64
+        ).reshape(-1, 3),
+        generation=msg.registration_generation,
+        daemon_id=msg.daemon_id,
+        instance_id=msg.instance_id,
+        address=msg.peer_address,
+    )
+    if digest == bytes.fromhex(compat_digest(local.info.spec)):
+        log.debug("handshake digest matches", extra=kv(peer=who))
+    require_compatible(local.info, remote.info)
+    names = [r.name for r in remote.info.spec.regions]
+    if len(names) != remote.regions.shape[0]:
+        raise IncompatiblePeer(
+            [
+                Mismatch(
+                    "registered regions",
+                    str(len(local.info.spec.regions)),
+                    f"{remote.regions.shape[0]} registrations for {len(names)} regions",
+                    "the peer must register every region of its spec",
+                )
+            ],
+            peer=who,
+        )
+    return remote
+
+
+def remote_error(exc: aio.AioRpcError, what: str, address: str) -> KvxferdError:
+    """Turn a peer's gRPC error into the matching kvxferd error, keeping its explanation."""
+    code, detail = exc.code(), exc.details() or ""
+    if code == grpc.StatusCode.FAILED_PRECONDITION and what == "handshake":
+        return IncompatiblePeer([], peer=address, detail=detail)
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        return LeaseRefused(
+            f"peer {address} refused {what}: {detail}", fix="hold the request again"
+        )
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return Unauthenticated(
+            f"peer {address} rejected our credentials for {what}: {detail}",
+            fix="configure the same auth.token / CA on both daemons",
+        )
+    return PeerUnavailable(
+        f"{what} with {address} failed: {code.name}: {detail}",
+        field="peer_address",
+        fix="check that the peer daemon runs and is reachable at that address",
+    )
+
+
+@dataclass
+class PeerLink:
+    """One peer address: its channel, its handshake result, its state."""
+
+    address: str
+    channel: aio.Channel
+    stub: peer_pb2_grpc.PeerAsyncStub
+    state: LinkState = LinkState.NEW
+    remote: RemoteDescription | None = None
+    last_error: str = ""
+    last_handshake_ns: int = 0
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+class PeerDirectory:
+    """Peer links by address. ``connect`` loads a handshaken peer into the transfer engine."""
+
+    def __init__(
+        self,
+        me: Callable[[], SelfDescription],
+        connect: Callable[[RemoteDescription], None],
+        *,
+        channel_factory: Callable[[str], aio.Channel],
+        metadata: tuple[tuple[str, str], ...],
+        timeout_s: float,
+    ) -> None:
+        self._me = me
+        self._connect = connect
+        self._channel_factory = channel_factory
+        self._metadata = metadata
+        self._timeout_s = timeout_s
+        self._links: dict[str, PeerLink] = {}
+
+    def links(self) -> list[PeerLink]:
+        return list(self._links.values())
+
+    def _link(self, address: str) -> PeerLink:
+        link = self._links.get(address)
+        if link is None:
+            channel = self._channel_factory(address)
+            link = PeerLink(address, channel, peer_pb2_grpc.PeerStub(channel))
+            self._links[address] = link
+        return link
+
+    async def ready(self, address: str) -> PeerLink:
+        """The peer at ``address``, handshaking first if it has not been (or was lost)."""
+        link = self._link(address)
+        if link.state is LinkState.READY and link.remote is not None:
+            return link
+        async with link.lock:
+            if link.state is LinkState.READY and link.remote is not None:
+                return link
+            await self._handshake(link)
+            return link
+
+    async def invalidate(self, address: str, reason: str) -> None:
+        """Forget the handshake (peer restarted or died); the next pull handshakes again."""
+        link = self._links.get(address)
+        if link is not None:
+            link.state = LinkState.UNREACHABLE
+            link.last_error = reason
+
+    async def _handshake(self, link: PeerLink) -> None:
+        me = self._me()
+        version, digest, payload = me.envelope()
+        link.state = LinkState.HANDSHAKING
+        try:
+            resp = await link.stub.Handshake(
+                peer_pb2.HandshakeRequest(
+                    protocol_version=version, compat_digest=digest, payload=payload
+                ),
+                timeout=self._timeout_s,
+                metadata=self._metadata,
+            )
+            remote = decode_envelope(
+                resp.protocol_version, resp.compat_digest, resp.payload, me, link.address
+            )
+            self._connect(remote)
+        except aio.AioRpcError as exc:
+            err = remote_error(exc, "handshake", link.address)
+            link.state = (
+                LinkState.REFUSED if isinstance(err, IncompatiblePeer) else LinkState.UNREACHABLE
+            )
+            link.last_error = str(err)
+            log.warning("handshake failed", extra=kv(peer=link.address, error=str(err)))
+            raise err from exc
+        except KvxferdError as err:
+            link.state = LinkState.REFUSED
+            link.last_error = str(err)
+            log.warning("handshake refused", extra=kv(peer=link.address, error=str(err)))
+            raise
+        link.remote = remote
+        link.state = LinkState.READY
+        link.last_error = ""
+        link.last_handshake_ns = time.time_ns()
+        log.info(
+            "handshake done",
+            extra=kv(
+                peer=link.address,
+                agent=remote.agent_name,
+                generation=remote.generation,
+                regions=int(remote.regions.shape[0]),
+            ),
+        )
+
+    async def close(self) -> None:
+        for link in self._links.values():
+            await link.channel.close(None)
+        self._links.clear()
