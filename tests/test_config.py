@@ -64,3 +64,18 @@ def test_unknown_section_in_file(tmp_path: Path) -> None:
     p.write_text("[srever]\nlisten = 1\n")
     with pytest.raises(ConfigError, match="unknown section"):
         load_config(p, env={})
+
+
+def test_serve_flags_map_to_documented_keys() -> None:
+    from kvxferd.commands import serve
+
+    doc = DOC.read_text()
+    for key in serve._FLAGS.values():
+        assert key in documented_keys()
+        assert f"`{key}`" in doc
+    help_text = serve.add_parser(
+        __import__("argparse").ArgumentParser().add_subparsers()
+    ).format_help()
+    for key in serve._FLAGS.values():
+        assert key in help_text, key
+    assert "docs/config.md" in help_text

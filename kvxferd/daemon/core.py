@@ -334,6 +334,8 @@ class Daemon:
             await asyncio.wait_for(
                 self._confirm(link, req), timeout=max(1e-3, deadline - time.monotonic())
             )
+            if self.pulls.get(tid).state.terminal:
+                return  # cancelled while confirming: nothing was posted, nothing written
             self.pulls.update(tid, state=PullState.TRANSFERRING)
             note = notify.encode(req.request_id) if req.notify else b""
             xfer = self.engine.submit(

@@ -58,6 +58,12 @@ from kvxferd.v1 import (
 
 log = logging.getLogger(__name__)
 
+# Requests carry up to transfer.max_block_ids IDs per group (about 10 bytes each as varints).
+GRPC_OPTIONS = (
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+)
+
 SERVICE_NAMES = (
     peer_pb2.DESCRIPTOR.services_by_name["Peer"].full_name,
     scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name,
@@ -157,7 +163,7 @@ async def start(cfg: Config, *, fill_seed: int | None = None) -> Running:
 
     token = cfg.resolved_token()
     interceptors = [TokenInterceptor(token)] if token else []
-    server = aio.server(interceptors=interceptors)
+    server = aio.server(interceptors=interceptors, options=GRPC_OPTIONS)
     creds = server_credentials(cfg.auth)
     host, port = split_hostport(cfg.server.listen, "server.listen")
     bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -192,7 +198,9 @@ async def start(cfg: Config, *, fill_seed: int | None = None) -> Running:
     ccreds = channel_credentials(cfg.auth)
 
     def channel(target: str) -> aio.Channel:
-        return aio.secure_channel(target, ccreds) if ccreds else aio.insecure_channel(target)
+        if ccreds:
+            return aio.secure_channel(target, ccreds, options=GRPC_OPTIONS)
+        return aio.insecure_channel(target, options=GRPC_OPTIONS)
 
     peers = PeerDirectory(
         daemon.describe_self,
@@ -213,7 +221,7 @@ async def start(cfg: Config, *, fill_seed: int | None = None) -> Running:
     )
     engine_server = None
     if cfg.server.engine_socket:
-        engine_server = aio.server(interceptors=interceptors)
+        engine_server = aio.server(interceptors=interceptors, options=GRPC_OPTIONS)
         engine_pb2_grpc.add_EngineServicer_to_server(EngineService(daemon), engine_server)
         Path(cfg.server.engine_socket).unlink(missing_ok=True)
         engine_server.add_insecure_port(f"unix:{cfg.server.engine_socket}")
