@@ -23,6 +23,7 @@ from grpc import aio
 from kvxferd.blocks import check_block_ids, expand_group, plan_pull
 from kvxferd.blocks.ranges import TransferPlan
 from kvxferd.daemon.peers import (
+    LinkState,
     PeerDirectory,
     PeerLink,
     RemoteDescription,
@@ -141,6 +142,19 @@ class Daemon:
 
     def attach_peers(self, peers: PeerDirectory) -> None:
         self.peers = peers
+
+    def observe_peer(self, link: PeerLink) -> None:
+        """Metrics after a handshake attempt (PeerDirectory's callback)."""
+        result = {LinkState.READY: "ok", LinkState.REFUSED: "refused"}.get(link.state, "failed")
+        self.metrics.handshakes.labels("client", result).inc()
+        self._peer_gauge()
+
+    def _peer_gauge(self) -> None:
+        if self.peers is not None:
+            links = self.peers.links()
+            for state in LinkState:
+                n = sum(1 for x in links if x.state is state)
+                self.metrics.peers.labels(state.value).set(n)
 
     def describe_self(self) -> SelfDescription:
         regs = tuple(
@@ -357,6 +371,7 @@ class Daemon:
             )
             if isinstance(result.error, PeerUnavailable) and self.peers is not None:
                 await self.peers.invalidate(req.peer_address, str(result.error))
+                self._peer_gauge()
         except TimeoutError:
             self.pulls.update(
                 tid,
@@ -370,6 +385,7 @@ class Daemon:
         except KvxferdError as err:
             if isinstance(err, PeerUnavailable) and self.peers is not None:
                 await self.peers.invalidate(req.peer_address, str(err))
+                self._peer_gauge()
             self.pulls.update(
                 tid, state=PullState.FAILED, error=err, invalid_local_blocks=local_blocks
             )

@@ -204,7 +204,9 @@ class PeerDirectory:
         channel_factory: Callable[[str], aio.Channel],
         metadata: tuple[tuple[str, str], ...],
         timeout_s: float,
+        on_handshake: Callable[[PeerLink], None] | None = None,
     ) -> None:
+        self._on_handshake = on_handshake
         self._me = me
         self._connect = connect
         self._channel_factory = channel_factory
@@ -231,7 +233,11 @@ class PeerDirectory:
         async with link.lock:
             if link.state is LinkState.READY and link.remote is not None:
                 return link
-            await self._handshake(link)
+            try:
+                await self._handshake(link)
+            finally:
+                if self._on_handshake is not None:
+                    self._on_handshake(link)
             return link
 
     async def invalidate(self, address: str, reason: str) -> None:

@@ -208,6 +208,7 @@ async def start(cfg: Config, *, fill_seed: int | None = None) -> Running:
         channel_factory=channel,
         metadata=call_metadata(token),
         timeout_s=cfg.transfer.handshake_timeout_ms / 1000,
+        on_handshake=daemon.observe_peer,
     )
     daemon.attach_peers(peers)
     await daemon.start_release_pump()
