@@ -17,11 +17,13 @@ from collections.abc import Sequence
 
 from kvxferd import __version__
 from kvxferd.commands import Command
+from kvxferd.commands import bench as _bench
+from kvxferd.commands import demo as _demo
 from kvxferd.commands import plan as _plan
 from kvxferd.commands import serve as _serve
 from kvxferd.errors import KvxferdError
 
-COMMANDS: tuple[Command, ...] = (_plan, _serve)
+COMMANDS: tuple[Command, ...] = (_demo, _serve, _plan, _bench)
 """Every subcommand, in the order ``kvxferd --help`` lists them."""
 
 

@@ -88,7 +88,10 @@ class IncompatiblePeer(KvxferdError):
         self.peer = peer
         who = f" with {peer}" if peer else ""
         if detail:
-            text = f"handshake{who} refused by the peer: {detail}"
+            text = (
+                f"handshake{who} refused by the peer (in its words 'local' is the peer and"
+                f" 'remote' is this daemon): {detail}"
+            )
         else:
             lines = "; ".join(str(m) for m in self.mismatches)
             text = f"handshake{who} refused, {len(self.mismatches)} mismatch(es): {lines}"

@@ -129,6 +129,13 @@ class KVPool:
             col = torch.arange(width, dtype=torch.int32, device=rows.device)
             base = (idx.to(torch.int32) * 40503 + (seed * 977 + ri * 131)) % 251
             rows[idx, :width] = ((base[:, None] + col[None, :] * 7) % 251).to(torch.uint8)
+            # The pattern repeats every 251 blocks; a stamp of (block, region, seed) at the
+            # start of each block makes every block of the pool distinct.
+            if width >= 16:
+                stamp = torch.stack(
+                    [idx, torch.full_like(idx, (seed << 20) | ri)], dim=1
+                ).contiguous()
+                rows[idx, :16] = stamp.view(torch.uint8).view(-1, 16)
 
     def checksums(self, group: int, kernel_ids: Sequence[int]) -> list[bytes]:
         """Per kernel block, a digest of that block's bytes in every region of the group."""

@@ -25,8 +25,11 @@ import secrets
 import shutil
 import sys
 import tempfile
+import textwrap
 import time
 from collections import Counter, deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,7 +57,7 @@ from kvxferd.scenario.mix import (
     geometry,
     request_mix,
 )
-from kvxferd.scenario.report import Progress, fmt, human_bytes, percentile, table
+from kvxferd.scenario.report import Progress, fmt, human_bytes, json_safe, percentile, table
 from kvxferd.v1 import common_pb2, scheduler_pb2
 
 PRESET_NAMES = ("dense", "hybrid", "mla", "fp8")
@@ -67,7 +70,7 @@ DIGEST_SIZE = 8
 
 _EXAMPLES = """\
 examples:
-  kvxferd demo                          dense Llama-3-8B-shaped pools, 16 requests
+  kvxferd demo                          dense Llama-3-8B-shaped pools, 12 requests
   kvxferd demo --preset hybrid          attention + Mamba, ppl 34 (decode) vs 66 (prefill)
   kvxferd demo --requests 6 --num-blocks 64 --quiet --json demo.json
 """
@@ -112,7 +115,7 @@ def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
         help="model shape of both pools (default dense: Llama-3-8B-like)",
     )
     p.add_argument(
-        "--requests", type=_positive, default=16, metavar="N", help="requests (default 16)"
+        "--requests", type=_positive, default=12, metavar="N", help="requests (default 12)"
     )
     p.add_argument(
         "--num-blocks",
@@ -204,9 +207,7 @@ def demo_pair(preset: str, num_blocks: int, *, device: str = "cpu", seed: int = 
         )
     spec = f"{preset}:num_blocks={num_blocks}"
     return PairConfig(
-        prefill=DaemonOptions(
-            "prefill", spec, device=dev_p, prefix_caching=True, fill_seed=fill
-        ),
+        prefill=DaemonOptions("prefill", spec, device=dev_p, prefix_caching=True, fill_seed=fill),
         decode=DaemonOptions("decode", spec, device=dev_d, prefix_caching=True),
         prefix_caching=True,
     )
@@ -278,6 +279,11 @@ class _InFlight:
     started: float
 
 
+def _digests(client: DaemonClient, kernel_ids: tuple[Int64Array, ...]) -> list[list[bytes]]:
+    """Checksum of every group's kernel blocks (an empty list for a group with none)."""
+    return [client.checksum(g, ids) if ids.size else [] for g, ids in enumerate(kernel_ids)]
+
+
 def _zero_digest(spec: KVCacheSpec, group: int) -> bytes:
     """The Checksum digest of a never-written (zeroed) kernel block of ``group``."""
     h = hashlib.blake2b(digest_size=DIGEST_SIZE)
@@ -298,14 +304,15 @@ class Scenario:
         seed: int,
         concurrency: int,
         progress: Progress,
+        check_alive: Callable[[], None] = lambda: None,
     ) -> None:
         self.prefill = prefill
+        self.check_alive = check_alive
         self.decode = decode
         self.pair = pair
         self.concurrency = concurrency
         self.progress = progress
         self.rng = np.random.default_rng(seed)
-        self.seed = seed
         self.remote_spec = prefill.spec()
         self.local_spec = decode.spec()
         self.local_geo = geometry(self.local_spec)
@@ -315,7 +322,7 @@ class Scenario:
             BlockAllocator(self.local_spec.num_logical_blocks(g), self.rng) for g in range(n)
         ]
         self.remote_alloc = [
-            BlockAllocator(self.remote_spec.num_logical_blocks(g), self.rng)
+            BlockAllocator(self.remote_spec.num_logical_blocks(g), self.rng, lru=False)
             for g in range(len(self.remote_spec.groups))
         ]
         self.zero = [_zero_digest(self.local_spec, g) for g in range(n)]
@@ -324,6 +331,7 @@ class Scenario:
         self.held: dict[str, list[Int64Array]] = {}  # request_id -> prefill IDs, until released
         self.done_requests: list[str] = []
         self.run_id = secrets.token_hex(3)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="checksum")
 
     # -- prefill blocks come back when the prefill daemon releases them -------------------
 
@@ -334,9 +342,7 @@ class Scenario:
             for g, ids in enumerate(self.held.pop(rid)):
                 self.remote_alloc[g].release(ids)
 
-    def _allocate(
-        self, shape: RequestShape
-    ) -> tuple[list[Int64Array], list[Int64Array]] | None:
+    def _allocate(self, shape: RequestShape) -> tuple[list[Int64Array], list[Int64Array]] | None:
         r_counts = shape.remote_counts(self.remote_geo)
         l_counts = shape.local_counts(self.local_geo, self.remote_geo)
         remote: list[Int64Array] = []
@@ -407,24 +413,81 @@ class Scenario:
             return None
         self.held[rid] = remote
         try:
-            expected = [
-                self.prefill.checksum(g, ids) if ids.size else []
-                for g, ids in enumerate(plan.remote_kernel_blocks)
-            ]
-            before = [
-                self.decode.checksum(g, ids) if ids.size else []
-                for g, ids in enumerate(plan.local_kernel_blocks)
-            ]
+            # The two daemons hash in parallel (separate processes; gRPC waits drop the GIL).
+            f_expected = self._pool.submit(_digests, self.prefill, plan.remote_kernel_blocks)
+            before = _digests(self.decode, plan.local_kernel_blocks)
+            expected = f_expected.result()
+            local, plan, before, expected = self._avoid_preloaded(
+                shape, local=local, remote=remote, plan=plan, before=before, expected=expected
+            )
+            res.requested_blocks = sum(int(a.size) for a in plan.local_kernel_blocks)
             pending = watcher.expect(res.transfer_id)
             started = time.perf_counter()
             resp = self.decode.start_pull(res.transfer_id, hold, local)
-        except RpcFailure as exc:
+        except (RpcFailure, KvxferdError) as exc:
             res.errors.append(str(exc))
             self._free_local(local)
             return None
         if resp.status.state in TERMINAL:
             watcher.resolve(pending, resp.status, "StartPull")
         return _InFlight(res, local, plan, expected, before, pending, started)
+
+    def _avoid_preloaded(
+        self,
+        shape: RequestShape,
+        *,
+        local: list[Int64Array],
+        remote: list[Int64Array],
+        plan: PullPlan,
+        before: list[list[bytes]],
+        expected: list[list[bytes]],
+        attempts: int = 3,
+    ) -> tuple[list[Int64Array], PullPlan, list[list[bytes]], list[list[bytes]]]:
+        """Decode blocks that already hold what they are about to receive (a reused block
+        paired with the same prefill block as before) would not show that the pull wrote
+        them: trade such local IDs for others while the pool has room. Returns the local IDs,
+        their plan, and the before / expected digests in that plan's order."""
+        # The plan orders pairs by local ID: remember each remote kernel block's digest.
+        digest_of = [
+            dict(zip(rk.tolist(), eg, strict=True))
+            for rk, eg in zip(plan.remote_kernel_blocks, expected, strict=True)
+        ]
+        rejected: list[list[Int64Array]] = []
+
+        def clashes(bef: list[list[bytes]], exp: list[list[bytes]]) -> bool:
+            return any(
+                b == e for bg, eg in zip(bef, exp, strict=True) for b, e in zip(bg, eg, strict=True)
+            )
+
+        for _ in range(attempts):
+            if not clashes(before, expected):
+                break
+            alt: list[Int64Array] = []
+            for g, old in enumerate(local):
+                got = self.local_alloc[g].take(int(old.size), shape.pattern)
+                if got is None:
+                    break
+                alt.append(got)
+            if len(alt) != len(local):
+                self._free_local(alt)
+                break
+            rejected.append(local)
+            local = alt
+            plan = plan_pull(
+                self.local_spec,
+                self.remote_spec,
+                local,
+                remote,
+                prefix_caching=self.pair.prefix_caching,
+            )
+            before = _digests(self.decode, plan.local_kernel_blocks)
+            expected = [
+                [digest_of[g][k] for k in rk.tolist()]
+                for g, rk in enumerate(plan.remote_kernel_blocks)
+            ]
+        for ids in rejected:
+            self._free_local(ids)
+        return local, plan, before, expected
 
     def _free_local(self, local: list[Int64Array]) -> None:
         for g, ids in enumerate(local):
@@ -480,9 +543,7 @@ class Scenario:
             res.changed_blocks += sum(1 for a, b in zip(after, before, strict=True) if a != b)
             res.preloaded_blocks += sum(1 for b, e in zip(before, expected, strict=True) if b == e)
             res.verified_blocks += sum(
-                1
-                for a, e in zip(after, expected, strict=True)
-                if a == e and e != self.zero[g]
+                1 for a, e in zip(after, expected, strict=True) if a == e and e != self.zero[g]
             )
             name = self.local_spec.groups[g].name
             if bad:
@@ -522,6 +583,7 @@ class Scenario:
             watcher.close()
             if releases is not None:
                 releases.close()
+            self._pool.shutdown()
         self.progress.finish()
 
     def _loop(
@@ -549,6 +611,7 @@ class Scenario:
                     done += 1
                     res = self.results[-1]
                     self.progress.update(done, self._bar_text(), line=self._line(res))
+                    self.check_alive()  # a dead daemon ends the run with its output's tail
                 else:
                     inflight.append(item)
             if inflight:
@@ -556,6 +619,8 @@ class Scenario:
                 self._finish(item, watcher)
                 done += 1
                 self.progress.update(done, self._bar_text(), line=self._line(item.result))
+                if item.result.errors:
+                    self.check_alive()
 
     def _await_releases(self, releases: ReleaseWatcher | None) -> bool:
         """Nothing in flight yet no room: wait for the prefill daemon to release held blocks;
@@ -607,7 +672,13 @@ class Scenario:
 
 def demonstrate_refusal(prefill: DaemonClient, decode: DaemonClient) -> dict[str, Any]:
     """Hold one request on the refusing prefill daemon and pull it; the handshake must refuse."""
-    out: dict[str, Any] = {"refused": False, "code": "", "message": "", "mismatches": [], "error": ""}
+    out: dict[str, Any] = {
+        "refused": False,
+        "code": "",
+        "message": "",
+        "mismatches": [],
+        "error": "",
+    }
     rid = f"refusal-{secrets.token_hex(3)}"
     try:
         hold = prefill.hold(rid, [[0], [0]])
@@ -631,7 +702,7 @@ def demonstrate_refusal(prefill: DaemonClient, decode: DaemonClient) -> dict[str
     while st.state not in TERMINAL and time.monotonic() < deadline:
         time.sleep(0.05)
         st = decode.get_transfer(st.transfer_id)
-    kind = common_pb2.ErrorKind.Name(st.error.kind) if st.HasField("error") else ""  # type: ignore[arg-type]
+    kind = common_pb2.ErrorKind.Name(st.error.kind) if st.HasField("error") else ""
     out["code"] = state_name(st.state)
     out["message"] = st.error.message if st.HasField("error") else ""
     out["error"] = (
@@ -694,7 +765,7 @@ def summary_table(results: list[RequestResult]) -> str:
     for (kind, pattern), rs in [*groups.items(), (("total", ""), results)]:
         done = [r for r in rs if r.state == "DONE"]
         lat = [r.latency_ms for r in done if math.isfinite(r.latency_ms)]
-        busy = sum(lat) / 1e3
+        busy = busy_seconds([(r.started_at, r.ended_at) for r in done])
         nbytes = sum(r.nbytes for r in done)
         rows.append(
             [
@@ -746,16 +817,6 @@ def _describe_side(client: DaemonClient, options: DaemonOptions) -> dict[str, An
     }
 
 
-def _json_safe(obj: Any) -> Any:
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [_json_safe(v) for v in obj]
-    return obj
-
-
 def run(args: argparse.Namespace) -> int:
     num_blocks: int = args.num_blocks or DEFAULT_NUM_BLOCKS[args.preset]
     pair = demo_pair(args.preset, num_blocks, device=args.device, seed=args.seed)
@@ -769,6 +830,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         workdir.mkdir(parents=True, exist_ok=True)
     doc: dict[str, Any] = {
+        "requests_asked": args.requests,
         "preset": args.preset,
         "device": args.device,
         "num_blocks": num_blocks,
@@ -785,9 +847,11 @@ def run(args: argparse.Namespace) -> int:
         f" {'on' if pair.prefix_caching else 'off'}, pools in"
         f" {'host memory' if args.device == 'cpu' else 'GPU memory'}",
         file=out,
+        flush=True,
     )
     t_start = time.monotonic()
     clients: list[DaemonClient] = []
+    scenario: Scenario | None = None
     try:
         with daemons:
             daemons.start()
@@ -796,9 +860,9 @@ def run(args: argparse.Namespace) -> int:
             doc["startup_s"] = time.monotonic() - t_start
             ready = {d.name: d.ready for d in daemons}
             for name in ("prefill", "decode", "refused-prefill", "refused-decode"):
-                r = ready[name]
-                assert r is not None
-                clients.append(DaemonClient(name, r.grpc, r.engine_socket))
+                info = ready[name]
+                assert info is not None
+                clients.append(DaemonClient(name, info.grpc, info.engine_socket))
             prefill, decode, r_prefill, r_decode = clients
             doc["daemons"] = {
                 "prefill": _describe_side(prefill, pair.prefill),
@@ -810,6 +874,7 @@ def run(args: argparse.Namespace) -> int:
                     f"  {side:<8} {d['preset']:<28} {d['device']:<7} pool"
                     f" {human_bytes(d['pool_bytes']):>10}  grpc {d['grpc']}",
                     file=out,
+                    flush=True,
                 )
             scenario = Scenario(
                 prefill,
@@ -818,6 +883,7 @@ def run(args: argparse.Namespace) -> int:
                 seed=args.seed,
                 concurrency=args.concurrency,
                 progress=progress,
+                check_alive=daemons.check_alive,
             )
             shapes = request_mix(
                 args.requests,
@@ -827,11 +893,6 @@ def run(args: argparse.Namespace) -> int:
                 seed=args.seed,
             )
             scenario.run(shapes)
-            results = scenario.results
-            errors.extend(scenario.errors)
-            busy_s = busy_seconds(
-                [(r.started_at, r.ended_at) for r in results if r.state == "DONE"]
-            )
             doc["held_after"] = prefill.describe().held_requests
             doc["refusal"] = demonstrate_refusal(r_prefill, r_decode)
             daemons.check_alive()
@@ -844,6 +905,10 @@ def run(args: argparse.Namespace) -> int:
     finally:
         for c in clients:
             c.close()
+    if scenario is not None:
+        results = scenario.results
+        errors.extend(scenario.errors)
+        busy_s = busy_seconds([(r.started_at, r.ended_at) for r in results if r.state == "DONE"])
     errors.extend(daemons.stop_problems())
     doc["wall_s"] = time.monotonic() - t_start
     doc.update(summarize(results, busy_s))
@@ -864,7 +929,11 @@ def run(args: argparse.Namespace) -> int:
     doc["per_request"] = [asdict(r) | {"ok": r.ok} for r in results]
     _print_summary(doc, results, out)
     if args.json is not None:
-        args.json.write_text(json.dumps(_json_safe(doc), indent=2) + "\n")
+        try:
+            args.json.write_text(json.dumps(json_safe(doc), indent=2) + "\n")
+        except OSError as exc:
+            print(f"kvxferd: error: cannot write {args.json}: {exc}", file=sys.stderr)
+            errors.append(f"cannot write {args.json}")
     if errors and temporary:
         print(f"daemon logs kept in {workdir}", file=out)
     elif temporary:
@@ -903,10 +972,15 @@ def _print_summary(doc: dict[str, Any], results: list[RequestResult], out: Any) 
             )
     refusal = doc.get("refusal")
     if refusal is not None:
-        print("\nrefusal (expected): decode hybrid:ppl=34 --prefix-caching pulling from"
-              " prefill hybrid:ppl=66 --prefix-caching", file=out)
+        print(
+            "\nrefusal (expected): decode hybrid:ppl=34 --prefix-caching pulling from"
+            " prefill hybrid:ppl=66 --prefix-caching",
+            file=out,
+        )
         for line in refusal.get("explanation") or [f"{refusal['code']}: {refusal['message']}"]:
-            print(f"  {line}", file=out)
+            print(
+                textwrap.fill(line, 100, initial_indent="  ", subsequent_indent="      "), file=out
+            )
     verdict = "OK" if doc["ok"] else f"FAILED ({doc['failures']} problems)"
     print(f"\nresult: {verdict}  (wall {doc['wall_s']:.1f}s)", file=out)
     for e in doc["errors"]:

@@ -118,7 +118,10 @@ class DaemonClient:
     def _engine(self) -> engine_pb2_grpc.EngineStub:
         if self.engine is None:
             raise RpcFailure(
-                "Engine", grpc.StatusCode.FAILED_PRECONDITION, f"{self.name} has no engine socket", None
+                "Engine",
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{self.name} has no engine socket",
+                None,
             )
         return self.engine
 
@@ -248,9 +251,7 @@ class TransferWatcher:
         self._call = client.scheduler.WatchTransfers(
             scheduler_pb2.WatchTransfersRequest(), metadata=client.metadata
         )
-        self._thread = threading.Thread(
-            target=self._run, name=f"watch-{client.name}", daemon=True
-        )
+        self._thread = threading.Thread(target=self._run, name=f"watch-{client.name}", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
@@ -308,7 +309,7 @@ class TransferWatcher:
 
     def close(self) -> None:
         self._closing = True
-        self._call.cancel()
+        self._call.cancel()  # type: ignore[no-untyped-call]
         self._thread.join(5)
 
 
@@ -371,5 +372,5 @@ class ReleaseWatcher:
 
     def close(self) -> None:
         self._closing = True
-        self._call.cancel()
+        self._call.cancel()  # type: ignore[no-untyped-call]
         self._thread.join(5)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -95,6 +96,8 @@ class Daemon:
     proc: subprocess.Popen[bytes] | None = None
     ready: Ready | None = None
     returncode: int | None = None
+    signalled: bool = False  # alive when stop() sent SIGTERM
+    reported: bool = False  # its death was already raised as a DaemonError
     killed: bool = False
     _log: Path = field(init=False)
 
@@ -174,7 +177,7 @@ class Daemon:
     def describe_death(self) -> str:
         code = self.proc.poll() if self.proc is not None else None
         how = f"exited with status {code}" if code is not None else "is not running"
-        cmd = " ".join(self.options.argv(self.workdir))
+        cmd = shlex.join(self.options.argv(self.workdir))
         return (
             f"daemon {self.name} {how} (kvxferd {cmd})\n"
             f"--- last lines of {self._log} ---\n{self.tail()}\n---"
@@ -222,6 +225,7 @@ class DaemonSet:
                 if d.poll_ready() is not None:
                     waiting.remove(d)
                 elif not d.alive():
+                    d.reported = True
                     raise DaemonError(d.describe_death())
             if not waiting:
                 break
@@ -236,6 +240,7 @@ class DaemonSet:
     def check_alive(self) -> None:
         for d in self:
             if d.proc is not None and not d.alive():
+                d.reported = True
                 raise DaemonError(d.describe_death())
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
@@ -244,6 +249,7 @@ class DaemonSet:
         for d in running:
             assert d.proc is not None
             if d.proc.poll() is None:
+                d.signalled = True
                 with contextlib.suppress(ProcessLookupError):
                     d.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
@@ -257,12 +263,16 @@ class DaemonSet:
                 d.returncode = d.proc.wait()
 
     def stop_problems(self) -> list[str]:
-        """After :meth:`stop`: a line per daemon that did not exit 0 on SIGTERM."""
+        """After :meth:`stop`: a line per daemon that was serving and then did not exit 0 on
+        SIGTERM, or had died before it (one that never got ready is reported by
+        :meth:`wait_ready`; one still starting may die of SIGTERM)."""
         out = []
         for d in self:
-            if d.proc is None or d.returncode is None:
+            if d.proc is None or d.returncode is None or d.ready is None or d.reported:
                 continue
-            if d.killed:
+            if not d.signalled:
+                out.append(f"while serving: {d.describe_death()}")
+            elif d.killed:
                 out.append(f"daemon {d.name} did not exit within the grace period; killed")
             elif d.returncode != 0:
                 out.append(

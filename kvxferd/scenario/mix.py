@@ -162,12 +162,19 @@ def request_mix(
 
 
 class BlockAllocator:
-    """Free logical block IDs of one group on one side; least recently used go out first."""
+    """Free logical block IDs of one group on one side.
 
-    def __init__(self, num_blocks: int, rng: np.random.Generator) -> None:
+    ``lru=True`` (the decode side): never-used blocks first, then the least recently used, so a
+    pulled block rarely already holds what it receives. ``lru=False`` (the prefill side, whose
+    contents never change): uniformly random placement, so that the pairing of decode and
+    prefill blocks does not repeat from one pass over the pools to the next.
+    """
+
+    def __init__(self, num_blocks: int, rng: np.random.Generator, *, lru: bool = True) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
+        self.lru = lru
         self._rng = rng
         self._free = np.ones(num_blocks, dtype=bool)
         self._last = np.full(num_blocks, -1, dtype=np.int64)  # -1: never handed out
@@ -215,6 +222,9 @@ class BlockAllocator:
         valid = np.flatnonzero(window_sums(~self._free) == 0)
         if valid.size == 0:
             return None
+        if not self.lru:
+            start = int(self._rng.choice(valid))
+            return np.arange(start, start + n, dtype=np.int64)
         fresh = valid[window_sums(self._last >= 0)[valid] == 0]
         if fresh.size:
             start = int(fresh[0])
@@ -228,7 +238,8 @@ class BlockAllocator:
         free_ids = np.flatnonzero(self._free)
         if free_ids.size < n:
             return None
-        order = np.lexsort((self._rng.random(free_ids.size), self._last[free_ids]))
+        ages = self._last[free_ids] if self.lru else np.zeros(free_ids.size, dtype=np.int64)
+        order = np.lexsort((self._rng.random(free_ids.size), ages))
         picked = free_ids[order[:n]].astype(np.int64)
         out: Int64Array = self._rng.permutation(picked)
         return out

@@ -6,7 +6,7 @@ import math
 import sys
 import time
 from collections.abc import Sequence
-from typing import TextIO
+from typing import Any, TextIO
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -20,6 +20,17 @@ def percentile(values: Sequence[float], q: float) -> float:
     lo = math.floor(pos)
     hi = min(lo + 1, len(data) - 1)
     return data[lo] + (data[hi] - data[lo]) * (pos - lo)
+
+
+def json_safe(obj: Any) -> Any:
+    """``obj`` with NaN and infinities replaced by None (JSON has neither)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [json_safe(v) for v in obj]
+    return obj
 
 
 def human_bytes(n: float) -> str:

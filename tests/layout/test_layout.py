@@ -248,3 +248,15 @@ def test_any_allocated_region_infers_back(  # noqa: PLR0917
     assert tl.block_len == spec.regions[0].block_len
     if min(shape) > 1:
         assert tl.layout is layout
+
+
+def test_fill_pattern_makes_every_block_distinct() -> None:
+    from kvxferd.pool import KVPool
+
+    pool = KVPool.allocate(preset("dense:num_blocks=600,num_layers=2"))
+    pool.fill_pattern(0, range(600), seed=3)
+    digests = pool.checksums(0, list(range(600)))
+    assert len(set(digests)) == 600
+    other = KVPool.allocate(preset("dense:num_blocks=600,num_layers=2"))
+    other.fill_pattern(0, range(600), seed=4)
+    assert set(other.checksums(0, list(range(600)))).isdisjoint(digests)
