@@ -9,6 +9,7 @@ import grpc
 import pytest
 from grpc import aio
 
+from kvxferd.scenario.daemons import DaemonOptions
 from kvxferd.service.convert import group_ids_to_proto
 from kvxferd.v1 import engine_pb2, engine_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tests.service.conftest import Daemon, launch
@@ -22,12 +23,13 @@ def extra(
     tmp_path_factory: pytest.TempPathFactory, pair: tuple[Daemon, Daemon]
 ) -> Iterator[tuple[Daemon, Daemon]]:
     """A decode daemon with an incompatible spec, and one that requires a token."""
-    tmp = tmp_path_factory.mktemp("extra")
-    mla = launch(tmp, "mla", "--preset", "mla:num_blocks=16,num_layers=4")
-    tok = launch(tmp, "tok", "--preset", "dense:num_blocks=16", "--token", "s3cret")
-    yield mla, tok
-    mla.stop()
-    tok.stop()
+    ds = launch(
+        tmp_path_factory.mktemp("extra"),
+        DaemonOptions("mla", "mla:num_blocks=16,num_layers=4"),
+        DaemonOptions("tok", "dense:num_blocks=16", token="s3cret"),
+    )
+    yield ds["mla"], ds["tok"]
+    ds.stop()
 
 
 def start_pull(target: str, held: engine_pb2.HoldResponse, **kw: object) -> None:
@@ -171,4 +173,4 @@ def test_daemon_still_serves_after_bad_input(pair: tuple[Daemon, Daemon]) -> Non
         assert await c.digests(c.decode, [40, 41]) == await c.digests(c.prefill, [30, 31])
 
     asyncio.run(go())
-    assert pair[0].proc.poll() is None and pair[1].proc.poll() is None
+    assert pair[0].alive() and pair[1].alive()  # type: ignore[operator]

@@ -1,0 +1,90 @@
+"""CUDA ops of kvxferd: staging kernels that gather a request's blocks and scatter them back.
+
+Owns every CUDA op of the daemon and is the only package that touches ``cuda/`` (the kernels,
+their launchers and torch op registration). Layers, FlashInfer-style: kernels in
+``cuda/staging.cuh``; a launcher that checks every tensor and registers ``torch.ops.kvxferd.*``
+(``cuda/staging.cu``); typed wrappers (:mod:`.cuda_ops`); a plain-torch twin with the same
+signatures (:mod:`.twin`), which is the CPU fallback and the test oracle; the JIT loader and the
+choice between them (:mod:`.loader`).
+
+:func:`gather_blocks` copies block ``ids[i]`` of every region into row ``i`` of a contiguous
+staging buffer; :func:`scatter_blocks` does the reverse; either can swap tokens and heads
+(NHD <-> HND) inside every K/V half in the same pass (:class:`KVPermute`). Geometry and the
+staging layout are described in :mod:`.geometry`. Block IDs are checked on the host before
+anything runs. For a pipelined transfer, call them on row ranges (chunks) of the staging
+buffer, on the stream that should carry the work.
+
+Must not import: ``nixl`` / :mod:`kvxferd.nixl`, ``grpc``, :mod:`kvxferd.service`,
+:mod:`kvxferd.transfer` (the transfer engine calls this package, never the reverse).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvxferd.kernels import twin
+from kvxferd.kernels.geometry import (
+    BlockIds,
+    HeadOrder,
+    KVPermute,
+    block_view,
+    row_bytes,
+)
+from kvxferd.kernels.loader import Backend, BackendName, active_backend
+
+__all__ = [
+    "Backend",
+    "BackendName",
+    "BlockIds",
+    "HeadOrder",
+    "KVPermute",
+    "active_backend",
+    "block_view",
+    "gather_blocks",
+    "row_bytes",
+    "scatter_blocks",
+]
+
+
+def _use_cuda(staging: torch.Tensor) -> bool:
+    return staging.device.type == "cuda" and active_backend().name is BackendName.CUDA
+
+
+def gather_blocks(
+    regions: Sequence[torch.Tensor],
+    block_ids: BlockIds,
+    out: torch.Tensor,
+    *,
+    permute: KVPermute | None = None,
+) -> torch.Tensor:
+    """Copy block ``ids[i]`` of every region into staging row ``i`` of ``out``; returns ``out``.
+
+    ``regions``: ``(num_blocks, block_len)`` uint8 block views (:func:`block_view`) on the
+    device of ``out``; ``block_ids``: host integers, each below every region's ``num_blocks``;
+    ``out``: contiguous uint8, exactly ``len(block_ids) * row_bytes(regions)`` bytes. Runs the
+    CUDA kernels for CUDA tensors when :func:`active_backend` says so, else the twin.
+    """
+    if _use_cuda(out):
+        from kvxferd.kernels import cuda_ops
+
+        return cuda_ops.gather_blocks(regions, block_ids, out, permute=permute)
+    return twin.gather_blocks(regions, block_ids, out, permute=permute)
+
+
+def scatter_blocks(
+    regions: Sequence[torch.Tensor],
+    block_ids: BlockIds,
+    staging: torch.Tensor,
+    *,
+    permute: KVPermute | None = None,
+) -> None:
+    """Copy staging row ``i`` into block ``ids[i]`` of every region (the reverse of
+    :func:`gather_blocks`; IDs must not repeat)."""
+    if _use_cuda(staging):
+        from kvxferd.kernels import cuda_ops
+
+        cuda_ops.scatter_blocks(regions, block_ids, staging, permute=permute)
+        return
+    twin.scatter_blocks(regions, block_ids, staging, permute=permute)

@@ -1,0 +1,70 @@
+"""Typed wrappers over the CUDA staging ops (``torch.ops.kvxferd.*`` from ``cuda/staging.cu``).
+
+Same signatures and semantics as :mod:`kvxferd.kernels.twin`. Inputs are checked here (typed
+errors) and again by the C++ launcher; work is queued on the current CUDA stream of the
+staging buffer's device and returns without synchronising.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvxferd.errors import InvalidRequest
+from kvxferd.kernels.geometry import BlockIds, KVPermute, check_call
+from kvxferd.kernels.loader import cuda_ops
+
+
+def _raise_if(err: str) -> None:
+    """The launcher returns "" or a message (it never throws; see cuda/staging.cu)."""
+    if err:
+        raise InvalidRequest(err, fix="check the regions, block IDs and staging buffer")
+
+
+def _require_cuda(staging: torch.Tensor, op: str) -> None:
+    if staging.device.type != "cuda":
+        raise InvalidRequest(f"{op}: the CUDA kernels need CUDA tensors", field="staging")
+
+
+def gather_blocks(
+    regions: Sequence[torch.Tensor],
+    block_ids: BlockIds,
+    out: torch.Tensor,
+    *,
+    permute: KVPermute | None = None,
+) -> torch.Tensor:
+    """Copy block ``ids[i]`` of every region into staging row ``i`` of ``out``; returns ``out``."""
+    c = check_call(regions, block_ids, out, permute, op="gather_blocks", unique=False)
+    _require_cuda(out, "gather_blocks")
+    args = permute.kernel_args() if permute is not None else []
+    _raise_if(cuda_ops().gather_blocks(list(regions), c.ids, out, args))
+    return out
+
+
+def scatter_blocks(
+    regions: Sequence[torch.Tensor],
+    block_ids: BlockIds,
+    staging: torch.Tensor,
+    *,
+    permute: KVPermute | None = None,
+) -> None:
+    """Copy staging row ``i`` into block ``ids[i]`` of every region (IDs must not repeat)."""
+    c = check_call(regions, block_ids, staging, permute, op="scatter_blocks", unique=True)
+    _require_cuda(staging, "scatter_blocks")
+    args = permute.kernel_args() if permute is not None else []
+    _raise_if(cuda_ops().scatter_blocks(list(regions), c.ids, staging, args))
+
+
+def vector_width(
+    regions: Sequence[torch.Tensor],
+    block_ids: BlockIds,
+    staging: torch.Tensor,
+    *,
+    permute: KVPermute | None = None,
+) -> int:
+    """Bytes per load/store the kernel would use for this call (16 when all is aligned)."""
+    _require_cuda(staging, "vector_width")
+    c = check_call(regions, block_ids, staging, permute, op="vector_width", unique=False)
+    args = permute.kernel_args() if permute is not None else []
+    return int(cuda_ops().vector_width(list(regions), c.ids, staging, args))

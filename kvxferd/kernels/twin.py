@@ -1,0 +1,65 @@
+"""The plain-torch twin of the staging kernels: the CPU fallback and the test oracle.
+
+Same signatures and semantics as :mod:`kvxferd.kernels.cuda_ops`; works on any device torch
+supports, with ``index_select`` / ``index_copy_`` on the regions' ``uint8`` block views.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvxferd.kernels.geometry import BlockIds, KVPermute, check_call
+
+
+def _permuted(blocks: torch.Tensor, p: KVPermute) -> torch.Tensor:
+    """``(n, block_len)`` bytes with every half's A x B items transposed to B x A."""
+    n, blen = blocks.shape
+    a, b = p.src_dims
+    return (
+        blocks.reshape(n, blen // p.half_bytes, a, b, p.head_bytes).transpose(2, 3).reshape(n, blen)
+    )
+
+
+def gather_blocks(
+    regions: Sequence[torch.Tensor],
+    block_ids: BlockIds,
+    out: torch.Tensor,
+    *,
+    permute: KVPermute | None = None,
+) -> torch.Tensor:
+    """Copy block ``ids[i]`` of every region into staging row ``i`` of ``out``; returns ``out``."""
+    c = check_call(regions, block_ids, out, permute, op="gather_blocks", unique=False)
+    n = c.ids.numel()
+    if n == 0:
+        return out
+    ids = c.ids.to(out.device)
+    rows = out.view(n, c.row_bytes)
+    for r, off in zip(regions, c.offsets, strict=True):
+        blocks = r.index_select(0, ids)
+        if permute is not None:
+            blocks = _permuted(blocks, permute)
+        rows[:, off : off + r.shape[1]].copy_(blocks)
+    return out
+
+
+def scatter_blocks(
+    regions: Sequence[torch.Tensor],
+    block_ids: BlockIds,
+    staging: torch.Tensor,
+    *,
+    permute: KVPermute | None = None,
+) -> None:
+    """Copy staging row ``i`` into block ``ids[i]`` of every region (IDs must not repeat)."""
+    c = check_call(regions, block_ids, staging, permute, op="scatter_blocks", unique=True)
+    n = c.ids.numel()
+    if n == 0:
+        return
+    ids = c.ids.to(staging.device)
+    rows = staging.view(n, c.row_bytes)
+    for r, off in zip(regions, c.offsets, strict=True):
+        src = rows[:, off : off + r.shape[1]]
+        if permute is not None:
+            src = _permuted(src, permute)
+        r.index_copy_(0, ids, src)
