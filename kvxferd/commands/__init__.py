@@ -43,6 +43,17 @@ def spec_arg(text: str) -> KVCacheSpec:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
+def positive_int(text: str) -> int:
+    """An integer >= 1 (argparse ``type=``)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
+    return n
+
+
 def tp_arg(text: str) -> tuple[int, int]:
     """``RANK/SIZE`` (``0/1``, ``3/4``) -> ``(rank, size)`` with ``0 <= rank < size``."""
     rank_s, slash, size_s = text.partition("/")

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from kvxferd.commands import Subparsers
+from kvxferd.commands import Subparsers, positive_int
 from kvxferd.errors import KvxferdError
 from kvxferd.layout import preset
 from kvxferd.layout.spec import KVCacheSpec
@@ -92,16 +92,6 @@ def _patterns(text: str) -> list[str]:
     return list(dict.fromkeys(pats))
 
 
-def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
-    return n
-
-
 def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "bench",
@@ -139,11 +129,11 @@ def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
         help="block-ID patterns: contiguous, fragmented (shuffled random IDs); default both",
     )
     p.add_argument(
-        "--repeat", type=_positive, default=3, metavar="N", help="runs per cell (median; 3)"
+        "--repeat", type=positive_int, default=3, metavar="N", help="runs per cell (median; 3)"
     )
     p.add_argument(
         "--latency-pulls",
-        type=_positive,
+        type=positive_int,
         default=50,
         metavar="N",
         help=f"small ({SMALL_BLOCKS}-block) pulls for the latency percentiles (default 50)",

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from kvxferd.blocks import PullPlan, plan_pull
-from kvxferd.commands import Subparsers
+from kvxferd.commands import Subparsers, positive_int
 from kvxferd.errors import KvxferdError
 from kvxferd.layout.spec import KVCacheSpec
 from kvxferd.scenario.client import (
@@ -76,18 +76,8 @@ examples:
 """
 
 
-def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
-    return n
-
-
 def _num_blocks(text: str) -> int:
-    n = _positive(text)
+    n = positive_int(text)
     if n < MIN_NUM_BLOCKS:
         raise argparse.ArgumentTypeError(f"--num-blocks must be at least {MIN_NUM_BLOCKS}")
     return n
@@ -115,7 +105,7 @@ def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
         help="model shape of both pools (default dense: Llama-3-8B-like)",
     )
     p.add_argument(
-        "--requests", type=_positive, default=12, metavar="N", help="requests (default 12)"
+        "--requests", type=positive_int, default=12, metavar="N", help="requests (default 12)"
     )
     p.add_argument(
         "--num-blocks",
@@ -130,7 +120,7 @@ def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, metavar="S", help="request mix seed (default 0)")
     p.add_argument(
         "--concurrency",
-        type=_positive,
+        type=positive_int,
         default=1,
         metavar="C",
         help="requests in flight at once (default 1: latencies without queueing)",
