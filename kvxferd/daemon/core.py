@@ -50,8 +50,8 @@ from kvxferd.peers import PeerInfo
 from kvxferd.pool import KVPool
 from kvxferd.transfer import (
     LeaseTable,
-    Released,
     ReleaseFeed,
+    ReleaseReason,
     TransferEngine,
     TransferStatus,
     notify,
@@ -91,6 +91,15 @@ class PullRequest:
     local_ids: tuple[Int64Array, ...]
     deadline_s: float
     notify: bool = True
+
+
+@dataclass(frozen=True)
+class Release:
+    """A held request the engine may now free: the logical IDs it held, and why."""
+
+    request_id: str
+    reason: ReleaseReason
+    logical_ids: tuple[Int64Array, ...]
 
 
 @dataclass(frozen=True)
@@ -136,7 +145,7 @@ class Daemon:
         self.draining = False
         self._held: dict[str, HeldRequest] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        self._release_watchers: list[tuple[frozenset[str], asyncio.Queue[Released]]] = []
+        self._release_watchers: list[tuple[frozenset[str], asyncio.Queue[Release]]] = []
 
     # -- wiring -------------------------------------------------------------------------------
 
@@ -187,7 +196,10 @@ class Daemon:
 
     async def _pump_releases(self, feed: ReleaseFeed) -> None:
         async for rel in feed:
-            self._held.pop(rel.request_id, None)
+            held = self._held.pop(rel.request_id, None)
+            if held is None:
+                continue  # not held through this daemon (cannot happen; be safe)
+            release = Release(rel.request_id, rel.reason, held.logical_ids)
             self.metrics.lease_releases.labels(rel.reason.value).inc()
             self.metrics.leases_active.set(len(self.leases))
             log.info(
@@ -196,7 +208,7 @@ class Daemon:
             )
             for ids, q in self._release_watchers:
                 if not ids or rel.request_id in ids:
-                    q.put_nowait(rel)
+                    q.put_nowait(release)
 
     # -- owner side (prefill) ---------------------------------------------------------------
 
@@ -254,21 +266,13 @@ class Daemon:
     def held_request_ids(self) -> list[str]:
         return list(self._held)
 
-    def watch_releases(self, request_ids: frozenset[str]) -> asyncio.Queue[Released]:
-        q: asyncio.Queue[Released] = asyncio.Queue()
+    def watch_releases(self, request_ids: frozenset[str]) -> asyncio.Queue[Release]:
+        q: asyncio.Queue[Release] = asyncio.Queue()
         self._release_watchers.append((request_ids, q))
         return q
 
-    def unwatch_releases(self, q: asyncio.Queue[Released]) -> None:
+    def unwatch_releases(self, q: asyncio.Queue[Release]) -> None:
         self._release_watchers = [(i, w) for i, w in self._release_watchers if w is not q]
-
-    def logical_ids_of(self, released: Released) -> tuple[Int64Array, ...]:
-        return tuple(
-            ids
-            if self.pool.spec.groups[g].kind.is_state
-            else _collapse(ids, self.pool.spec.groups[g].ppl)
-            for g, ids in enumerate(released.kernel_blocks)
-        )
 
     # -- reader side (decode) ---------------------------------------------------------------
 
@@ -297,7 +301,7 @@ class Daemon:
                 field="transfer_id",
                 fix="use a new transfer_id, or leave it empty to get a generated one",
             )
-        if len(self.pulls.active()) >= self.limits.max_inflight:
+        if self.pulls.num_active >= self.limits.max_inflight:
             raise ResourceExhausted(
                 f"{self.limits.max_inflight} pulls are already in flight",
                 fix="retry later or raise transfer.max_inflight",
@@ -530,10 +534,6 @@ class Daemon:
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-
-
-def _collapse(kernel_ids: Int64Array, ppl: int) -> Int64Array:
-    return np.unique(kernel_ids // ppl) if ppl > 1 else kernel_ids
 
 
 def _mem_type(remote: RemoteDescription) -> MemType:

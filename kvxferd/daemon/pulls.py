@@ -65,7 +65,7 @@ class PullBook:
         self._finished: OrderedDict[str, None] = OrderedDict()
         self._keep = keep_finished
         self._watchers: list[tuple[frozenset[str], asyncio.Queue[PullRecord]]] = []
-        self._done_events: dict[str, asyncio.Event] = {}
+        self._done_events: dict[str, asyncio.Event] = {}  # one per pull not yet terminal
 
     def __contains__(self, transfer_id: str) -> bool:
         return transfer_id in self._pulls
@@ -109,8 +109,12 @@ class PullBook:
             await ev.wait()
         return self.get(transfer_id)
 
+    @property
+    def num_active(self) -> int:
+        return len(self._done_events)
+
     def active(self) -> list[PullRecord]:
-        return [r for r in self._pulls.values() if not r.state.terminal]
+        return [self._pulls[tid] for tid in self._done_events]
 
     def watch(self, transfer_ids: frozenset[str]) -> asyncio.Queue[PullRecord]:
         """A queue of every future change to ``transfer_ids`` (all pulls when empty), primed

@@ -368,7 +368,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 yield engine_pb2.WatchReleasesResponse(
                     request_id=rel.request_id,
                     reason=_REASON[rel.reason],
-                    block_ids=group_ids_to_proto(list(self.d.logical_ids_of(rel))),
+                    block_ids=group_ids_to_proto(list(rel.logical_ids)),
                     released_unix_ns=time.time_ns(),
                 )
         finally:
