@@ -5,6 +5,7 @@ ENGINE_DETACHED, refuses pulls, and takes a restarted engine's attach."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -103,10 +104,8 @@ class Engine:
             self.proc.wait(30)
         for f in (self.proc.stdin, self.proc.stdout):
             if f is not None and not f.closed:
-                try:
+                with contextlib.suppress(OSError):
                     f.close()
-                except OSError:
-                    pass
 
 
 def _sched(addr: str) -> scheduler_pb2_grpc.SchedulerStub:
