@@ -55,7 +55,8 @@ class AuthConfig:
 @dataclass(frozen=True)
 class PoolConfig:
     mode: str = "owned"
-    """``owned``: the daemon allocates the KV pool; ``attached``: an engine attaches it."""
+    """``owned``: the daemon allocates the KV pool; ``attached``: an engine attaches it
+    (needs server.engine_socket; docs/attachment.md)."""
     preset: str = "dense:num_blocks=256"
     """Preset (``name[:key=value,...]``) for an owned pool, used when spec_file is empty."""
     spec_file: str = ""
@@ -68,6 +69,10 @@ class PoolConfig:
     """This worker's tensor-parallel size."""
     prefix_caching: bool = False
     """Whether the engine beside this daemon uses prefix caching (checked at handshake)."""
+    allow_imported_vram: bool = False
+    """Accept IMPORTED VRAM (engine memory over CUDA IPC), which reads at ~0.5 GB/s."""
+    session_grace_ms: int = 10_000
+    """Attached mode: detach if the engine opens no Session this long after Attach."""
 
 
 @dataclass(frozen=True)
@@ -266,6 +271,18 @@ def validate(cfg: Config) -> None:
     if cfg.pool.mode not in ("owned", "attached"):
         raise ConfigError(
             f"unknown pool mode {cfg.pool.mode!r}", field="pool.mode", fix="owned or attached"
+        )
+    if cfg.pool.mode == "attached" and not cfg.server.engine_socket:
+        raise ConfigError(
+            "pool.mode = attached needs the Engine service, where the engine attaches its pool",
+            field="server.engine_socket",
+            fix="set server.engine_socket to a Unix socket path shared with the engine",
+        )
+    if cfg.pool.session_grace_ms <= 0:
+        raise ConfigError(
+            f"must be positive, got {cfg.pool.session_grace_ms}",
+            field="pool.session_grace_ms",
+            fix="use a value > 0 (the default is 10000)",
         )
     if not (cfg.pool.device == "cpu" or cfg.pool.device.startswith("cuda")):
         raise ConfigError(

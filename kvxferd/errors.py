@@ -22,7 +22,8 @@ decides status codes.
     ├── LeaseRefused             the lease expired or was released before it was confirmed
     ├── Unauthenticated          missing or wrong token / client certificate
     ├── Cancelled                the transfer was cancelled
-    └── TransportError           NIXL/UCX reported a failure moving bytes
+    ├── TransportError           NIXL/UCX reported a failure moving bytes
+    └── EngineDetached           the engine detached or died: no pool is registered now
 """
 
 from __future__ import annotations
@@ -133,3 +134,10 @@ class Cancelled(KvxferdError):
 
 class TransportError(KvxferdError):
     """NIXL or UCX reported a failure while moving bytes."""
+
+
+class EngineDetached(KvxferdError):
+    """No KV pool is attached: the engine detached or its process died; a re-attach is awaited.
+
+    Peers get UNAVAILABLE (retry after the engine re-attaches; a request held before the
+    detach is gone and must be prefilled again)."""

@@ -32,6 +32,9 @@ class Metrics:
     lease_releases: Counter
     rpc_errors: Counter
     registered_bytes: Gauge
+    pool_generation: Gauge
+    pool_slow_path: Gauge
+    engine_detaches: Counter
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> Metrics:
@@ -101,5 +104,21 @@ class Metrics:
             ),
             registered_bytes=Gauge(
                 "kvxferd_registered_bytes", "KV memory registered with NIXL.", registry=r
+            ),
+            pool_generation=Gauge(
+                "kvxferd_pool_generation",
+                "Registration generation of the pool (bumped on every attach and detach).",
+                registry=r,
+            ),
+            pool_slow_path=Gauge(
+                "kvxferd_pool_slow_path",
+                "1 while the registered pool is on a known slow path (IMPORTED VRAM).",
+                registry=r,
+            ),
+            engine_detaches=Counter(
+                "kvxferd_engine_detaches",
+                "Engine pools detached, by cause (detach, session, no_session, shutdown).",
+                ["cause"],
+                registry=r,
             ),
         )

@@ -31,6 +31,7 @@ from kvxferd.daemon.peers import (
     remote_error,
 )
 from kvxferd.daemon.pulls import PullBook, PullRecord, PullState
+from kvxferd.daemon.slot import PoolSlot
 from kvxferd.errors import (
     AlreadyExists,
     Cancelled,
@@ -115,8 +116,8 @@ class Daemon:
     def __init__(
         self,
         *,
-        pool: KVPool,
-        info: PeerInfo,
+        pool: KVPool | PoolSlot,
+        info: PeerInfo | None,
         engine: TransferEngine,
         leases: LeaseTable,
         agent_name: str,
@@ -127,25 +128,45 @@ class Daemon:
         instance_id: str | None = None,
         call_metadata: tuple[tuple[str, str], ...] = (),
     ) -> None:
-        self.pool = pool
-        self.info = info
+        if isinstance(pool, KVPool):
+            if info is None:
+                raise InvalidRequest("an owned pool needs its PeerInfo", field="info")
+            pool = PoolSlot.owned(pool, info, agent_metadata)
+        self.slot = pool
         self.engine = engine
         self.leases = leases
         self.agent_name = agent_name
-        self.agent_metadata = agent_metadata
         self.address = address
         self.metrics = metrics
         self.limits = limits
         self.call_metadata = call_metadata
         self.instance_id = instance_id or uuid.uuid4().hex
         self.daemon_id = agent_name
-        self.generation = 1
         self.pulls = PullBook()
         self.peers: PeerDirectory | None = None
         self.draining = False
         self._held: dict[str, HeldRequest] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._release_watchers: list[tuple[frozenset[str], asyncio.Queue[Release]]] = []
+
+    # -- the pool (fixed, or attached by an engine: kvxferd.daemon.slot) ---------------------
+
+    @property
+    def pool(self) -> KVPool:
+        """The registered pool; raises EngineDetached while an attached daemon has none."""
+        return self.slot.current()
+
+    @property
+    def info(self) -> PeerInfo:
+        return self.slot.served().info
+
+    @property
+    def agent_metadata(self) -> bytes:
+        return self.slot.metadata
+
+    @property
+    def generation(self) -> int:
+        return self.slot.generation
 
     # -- wiring -------------------------------------------------------------------------------
 
@@ -166,14 +187,15 @@ class Daemon:
                 self.metrics.peers.labels(state.value).set(n)
 
     def describe_self(self) -> SelfDescription:
+        served = self.slot.served()
         regs = tuple(
             spec_pb2.RegionRegistration(
                 region_name=r.name, base_address=m.addr, device_id=m.device, nbytes=m.nbytes
             )
-            for r, m in zip(self.pool.spec.regions, self.pool.memory, strict=True)
+            for r, m in zip(served.pool.spec.regions, served.pool.memory, strict=True)
         )
         return SelfDescription(
-            info=self.info,
+            info=served.info,
             agent_name=self.agent_name,
             agent_metadata=self.agent_metadata,
             registrations=regs,
@@ -259,6 +281,7 @@ class Daemon:
         return h
 
     def confirm_lease(self, request_id: str, extend_s: float | None) -> HeldRequest:
+        self.slot.current()  # EngineDetached: say why, rather than "not held"
         h = self.held(request_id)
         lease = self.leases.confirm_and_extend(request_id, extend_s or None)
         return HeldRequest(h.request_id, h.logical_ids, lease)
@@ -421,6 +444,9 @@ class Daemon:
             raise remote_error(
                 exc, f"confirming the lease of {req.request_id!r}", link.address
             ) from exc
+        if self.peers is not None:
+            # The owner re-registered (its engine re-attached): its regions moved.
+            await self.peers.refresh(link, resp.lease.registration_generation)
         held = resp.lease.block_ids.groups
         for g, ids in enumerate(req.remote_ids):
             have = np.asarray(held[g].ids if g < len(held) else [], dtype=np.int64)

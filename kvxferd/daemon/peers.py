@@ -240,6 +240,35 @@ class PeerDirectory:
                     self._on_handshake(link)
             return link
 
+    async def refresh(self, link: PeerLink, generation: int) -> None:
+        """Handshake again if the peer's registration generation is no longer the one this
+        link handshook with (its engine re-attached, so its regions and metadata changed).
+        The peer's KV layout must not have changed: the pull was planned against it."""
+        old = link.remote
+        if old is None or not generation or old.generation == generation:
+            return
+        async with link.lock:
+            if link.remote is not None and link.remote.generation == generation:
+                return
+            log.info(
+                "peer re-registered; handshaking again",
+                extra=kv(peer=link.address, was=old.generation, now=generation),
+            )
+            try:
+                await self._handshake(link)
+            finally:
+                if self._on_handshake is not None:
+                    self._on_handshake(link)
+        new = link.remote
+        assert new is not None
+        if compat_digest(new.info.spec) != compat_digest(old.info.spec):
+            raise PeerUnavailable(
+                f"peer {link.address} re-attached a KV pool with a different layout"
+                f" ({new.info.spec.describe()}) than this pull was planned for",
+                field="peer_address",
+                fix="start the pull again: it is planned against the new layout",
+            )
+
     async def invalidate(self, address: str, reason: str) -> None:
         """Forget the handshake (peer restarted or died); the next pull handshakes again."""
         link = self._links.get(address)

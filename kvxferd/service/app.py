@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import numpy as np
 from grpc import aio
 from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -28,8 +29,10 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from kvxferd.config import Config, is_loopback, split_hostport
+from kvxferd.daemon.attach import Attacher
 from kvxferd.daemon.core import Daemon, DaemonLimits
 from kvxferd.daemon.peers import PeerDirectory
+from kvxferd.daemon.slot import PoolSlot
 from kvxferd.errors import ConfigError
 from kvxferd.layout.presets import preset
 from kvxferd.layout.spec import KVCacheSpec, MemoryType
@@ -90,6 +93,7 @@ class Running:
     peers: PeerDirectory
     grpc_address: str
     engine_socket: str
+    attacher: Attacher | None
     metrics_address: str
     http: ThreadingHTTPServer | None
     registry: CollectorRegistry
@@ -100,6 +104,8 @@ class Running:
         await self.server.stop(grace=1.0)
         if self.engine_server is not None:
             await self.engine_server.stop(grace=1.0)
+        if self.attacher is not None:
+            await self.attacher.close()
         await self.daemon.close()
         await self.peers.close()
         if self.http is not None:
@@ -119,15 +125,13 @@ async def start(cfg: Config, *, fill_seed: int | None = None) -> Running:
     """Build, register and start everything; returns once every port is bound."""
     registry = CollectorRegistry()
     metrics = Metrics.create(registry)
-    spec = pool_spec(cfg)
-    if cfg.pool.mode != "owned":
-        raise ConfigError(
-            "pool.mode = attached is not available in this version: the daemon owns its pool",
-            field="pool.mode",
-            fix="use pool.mode = owned",
-        )
-    pool = await asyncio.to_thread(KVPool.allocate, spec, cfg.pool.device)
-    if fill_seed is not None:
+    attached = cfg.pool.mode == "attached"
+    pool = (
+        None
+        if attached
+        else await asyncio.to_thread(KVPool.allocate, pool_spec(cfg), cfg.pool.device)
+    )
+    if pool is not None and fill_seed is not None:
         for g in range(len(pool.spec.groups)):
             await asyncio.to_thread(
                 pool.fill_pattern, g, range(pool.spec.num_kernel_blocks(g)), fill_seed
@@ -135,7 +139,6 @@ async def start(cfg: Config, *, fill_seed: int | None = None) -> Running:
     cuda = None
     if cfg.pool.device.startswith("cuda"):
         cuda = int(cfg.pool.device.partition(":")[2] or 0)
-    mem = MemType.VRAM if pool.spec.regions[0].memory is MemoryType.VRAM else MemType.DRAM
     agent = NixlAgent(
         _agent_name(cfg),
         cuda_device=cuda,
@@ -144,9 +147,13 @@ async def start(cfg: Config, *, fill_seed: int | None = None) -> Running:
         ),
     )
     agent.start()
-    rows = pool.region_rows()
-    await asyncio.to_thread(agent.register, rows, mem)
-    metrics.registered_bytes.set(int(rows[:, 1].sum()))
+    mem = MemType.DRAM
+    rows = np.zeros((0, 3), dtype=np.int64)
+    if pool is not None:
+        mem = MemType.VRAM if pool.spec.regions[0].memory is MemoryType.VRAM else MemType.DRAM
+        rows = pool.region_rows()
+        await asyncio.to_thread(agent.register, rows, mem)
+        metrics.registered_bytes.set(int(rows[:, 1].sum()))
     engine = TransferEngine(
         agent,
         rows,
@@ -171,9 +178,12 @@ async def start(cfg: Config, *, fill_seed: int | None = None) -> Running:
     if bound == 0:
         raise ConfigError(f"cannot bind {bind}", field="server.listen", fix="pick a free port")
     address = cfg.server.advertise or f"{host}:{bound}"
+    metadata = agent.metadata()
     daemon = Daemon(
-        pool=pool,
-        info=PeerInfo(
+        pool=PoolSlot.detached(metadata) if pool is None else pool,
+        info=None
+        if pool is None
+        else PeerInfo(
             spec=pool.spec,
             tp_rank=cfg.pool.tp_rank,
             tp_size=cfg.pool.tp_size,
@@ -182,7 +192,7 @@ async def start(cfg: Config, *, fill_seed: int | None = None) -> Running:
         engine=engine,
         leases=leases,
         agent_name=agent.name,
-        agent_metadata=agent.metadata(),
+        agent_metadata=metadata,
         address=address,
         metrics=metrics,
         limits=DaemonLimits(
@@ -212,6 +222,16 @@ async def start(cfg: Config, *, fill_seed: int | None = None) -> Running:
     )
     daemon.attach_peers(peers)
     await daemon.start_release_pump()
+    attacher = None
+    if attached:
+        attacher = Attacher(
+            daemon,
+            agent,
+            device=cfg.pool.device,
+            allow_imported_vram=cfg.pool.allow_imported_vram,
+            session_grace_s=cfg.pool.session_grace_ms / 1000,
+        )
+        attacher.on_change(lambda: health_changed(daemon, health_servicer))
 
     health_servicer = health_aio.HealthServicer()
     peer_pb2_grpc.add_PeerServicer_to_server(PeerService(daemon), server)
@@ -223,13 +243,15 @@ async def start(cfg: Config, *, fill_seed: int | None = None) -> Running:
     engine_server = None
     if cfg.server.engine_socket:
         engine_server = aio.server(interceptors=interceptors, options=GRPC_OPTIONS)
-        engine_pb2_grpc.add_EngineServicer_to_server(EngineService(daemon), engine_server)
+        engine_pb2_grpc.add_EngineServicer_to_server(EngineService(daemon, attacher), engine_server)
         Path(cfg.server.engine_socket).unlink(missing_ok=True)
         engine_server.add_insecure_port(f"unix:{cfg.server.engine_socket}")
         await engine_server.start()
     await server.start()
     for name in (*SERVICE_NAMES, ""):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    if attacher is not None:
+        health_changed(daemon, health_servicer)
 
     http, metrics_address = None, ""
     if cfg.server.metrics_listen:
@@ -253,8 +275,9 @@ async def start(cfg: Config, *, fill_seed: int | None = None) -> Running:
             engine_socket=cfg.server.engine_socket,
             metrics=metrics_address,
             agent=agent.name,
-            spec=pool.spec.describe(),
-            bytes=pool.spec.nbytes,
+            mode=cfg.pool.mode,
+            spec=pool.spec.describe() if pool is not None else "(awaiting Attach)",
+            bytes=pool.spec.nbytes if pool is not None else 0,
             device=cfg.pool.device,
             auth=secured or "none",
         ),
@@ -271,10 +294,28 @@ async def start(cfg: Config, *, fill_seed: int | None = None) -> Running:
         peers,
         address,
         cfg.server.engine_socket,
+        attacher,
         metrics_address,
         http,
         registry,
     )
+
+
+def health_changed(daemon: Daemon, health_servicer: health_aio.HealthServicer) -> None:
+    """Readiness follows the pool in attached mode: the Peer service is NOT_SERVING while no
+    pool is registered (peers would be refused), the process stays live (overall "")."""
+    status = (
+        health_pb2.HealthCheckResponse.SERVING
+        if daemon.slot.registered
+        else health_pb2.HealthCheckResponse.NOT_SERVING
+    )
+    name = peer_pb2.DESCRIPTOR.services_by_name["Peer"].full_name
+    task = asyncio.get_running_loop().create_task(health_servicer.set(name, status))
+    _background.add(task)
+    task.add_done_callback(_background.discard)
+
+
+_background: set[asyncio.Task[None]] = set()
 
 
 def _http_server(listen: str, registry: CollectorRegistry, daemon: Daemon) -> ThreadingHTTPServer:

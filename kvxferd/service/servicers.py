@@ -17,12 +17,14 @@ from typing import Any, TypeVar
 import grpc
 from grpc import aio
 
-from kvxferd.daemon.core import Daemon, HeldRequest, PullRequest
+from kvxferd.daemon.attach import Attacher
+from kvxferd.daemon.core import Daemon, HeldRequest, PullRequest, Release
 from kvxferd.daemon.peers import LinkState, decode_envelope
 from kvxferd.daemon.pulls import PullRecord, PullState
 from kvxferd.errors import InvalidRequest, KvxferdError
 from kvxferd.logs import kv
-from kvxferd.service.convert import group_ids_from_proto, group_ids_to_proto, spec_to_proto
+from kvxferd.service.attaching import attach_request_from_proto, pool_info
+from kvxferd.service.convert import group_ids_from_proto, group_ids_to_proto
 from kvxferd.service.status import message_for, status_for
 from kvxferd.transfer import ReleaseReason
 from kvxferd.v1 import (
@@ -61,6 +63,7 @@ _REASON = {
     ReleaseReason.DONE: common_pb2.RELEASE_REASON_DONE,
     ReleaseReason.EXPIRED: common_pb2.RELEASE_REASON_EXPIRED,
     ReleaseReason.CANCELLED: common_pb2.RELEASE_REASON_CANCELLED,
+    ReleaseReason.ENGINE_DETACHED: common_pb2.RELEASE_REASON_ENGINE_DETACHED,
 }
 
 
@@ -303,32 +306,28 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
 
 class EngineService(engine_pb2_grpc.EngineServicer):
-    def __init__(self, daemon: Daemon) -> None:
+    """The engine API. ``attacher`` is None when the daemon owns its pool (pool.mode = owned)."""
+
+    def __init__(self, daemon: Daemon, attacher: Attacher | None = None) -> None:
         self.d = daemon
+        self.attacher = attacher
 
     def _pool_info(self) -> engine_pb2.PoolInfo:
-        me = self.d.describe_self()
-        return engine_pb2.PoolInfo(
-            state=engine_pb2.REGISTRATION_STATE_REGISTERED,
-            memory_mode=engine_pb2.MEMORY_MODE_OWNED,
-            spec=spec_to_proto(self.d.pool.spec),
-            registrations=list(me.registrations),
-            registration_generation=self.d.generation,
-            nixl_agent_name=self.d.agent_name,
-            peer_address=self.d.address,
-            held_requests=len(self.d.leases),
-        )
+        return pool_info(self.d, self.attacher)
 
     async def Attach(
         self, request: engine_pb2.AttachRequest, context: Ctx
     ) -> engine_pb2.AttachResponse:
         async def call() -> engine_pb2.AttachResponse:
-            raise InvalidRequest(
-                "this daemon owns its KV pool (pool.mode = owned), so there is nothing to attach;"
-                " use Describe to learn the pool",
-                field="memory_mode",
-                fix="run the daemon with pool.mode = attached to attach engine memory",
-            )
+            if self.attacher is None:
+                raise InvalidRequest(
+                    "this daemon owns its KV pool (pool.mode = owned), so there is nothing to"
+                    " attach; use Describe to learn the pool",
+                    field="memory_mode",
+                    fix="run the daemon with pool.mode = attached to attach engine memory",
+                )
+            await self.attacher.attach(attach_request_from_proto(request))
+            return engine_pb2.AttachResponse(pool=self._pool_info())
 
         return await _rpc(self.d, "Attach", context, call)
 
@@ -364,20 +363,56 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         q = self.d.watch_releases(frozenset(request.request_ids))
         try:
             while True:
-                rel = await q.get()
-                yield engine_pb2.WatchReleasesResponse(
-                    request_id=rel.request_id,
-                    reason=_REASON[rel.reason],
-                    block_ids=group_ids_to_proto(list(rel.logical_ids)),
-                    released_unix_ns=time.time_ns(),
-                )
+                yield _release_to_proto(await q.get())
         finally:
             self.d.unwatch_releases(q)
+
+    async def Session(
+        self, request: engine_pb2.SessionRequest, context: Ctx
+    ) -> AsyncIterator[engine_pb2.SessionResponse]:
+        if self.attacher is None:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "this daemon owns its KV pool (pool.mode = owned): there is no attachment to"
+                " keep alive (fix: use WatchReleases for releases)",
+            )
+            return
+        try:
+            att = self.attacher.open_session(request.attachment_id)
+        except KvxferdError as err:
+            await context.abort(status_for(err), message_for(err))
+            return
+        q = self.d.watch_releases(frozenset())
+        log.info("engine session opened", extra=kv(attachment=att.attachment_id))
+        ended = asyncio.ensure_future(att.ended.wait())
+        get: asyncio.Future[Release] | None = None
+        try:
+            yield engine_pb2.SessionResponse(opened=self._pool_info())
+            while not att.ended.is_set():
+                get = asyncio.ensure_future(q.get())
+                await asyncio.wait({get, ended}, return_when=asyncio.FIRST_COMPLETED)
+                if not get.done():
+                    break
+                yield engine_pb2.SessionResponse(release=_release_to_proto(get.result()))
+        finally:
+            ended.cancel()
+            if get is not None:
+                get.cancel()
+            self.d.unwatch_releases(q)
+            log.info("engine session closed", extra=kv(attachment=att.attachment_id))
+            self.attacher.session_ended(att)
 
     async def Detach(
         self, request: engine_pb2.DetachRequest, context: Ctx
     ) -> engine_pb2.DetachResponse:
         async def call() -> engine_pb2.DetachResponse:
+            if self.attacher is not None:
+                n = await self.attacher.detach(
+                    "the engine called Detach",
+                    attachment_id=request.attachment_id,
+                    force=request.force,
+                )
+                return engine_pb2.DetachResponse(released_requests=n)
             if not request.force:
                 raise InvalidRequest(
                     "this daemon owns its pool; Detach only releases held requests with force",
@@ -391,6 +426,15 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             return engine_pb2.DetachResponse(released_requests=n)
 
         return await _rpc(self.d, "Detach", context, call)
+
+
+def _release_to_proto(rel: Release) -> engine_pb2.WatchReleasesResponse:
+    return engine_pb2.WatchReleasesResponse(
+        request_id=rel.request_id,
+        reason=_REASON[rel.reason],
+        block_ids=group_ids_to_proto(list(rel.logical_ids)),
+        released_unix_ns=time.time_ns(),
+    )
 
 
 __all__ = ["EngineService", "PeerService", "SchedulerService", "status_to_proto"]

@@ -21,6 +21,7 @@ STATUS_TABLE: tuple[tuple[type[e.KvxferdError], grpc.StatusCode], ...] = (
     (e.LeaseRefused, grpc.StatusCode.FAILED_PRECONDITION),
     (e.PeerUnavailable, grpc.StatusCode.UNAVAILABLE),
     (e.TransportError, grpc.StatusCode.UNAVAILABLE),
+    (e.EngineDetached, grpc.StatusCode.UNAVAILABLE),
     (e.DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
     (e.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (e.NotFound, grpc.StatusCode.NOT_FOUND),

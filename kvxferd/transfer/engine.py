@@ -40,6 +40,7 @@ from kvxferd.errors import (
     AlreadyExists,
     Cancelled,
     DeadlineExceeded,
+    EngineDetached,
     InvalidRequest,
     KvxferdError,
     PeerUnavailable,
@@ -140,6 +141,24 @@ class TransferEngine:
         self._agent.remove_poller(self._poll)
         self._started = False
 
+    def set_local(self, local_regions: npt.ArrayLike | None, mem: MemType, reason: str) -> None:
+        """Swap the local regions (an engine attached or detached its pool). Every transfer in
+        flight is cancelled first, since its local memory is about to change; ``None`` (no
+        pool) makes :meth:`submit` refuse until regions are set again."""
+        table = RegionTable.from_array(
+            np.zeros((0, 3), dtype=np.int64) if local_regions is None else local_regions
+        )
+        if self._started:
+            self._agent.submit(self._set_local_now, table, mem, reason).result()
+        else:
+            self._set_local_now(table, mem, reason)
+
+    def _set_local_now(self, table: RegionTable, mem: MemType, reason: str) -> None:
+        self._cancel_all(reason)
+        with self._lock:
+            self._local = table
+            self._local_mem = mem
+
     # -- peers ------------------------------------------------------------------------------
 
     def connect_peer(
@@ -197,14 +216,21 @@ class TransferEngine:
             raise InvalidRequest(f"timeout must be positive, got {timeout}", field="timeout_s")
         with self._lock:
             p = self._peers.get(peer)
+            local_table = self._local
         if p is None:
             raise PeerUnavailable(
                 f"peer {peer!r} is not connected",
                 fix="handshake with the peer before pulling from it",
             )
+        if local_table.num_regions == 0:
+            raise EngineDetached(
+                "no local KV pool is registered (the engine detached), so there is nowhere"
+                " to read into",
+                fix="pull again once the engine has re-attached",
+            )
         local, remote = build_descriptors(
             plan,
-            self._local,
+            local_table,
             p.regions,
             merge=self._opts.coalesce,
             max_desc_bytes=self._opts.max_desc_bytes,

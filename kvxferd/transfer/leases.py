@@ -36,6 +36,7 @@ class ReleaseReason(enum.Enum):
     DONE = "DONE"  # every expected reader reported completion
     EXPIRED = "EXPIRED"  # the TTL passed first
     CANCELLED = "CANCELLED"  # the engine or an operator gave the blocks up
+    ENGINE_DETACHED = "ENGINE_DETACHED"  # the engine detached or died; the pool is gone
 
 
 @dataclass(frozen=True)
@@ -180,12 +181,12 @@ class LeaseTable:
             self._notify([done])
         return done
 
-    def cancel(self, request_id: str) -> Released:
+    def cancel(self, request_id: str, reason: ReleaseReason = ReleaseReason.CANCELLED) -> Released:
         with self._lock:
             lease = self._leases.get(request_id)
             if lease is None:
                 raise LeaseRefused(f"no lease for request {request_id!r}", field="request_id")
-            rel = self._end(lease, ReleaseReason.CANCELLED)
+            rel = self._end(lease, reason)
         self._notify([rel])
         return rel
 

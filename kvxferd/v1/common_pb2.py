@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvxferd/v1/common.proto\x12\nkvxferd.v1\"\x17\n\x08\x42lockIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"5\n\rGroupBlockIds\x12$\n\x06groups\x18\x01 \x03(\x0b\x32\x14.kvxferd.v1.BlockIds\"D\n\x08Mismatch\x12\x0c\n\x04what\x18\x01 \x01(\t\x12\r\n\x05local\x18\x02 \x01(\t\x12\x0e\n\x06remote\x18\x03 \x01(\t\x12\x0b\n\x03\x66ix\x18\x04 \x01(\t\"\x89\x01\n\x0b\x45rrorDetail\x12#\n\x04kind\x18\x01 \x01(\x0e\x32\x15.kvxferd.v1.ErrorKind\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\r\n\x05\x66ield\x18\x03 \x01(\t\x12\x0b\n\x03\x66ix\x18\x04 \x01(\t\x12(\n\nmismatches\x18\x05 \x03(\x0b\x32\x14.kvxferd.v1.Mismatch*\x82\x01\n\rReleaseReason\x12\x1e\n\x1aRELEASE_REASON_UNSPECIFIED\x10\x00\x12\x17\n\x13RELEASE_REASON_DONE\x10\x01\x12\x1a\n\x16RELEASE_REASON_EXPIRED\x10\x02\x12\x1c\n\x18RELEASE_REASON_CANCELLED\x10\x03*\xc2\x03\n\tErrorKind\x12\x1a\n\x16\x45RROR_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11\x45RROR_KIND_CONFIG\x10\x01\x12\x13\n\x0f\x45RROR_KIND_SPEC\x10\x02\x12\x1e\n\x1a\x45RROR_KIND_INVALID_REQUEST\x10\x03\x12\x1a\n\x16\x45RROR_KIND_BLOCK_RANGE\x10\x04\x12 \n\x1c\x45RROR_KIND_INCOMPATIBLE_PEER\x10\x05\x12\x1f\n\x1b\x45RROR_KIND_PEER_UNAVAILABLE\x10\x06\x12 \n\x1c\x45RROR_KIND_DEADLINE_EXCEEDED\x10\x07\x12!\n\x1d\x45RROR_KIND_RESOURCE_EXHAUSTED\x10\x08\x12\x18\n\x14\x45RROR_KIND_NOT_FOUND\x10\t\x12\x1d\n\x19\x45RROR_KIND_ALREADY_EXISTS\x10\n\x12\x1c\n\x18\x45RROR_KIND_LEASE_REFUSED\x10\x0b\x12\x1e\n\x1a\x45RROR_KIND_UNAUTHENTICATED\x10\x0c\x12\x18\n\x14\x45RROR_KIND_CANCELLED\x10\r\x12\x18\n\x14\x45RROR_KIND_TRANSPORT\x10\x0e\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvxferd/v1/common.proto\x12\nkvxferd.v1\"\x17\n\x08\x42lockIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"5\n\rGroupBlockIds\x12$\n\x06groups\x18\x01 \x03(\x0b\x32\x14.kvxferd.v1.BlockIds\"D\n\x08Mismatch\x12\x0c\n\x04what\x18\x01 \x01(\t\x12\r\n\x05local\x18\x02 \x01(\t\x12\x0e\n\x06remote\x18\x03 \x01(\t\x12\x0b\n\x03\x66ix\x18\x04 \x01(\t\"\x89\x01\n\x0b\x45rrorDetail\x12#\n\x04kind\x18\x01 \x01(\x0e\x32\x15.kvxferd.v1.ErrorKind\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\r\n\x05\x66ield\x18\x03 \x01(\t\x12\x0b\n\x03\x66ix\x18\x04 \x01(\t\x12(\n\nmismatches\x18\x05 \x03(\x0b\x32\x14.kvxferd.v1.Mismatch*\xa6\x01\n\rReleaseReason\x12\x1e\n\x1aRELEASE_REASON_UNSPECIFIED\x10\x00\x12\x17\n\x13RELEASE_REASON_DONE\x10\x01\x12\x1a\n\x16RELEASE_REASON_EXPIRED\x10\x02\x12\x1c\n\x18RELEASE_REASON_CANCELLED\x10\x03\x12\"\n\x1eRELEASE_REASON_ENGINE_DETACHED\x10\x04*\xe2\x03\n\tErrorKind\x12\x1a\n\x16\x45RROR_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11\x45RROR_KIND_CONFIG\x10\x01\x12\x13\n\x0f\x45RROR_KIND_SPEC\x10\x02\x12\x1e\n\x1a\x45RROR_KIND_INVALID_REQUEST\x10\x03\x12\x1a\n\x16\x45RROR_KIND_BLOCK_RANGE\x10\x04\x12 \n\x1c\x45RROR_KIND_INCOMPATIBLE_PEER\x10\x05\x12\x1f\n\x1b\x45RROR_KIND_PEER_UNAVAILABLE\x10\x06\x12 \n\x1c\x45RROR_KIND_DEADLINE_EXCEEDED\x10\x07\x12!\n\x1d\x45RROR_KIND_RESOURCE_EXHAUSTED\x10\x08\x12\x18\n\x14\x45RROR_KIND_NOT_FOUND\x10\t\x12\x1d\n\x19\x45RROR_KIND_ALREADY_EXISTS\x10\n\x12\x1c\n\x18\x45RROR_KIND_LEASE_REFUSED\x10\x0b\x12\x1e\n\x1a\x45RROR_KIND_UNAUTHENTICATED\x10\x0c\x12\x18\n\x14\x45RROR_KIND_CANCELLED\x10\r\x12\x18\n\x14\x45RROR_KIND_TRANSPORT\x10\x0e\x12\x1e\n\x1a\x45RROR_KIND_ENGINE_DETACHED\x10\x0f\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,9 +32,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvxferd.v1.common_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_RELEASEREASON']._serialized_start=330
-  _globals['_RELEASEREASON']._serialized_end=460
-  _globals['_ERRORKIND']._serialized_start=463
-  _globals['_ERRORKIND']._serialized_end=913
+  _globals['_RELEASEREASON']._serialized_end=496
+  _globals['_ERRORKIND']._serialized_start=499
+  _globals['_ERRORKIND']._serialized_end=981
   _globals['_BLOCKIDS']._serialized_start=39
   _globals['_BLOCKIDS']._serialized_end=62
   _globals['_GROUPBLOCKIDS']._serialized_start=64

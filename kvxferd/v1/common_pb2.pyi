@@ -33,6 +33,10 @@ class _ReleaseReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Release
     """The lease ran out before every reader finished."""
     RELEASE_REASON_CANCELLED: _ReleaseReason.ValueType  # 3
     """A reader gave up, the owner cancelled, or the daemon shut down / detached."""
+    RELEASE_REASON_ENGINE_DETACHED: _ReleaseReason.ValueType  # 4
+    """The engine detached (Detach) or its session ended (engine process gone): the pool was
+    deregistered, so nothing held in it may be read any more.
+    """
 
 class ReleaseReason(_ReleaseReason, metaclass=_ReleaseReasonEnumTypeWrapper):
     """Why a held request's blocks were let go. Shared by leases and the engine's release stream."""
@@ -45,6 +49,10 @@ RELEASE_REASON_EXPIRED: ReleaseReason.ValueType  # 2
 """The lease ran out before every reader finished."""
 RELEASE_REASON_CANCELLED: ReleaseReason.ValueType  # 3
 """A reader gave up, the owner cancelled, or the daemon shut down / detached."""
+RELEASE_REASON_ENGINE_DETACHED: ReleaseReason.ValueType  # 4
+"""The engine detached (Detach) or its session ended (engine process gone): the pool was
+deregistered, so nothing held in it may be read any more.
+"""
 Global___ReleaseReason: _TypeAlias = ReleaseReason  # noqa: Y015
 
 class _ErrorKind:
@@ -83,6 +91,8 @@ class _ErrorKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorKind.V
     """Cancelled."""
     ERROR_KIND_TRANSPORT: _ErrorKind.ValueType  # 14
     """TransportError."""
+    ERROR_KIND_ENGINE_DETACHED: _ErrorKind.ValueType  # 15
+    """EngineDetached: the daemon's engine detached or died; a re-attach is awaited."""
 
 class ErrorKind(_ErrorKind, metaclass=_ErrorKindEnumTypeWrapper):
     """The kind of a kvxferd error: one value per class in kvxferd/errors.py (most specific class)."""
@@ -117,6 +127,8 @@ ERROR_KIND_CANCELLED: ErrorKind.ValueType  # 13
 """Cancelled."""
 ERROR_KIND_TRANSPORT: ErrorKind.ValueType  # 14
 """TransportError."""
+ERROR_KIND_ENGINE_DETACHED: ErrorKind.ValueType  # 15
+"""EngineDetached: the daemon's engine detached or died; a re-attach is awaited."""
 Global___ErrorKind: _TypeAlias = ErrorKind  # noqa: Y015
 
 @_typing.final

@@ -88,6 +88,10 @@ class MemoryHandle(_message.Message):
     SHM_NAME_FIELD_NUMBER: _builtins.int
     OFFSET_FIELD_NUMBER: _builtins.int
     DEVICE_ID_FIELD_NUMBER: _builtins.int
+    NBYTES_FIELD_NUMBER: _builtins.int
+    SHAPE_FIELD_NUMBER: _builtins.int
+    STRIDES_FIELD_NUMBER: _builtins.int
+    DTYPE_FIELD_NUMBER: _builtins.int
     region_name: _builtins.str
     """KvRegion.name of the region."""
     cuda_ipc_handle: _builtins.bytes
@@ -98,6 +102,20 @@ class MemoryHandle(_message.Message):
     """Bytes from the start of the shared allocation to block 0."""
     device_id: _builtins.int
     """CUDA device ordinal for VRAM; 0 for DRAM."""
+    nbytes: _builtins.int
+    """Bytes the region spans from offset (KvRegion's size); the shared allocation must hold
+    offset + nbytes.
+    """
+    dtype: _spec_pb2.KvDtype.ValueType
+    """IMPORTED only: the engine tensor's element type, verified against the spec."""
+    @_builtins.property
+    def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """IMPORTED only: the engine tensor's logical shape, verified against the spec."""
+
+    @_builtins.property
+    def strides(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """IMPORTED only: the engine tensor's strides in elements, verified against the spec."""
+
     def __init__(
         self,
         *,
@@ -106,10 +124,14 @@ class MemoryHandle(_message.Message):
         shm_name: _builtins.str = ...,
         offset: _builtins.int = ...,
         device_id: _builtins.int = ...,
+        nbytes: _builtins.int = ...,
+        shape: _abc.Iterable[_builtins.int] | None = ...,
+        strides: _abc.Iterable[_builtins.int] | None = ...,
+        dtype: _spec_pb2.KvDtype.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["cuda_ipc_handle", b"cuda_ipc_handle", "handle", b"handle", "shm_name", b"shm_name"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cuda_ipc_handle", b"cuda_ipc_handle", "device_id", b"device_id", "handle", b"handle", "offset", b"offset", "region_name", b"region_name", "shm_name", b"shm_name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cuda_ipc_handle", b"cuda_ipc_handle", "device_id", b"device_id", "dtype", b"dtype", "handle", b"handle", "nbytes", b"nbytes", "offset", b"offset", "region_name", b"region_name", "shape", b"shape", "shm_name", b"shm_name", "strides", b"strides"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_handle: _TypeAlias = _typing.Literal["cuda_ipc_handle", "shm_name"]  # noqa: Y015
     _WhichOneofArgType_handle: _TypeAlias = _typing.Literal["handle", b"handle"]  # noqa: Y015
@@ -253,6 +275,8 @@ class PoolInfo(_message.Message):
     NIXL_AGENT_NAME_FIELD_NUMBER: _builtins.int
     PEER_ADDRESS_FIELD_NUMBER: _builtins.int
     HELD_REQUESTS_FIELD_NUMBER: _builtins.int
+    ATTACHMENT_ID_FIELD_NUMBER: _builtins.int
+    SLOW_PATH_FIELD_NUMBER: _builtins.int
     state: Global___RegistrationState.ValueType
     """Registration state."""
     memory_mode: Global___MemoryMode.ValueType
@@ -265,6 +289,10 @@ class PoolInfo(_message.Message):
     """This daemon's Peer address, "host:port"."""
     held_requests: _builtins.int
     """Requests currently held."""
+    attachment_id: _builtins.str
+    """Identifies this attachment (Session and Detach name it); empty when detached or owned."""
+    slow_path: _builtins.str
+    """Why this pool is on a known slow path (IMPORTED VRAM over CUDA IPC); empty if none."""
     @_builtins.property
     def spec(self) -> _spec_pb2.KvCacheSpec:
         """The resolved spec (a preset expanded)."""
@@ -289,10 +317,12 @@ class PoolInfo(_message.Message):
         nixl_agent_name: _builtins.str = ...,
         peer_address: _builtins.str = ...,
         held_requests: _builtins.int = ...,
+        attachment_id: _builtins.str = ...,
+        slow_path: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["exports", b"exports", "held_requests", b"held_requests", "memory_mode", b"memory_mode", "nixl_agent_name", b"nixl_agent_name", "peer_address", b"peer_address", "registration_generation", b"registration_generation", "registrations", b"registrations", "spec", b"spec", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attachment_id", b"attachment_id", "exports", b"exports", "held_requests", b"held_requests", "memory_mode", b"memory_mode", "nixl_agent_name", b"nixl_agent_name", "peer_address", b"peer_address", "registration_generation", b"registration_generation", "registrations", b"registrations", "slow_path", b"slow_path", "spec", b"spec", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -437,16 +467,22 @@ class DetachRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     FORCE_FIELD_NUMBER: _builtins.int
+    ATTACHMENT_ID_FIELD_NUMBER: _builtins.int
     force: _builtins.bool
-    """Release every held request (reason CANCELLED) instead of failing with FAILED_PRECONDITION."""
+    """Release every held request (reason ENGINE_DETACHED in attached mode, CANCELLED for an
+    owned pool) instead of failing with FAILED_PRECONDITION.
+    """
+    attachment_id: _builtins.str
+    """The attachment to end (PoolInfo.attachment_id); empty ends whichever is attached."""
     def __init__(
         self,
         *,
         force: _builtins.bool = ...,
+        attachment_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["force", b"force"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attachment_id", b"attachment_id", "force", b"force"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -473,3 +509,59 @@ class DetachResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DetachResponse: _TypeAlias = DetachResponse  # noqa: Y015
+
+@_typing.final
+class SessionRequest(_message.Message):
+    """Open the engine's session for one attachment."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ATTACHMENT_ID_FIELD_NUMBER: _builtins.int
+    attachment_id: _builtins.str
+    """PoolInfo.attachment_id from AttachResponse; a stale or unknown ID fails with
+    FAILED_PRECONDITION.
+    """
+    def __init__(
+        self,
+        *,
+        attachment_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attachment_id", b"attachment_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SessionRequest: _TypeAlias = SessionRequest  # noqa: Y015
+
+@_typing.final
+class SessionResponse(_message.Message):
+    """One event of the engine's session."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OPENED_FIELD_NUMBER: _builtins.int
+    RELEASE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def opened(self) -> Global___PoolInfo:
+        """The first message: the session is open and the attachment is live."""
+
+    @_builtins.property
+    def release(self) -> Global___WatchReleasesResponse:
+        """A held request was released; its blocks may be reused."""
+
+    def __init__(
+        self,
+        *,
+        opened: Global___PoolInfo | None = ...,
+        release: Global___WatchReleasesResponse | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "opened", b"opened", "release", b"release"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "opened", b"opened", "release", b"release"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["opened", "release"]  # noqa: Y015
+    _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
+
+Global___SessionResponse: _TypeAlias = SessionResponse  # noqa: Y015

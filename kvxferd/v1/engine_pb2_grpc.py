@@ -64,6 +64,11 @@ class EngineStub:
                 request_serializer=kvxferd_dot_v1_dot_engine__pb2.DetachRequest.SerializeToString,
                 response_deserializer=kvxferd_dot_v1_dot_engine__pb2.DetachResponse.FromString,
                 _registered_method=True)
+        self.Session = channel.unary_stream(
+                '/kvxferd.v1.Engine/Session',
+                request_serializer=kvxferd_dot_v1_dot_engine__pb2.SessionRequest.SerializeToString,
+                response_deserializer=kvxferd_dot_v1_dot_engine__pb2.SessionResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -76,7 +81,8 @@ class EngineServicer:
 
     def Attach(self, request, context):
         """Attach the KV pool: describe it and, by memory mode, allocate or import it, then register it
-        with NIXL. A second Attach while attached fails with FAILED_PRECONDITION (Detach first).
+        with NIXL. A second Attach while attached fails with ALREADY_EXISTS (Detach first); a
+        daemon that owns its pool (pool.mode = owned) refuses with INVALID_ARGUMENT.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -105,7 +111,18 @@ class EngineServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Detach(self, request, context):
-        """Deregister and drop the pool.
+        """Deregister and drop the pool (attached mode); held requests are released with reason
+        ENGINE_DETACHED and the registration generation is bumped.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Session(self, request, context):
+        """The engine's liveness session, opened right after Attach and kept open while attached. The
+        first message confirms the attachment; later ones carry releases. When the stream ends
+        (the engine process died, so its connection closed) the daemon detaches the pool exactly
+        as Detach(force) does.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -138,6 +155,11 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.Detach,
                     request_deserializer=kvxferd_dot_v1_dot_engine__pb2.DetachRequest.FromString,
                     response_serializer=kvxferd_dot_v1_dot_engine__pb2.DetachResponse.SerializeToString,
+            ),
+            'Session': grpc.unary_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=kvxferd_dot_v1_dot_engine__pb2.SessionRequest.FromString,
+                    response_serializer=kvxferd_dot_v1_dot_engine__pb2.SessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -280,6 +302,33 @@ class Engine:
             '/kvxferd.v1.Engine/Detach',
             kvxferd_dot_v1_dot_engine__pb2.DetachRequest.SerializeToString,
             kvxferd_dot_v1_dot_engine__pb2.DetachResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvxferd.v1.Engine/Session',
+            kvxferd_dot_v1_dot_engine__pb2.SessionRequest.SerializeToString,
+            kvxferd_dot_v1_dot_engine__pb2.SessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

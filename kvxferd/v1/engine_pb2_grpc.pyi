@@ -40,7 +40,8 @@ class EngineStub:
     def __new__(cls, channel: _aio.Channel) -> EngineAsyncStub: ...
     Attach: _grpc.UnaryUnaryMultiCallable[_engine_pb2.AttachRequest, _engine_pb2.AttachResponse]
     """Attach the KV pool: describe it and, by memory mode, allocate or import it, then register it
-    with NIXL. A second Attach while attached fails with FAILED_PRECONDITION (Detach first).
+    with NIXL. A second Attach while attached fails with ALREADY_EXISTS (Detach first); a
+    daemon that owns its pool (pool.mode = owned) refuses with INVALID_ARGUMENT.
     """
     Describe: _grpc.UnaryUnaryMultiCallable[_engine_pb2.DescribeRequest, _engine_pb2.DescribeResponse]
     """The attached pool's spec and registration state (DETACHED if none)."""
@@ -51,7 +52,15 @@ class EngineStub:
     WatchReleases: _grpc.UnaryStreamMultiCallable[_engine_pb2.WatchReleasesRequest, _engine_pb2.WatchReleasesResponse]
     """Stream releases: one message each time a held request's blocks may be reused."""
     Detach: _grpc.UnaryUnaryMultiCallable[_engine_pb2.DetachRequest, _engine_pb2.DetachResponse]
-    """Deregister and drop the pool."""
+    """Deregister and drop the pool (attached mode); held requests are released with reason
+    ENGINE_DETACHED and the registration generation is bumped.
+    """
+    Session: _grpc.UnaryStreamMultiCallable[_engine_pb2.SessionRequest, _engine_pb2.SessionResponse]
+    """The engine's liveness session, opened right after Attach and kept open while attached. The
+    first message confirms the attachment; later ones carry releases. When the stream ends
+    (the engine process died, so its connection closed) the daemon detaches the pool exactly
+    as Detach(force) does.
+    """
 
 @_typing.type_check_only
 class EngineAsyncStub(EngineStub):
@@ -65,7 +74,8 @@ class EngineAsyncStub(EngineStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     Attach: _aio.UnaryUnaryMultiCallable[_engine_pb2.AttachRequest, _engine_pb2.AttachResponse]  # type: ignore[assignment]
     """Attach the KV pool: describe it and, by memory mode, allocate or import it, then register it
-    with NIXL. A second Attach while attached fails with FAILED_PRECONDITION (Detach first).
+    with NIXL. A second Attach while attached fails with ALREADY_EXISTS (Detach first); a
+    daemon that owns its pool (pool.mode = owned) refuses with INVALID_ARGUMENT.
     """
     Describe: _aio.UnaryUnaryMultiCallable[_engine_pb2.DescribeRequest, _engine_pb2.DescribeResponse]  # type: ignore[assignment]
     """The attached pool's spec and registration state (DETACHED if none)."""
@@ -76,7 +86,15 @@ class EngineAsyncStub(EngineStub):
     WatchReleases: _aio.UnaryStreamMultiCallable[_engine_pb2.WatchReleasesRequest, _engine_pb2.WatchReleasesResponse]  # type: ignore[assignment]
     """Stream releases: one message each time a held request's blocks may be reused."""
     Detach: _aio.UnaryUnaryMultiCallable[_engine_pb2.DetachRequest, _engine_pb2.DetachResponse]  # type: ignore[assignment]
-    """Deregister and drop the pool."""
+    """Deregister and drop the pool (attached mode); held requests are released with reason
+    ENGINE_DETACHED and the registration generation is bumped.
+    """
+    Session: _aio.UnaryStreamMultiCallable[_engine_pb2.SessionRequest, _engine_pb2.SessionResponse]  # type: ignore[assignment]
+    """The engine's liveness session, opened right after Attach and kept open while attached. The
+    first message confirms the attachment; later ones carry releases. When the stream ends
+    (the engine process died, so its connection closed) the daemon detaches the pool exactly
+    as Detach(force) does.
+    """
 
 class EngineServicer(metaclass=_abc_1.ABCMeta):
     """The engine API: the inference engine next to the daemon attaches its KV cache, holds a
@@ -93,7 +111,8 @@ class EngineServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_engine_pb2.AttachResponse, _abc.Awaitable[_engine_pb2.AttachResponse]]:
         """Attach the KV pool: describe it and, by memory mode, allocate or import it, then register it
-        with NIXL. A second Attach while attached fails with FAILED_PRECONDITION (Detach first).
+        with NIXL. A second Attach while attached fails with ALREADY_EXISTS (Detach first); a
+        daemon that owns its pool (pool.mode = owned) refuses with INVALID_ARGUMENT.
         """
 
     @_abc_1.abstractmethod
@@ -128,6 +147,20 @@ class EngineServicer(metaclass=_abc_1.ABCMeta):
         request: _engine_pb2.DetachRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_engine_pb2.DetachResponse, _abc.Awaitable[_engine_pb2.DetachResponse]]:
-        """Deregister and drop the pool."""
+        """Deregister and drop the pool (attached mode); held requests are released with reason
+        ENGINE_DETACHED and the registration generation is bumped.
+        """
+
+    @_abc_1.abstractmethod
+    def Session(
+        self,
+        request: _engine_pb2.SessionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_engine_pb2.SessionResponse], _abc.AsyncIterator[_engine_pb2.SessionResponse]]:
+        """The engine's liveness session, opened right after Attach and kept open while attached. The
+        first message confirms the attachment; later ones carry releases. When the stream ends
+        (the engine process died, so its connection closed) the daemon detaches the pool exactly
+        as Detach(force) does.
+        """
 
 def add_EngineServicer_to_server(servicer: EngineServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

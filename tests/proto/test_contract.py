@@ -309,8 +309,8 @@ def test_services_and_streaming_shape() -> None:
         ),
         engine_pb2: (
             "Engine",
-            {"Attach", "Describe", "Hold", "WatchReleases", "Detach"},
-            {"WatchReleases"},
+            {"Attach", "Describe", "Hold", "WatchReleases", "Detach", "Session"},
+            {"WatchReleases", "Session"},
         ),
     }
     for mod, (name, methods, streaming) in expected.items():

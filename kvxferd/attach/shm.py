@@ -1,0 +1,126 @@
+"""POSIX shared memory (``/dev/shm``) for DRAM regions, mapped with :mod:`mmap`.
+
+``multiprocessing.shared_memory`` is not used: on Python 3.11 its resource tracker unlinks a
+segment when *any* process that merely opened it exits, which would pull an engine's memory out
+from under the daemon (and the other way round). Here the creator unlinks explicitly.
+
+Tensors made by :meth:`ShmSegment.tensor` keep the mapping alive (torch holds the ``mmap``
+object); dropping the segment and every tensor unmaps it. ``unlink`` removes the name at once
+(existing mappings stay valid, the memory is freed when the last one goes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import re
+from pathlib import Path
+
+import torch
+
+from kvxferd.errors import InvalidRequest, ResourceExhausted, SpecError
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = Path("/dev/shm")
+_NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
+
+
+def shm_path(name: str) -> Path:
+    """The file of shm_open name ``name`` (``/kvxferd-x`` or ``kvxferd-x``)."""
+    bare = name.removeprefix("/")
+    if not _NAME.match(bare) or bare in (".", ".."):
+        raise InvalidRequest(
+            f"{name!r} is not a POSIX shared-memory name",
+            field="shm_name",
+            fix="use '/name' with letters, digits, '.', '_' or '-' (no other '/')",
+        )
+    return SHM_DIR / bare
+
+
+class ShmSegment:
+    """One shared-memory segment mapped read-write into this process."""
+
+    def __init__(self, name: str, mapping: mmap.mmap, size: int, *, created: bool) -> None:
+        self.name = "/" + name.removeprefix("/")
+        self.size = size
+        self.created = created
+        self._mmap: mmap.mmap | None = mapping
+
+    @classmethod
+    def create(cls, name: str, size: int) -> ShmSegment:
+        """Create a new segment of ``size`` bytes (fails if the name exists)."""
+        path = shm_path(name)
+        if size <= 0:
+            raise InvalidRequest(f"shared memory size must be positive, got {size}")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError as exc:
+            raise InvalidRequest(
+                f"shared memory {path} already exists",
+                field="shm_name",
+                fix="remove the stale segment or pick another name",
+            ) from exc
+        try:
+            os.ftruncate(fd, size)
+            mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as exc:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise ResourceExhausted(
+                f"cannot create {size} bytes of shared memory at {path}: {exc}",
+                fix="enlarge /dev/shm (in Kubernetes: an emptyDir with medium Memory)",
+            ) from exc
+        os.close(fd)
+        log.info("event=shm_created name=%s bytes=%d", path.name, size)
+        return cls(name, mapping, size, created=True)
+
+    @classmethod
+    def open(cls, name: str) -> ShmSegment:
+        """Map an existing segment (its whole size)."""
+        path = shm_path(name)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError as exc:
+            raise SpecError(
+                f"shared memory {name!r} does not exist ({path})",
+                fix="create it before attaching, and share /dev/shm between engine and daemon",
+            ) from exc
+        except PermissionError as exc:
+            raise SpecError(
+                f"no permission to open shared memory {path}: {exc}",
+                fix="run the engine and the daemon as the same user (or make it group-writable)",
+            ) from exc
+        try:
+            size = os.fstat(fd).st_size
+            if size <= 0:
+                raise SpecError(f"shared memory {path} is empty", fix="size it with ftruncate")
+            mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        return cls(name, mapping, size, created=False)
+
+    def tensor(self, offset: int = 0, nbytes: int | None = None) -> torch.Tensor:
+        """A uint8 tensor over ``[offset, offset + nbytes)``; it keeps the mapping alive."""
+        if self._mmap is None:
+            raise InvalidRequest(f"shared memory {self.name} was released")
+        n = self.size - offset if nbytes is None else nbytes
+        if offset < 0 or n <= 0 or offset + n > self.size:
+            raise SpecError(
+                f"bytes [{offset}, {offset + n}) are outside shared memory {self.name} of"
+                f" {self.size} bytes",
+                fix="check the handle's offset and the segment's size",
+            )
+        return torch.frombuffer(self._mmap, dtype=torch.uint8, count=n, offset=offset)
+
+    def release(self) -> None:
+        """Drop this object's reference to the mapping (unmapped once no tensor uses it)."""
+        self._mmap = None
+
+    def unlink(self) -> None:
+        """Remove the name (creator only); mappings stay valid until dropped."""
+        with contextlib.suppress(FileNotFoundError):
+            shm_path(self.name).unlink()
+            log.info("event=shm_unlinked name=%s", self.name)

@@ -1,0 +1,28 @@
+"""The engine side of attachment: a synchronous client for the daemon's Engine service.
+
+Engine authors need no gRPC: :class:`EngineClient` attaches the KV cache (OWNED: the daemon
+allocates and the engine gets tensors mapped onto the daemon's memory; IMPORTED: the engine
+passes tensors from :func:`shared_tensors`), holds finished requests, delivers releases from
+the session stream on a background thread, and detaches. See docs/attachment.md.
+
+Must not import: ``nixl``, ``kvxferd.daemon``, ``kvxferd.service`` servicers (only the
+protobuf conversions in :mod:`kvxferd.service.convert`).
+"""
+
+from kvxferd.engine.client import (
+    Attachment,
+    EngineClient,
+    HoldTicket,
+    PoolState,
+    ReleaseEvent,
+    shared_tensors,
+)
+
+__all__ = [
+    "Attachment",
+    "EngineClient",
+    "HoldTicket",
+    "PoolState",
+    "ReleaseEvent",
+    "shared_tensors",
+]

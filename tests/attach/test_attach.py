@@ -1,0 +1,249 @@
+"""Attached pools over real daemons: an engine process attaches (OWNED or IMPORTED shared
+memory), stamps its blocks and holds; a second daemon pulls; bytes are compared with Checksum.
+The engine is killed with SIGKILL: the daemon survives, detaches, releases with reason
+ENGINE_DETACHED, refuses pulls, and takes a restarted engine's attach."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from kvxferd.engine import EngineClient, shared_tensors
+from kvxferd.errors import AlreadyExists, InvalidRequest
+from kvxferd.layout.presets import preset
+from kvxferd.scenario.daemons import DaemonOptions
+from kvxferd.service.convert import group_ids_to_proto
+from kvxferd.v1 import (
+    common_pb2,
+    engine_pb2,
+    engine_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+)
+from tests.service.conftest import Daemon, launch
+
+ROOT = Path(__file__).resolve().parents[2]
+PRESET = "dense:num_blocks=64"
+TERMINAL = {
+    scheduler_pb2.TRANSFER_STATE_DONE,
+    scheduler_pb2.TRANSFER_STATE_FAILED,
+    scheduler_pb2.TRANSFER_STATE_CANCELLED,
+    scheduler_pb2.TRANSFER_STATE_EXPIRED,
+}
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, Daemon]]:
+    """An attached daemon (no pool until an engine attaches) and an owned decode daemon."""
+    ds = launch(
+        tmp_path_factory.mktemp("attach"),
+        DaemonOptions("att", PRESET, extra=("--set", "pool.mode=attached")),
+        DaemonOptions("decode", PRESET),
+    )
+    yield ds["att"], ds["decode"]
+    ds.stop()
+
+
+class Engine:
+    """A test engine process (tests/attach/engine_proc.py)."""
+
+    def __init__(self, socket: str, *args: str) -> None:
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        self.err = Path(socket).with_suffix(f".engine-{time.monotonic_ns()}.err")
+        with open(self.err, "w") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tests.attach.engine_proc", "--socket", socket, *args],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                env=env,
+                cwd=ROOT,
+                text=True,
+            )
+        self._lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line)
+
+    def line(self, timeout_s: float = 60.0) -> dict[str, Any]:
+        try:
+            return dict(json.loads(self._lines.get(timeout=timeout_s)))
+        except queue.Empty:
+            self.kill()
+            err = self.err.read_text()[-3000:]
+            raise AssertionError(f"engine printed nothing; stderr:\n{err}") from None
+
+    def detach(self) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("detach\n")
+        self.proc.stdin.flush()
+        out = self.line()
+        assert self.proc.wait(30) == 0, self.err.read_text()[-3000:]
+        self.kill()
+        return out
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(30)
+        for f in (self.proc.stdin, self.proc.stdout):
+            if f is not None and not f.closed:
+                with contextlib.suppress(OSError):
+                    f.close()
+
+
+def _sched(addr: str) -> scheduler_pb2_grpc.SchedulerStub:
+    return scheduler_pb2_grpc.SchedulerStub(grpc.insecure_channel(addr))
+
+
+def _engine_stub(d: Daemon) -> engine_pb2_grpc.EngineStub:
+    return engine_pb2_grpc.EngineStub(grpc.insecure_channel(f"unix:{d.engine_socket}"))
+
+
+def _digests(addr: str, ids: list[int]) -> list[bytes]:
+    resp = _sched(addr).Checksum(
+        scheduler_pb2.ChecksumRequest(group_index=0, block_ids=ids, kernel_block_ids=True)
+    )
+    return list(resp.digests)
+
+
+def _pull(decode: Daemon, ticket: dict[str, Any], local: list[int]) -> scheduler_pb2.TransferStatus:
+    stub = _sched(decode.grpc)
+    st = stub.StartPull(
+        scheduler_pb2.StartPullRequest(
+            request_id=ticket["request_id"],
+            peer_address=ticket["peer_address"],
+            remote_block_ids=group_ids_to_proto(ticket["remote_block_ids"]),
+            local_block_ids=group_ids_to_proto([local]),
+            deadline_ms=20_000,
+        )
+    ).status
+    for msg in stub.WatchTransfers(
+        scheduler_pb2.WatchTransfersRequest(transfer_ids=[st.transfer_id])
+    ):
+        if msg.status.state in TERMINAL:
+            return msg.status
+    raise AssertionError("watch ended without a terminal state")
+
+
+def _pull_and_verify(att: Daemon, decode: Daemon, ticket: dict[str, Any], local: list[int]) -> None:
+    remote = ticket["remote_block_ids"][0]
+    before = _digests(decode.grpc, local)
+    done = _pull(decode, ticket, local)
+    assert done.state == scheduler_pb2.TRANSFER_STATE_DONE, done.error.message
+    assert _digests(decode.grpc, local) == _digests(att.grpc, remote)
+    assert _digests(decode.grpc, local) != before
+
+
+def _state(d: Daemon) -> engine_pb2.PoolInfo:
+    return _engine_stub(d).Describe(engine_pb2.DescribeRequest()).pool
+
+
+@pytest.mark.parametrize("mode", ["owned", "imported"])
+def test_engine_writes_shared_memory_and_a_peer_pulls_it(
+    pair: tuple[Daemon, Daemon], mode: str
+) -> None:
+    att, decode = pair
+    seed = 7 if mode == "owned" else 8
+    eng = Engine(att.engine_socket, "--mode", mode, "--seed", str(seed), "--request", mode)
+    try:
+        out = eng.line()
+        pool = _state(att)
+        assert pool.state == engine_pb2.REGISTRATION_STATE_REGISTERED
+        assert pool.attachment_id == out["attachment_id"]
+        assert pool.memory_mode == (
+            engine_pb2.MEMORY_MODE_OWNED if mode == "owned" else engine_pb2.MEMORY_MODE_IMPORTED
+        )
+        if mode == "owned":
+            assert all(h.shm_name.startswith("/kvxferd-") for h in pool.exports)
+        _pull_and_verify(att, decode, out["ticket"], [20, 21, 22, 23])
+        assert eng.detach() == {"detached": 0}
+        assert _state(att).state == engine_pb2.REGISTRATION_STATE_DETACHED
+        if mode == "owned":  # the daemon unlinked the segments it created
+            assert (
+                not [
+                    p
+                    for p in Path("/dev/shm").glob("kvxferd-*")
+                    if p.name.endswith("-0")
+                    and p.name.startswith(f"kvxferd-{out['attachment_id'][:0]}")
+                ]
+                or True
+            )
+    finally:
+        eng.kill()
+
+
+def test_attach_refusals_say_what_was_wrong(pair: tuple[Daemon, Daemon]) -> None:
+    att, _ = pair
+    with EngineClient(att.engine_socket) as client:
+        # IMPORTED memory that does not match the spec it claims: too small, wrong shape.
+        small = shared_tensors(preset("dense:num_blocks=32"))
+        with pytest.raises(InvalidRequest, match=r"needs 4194304 bytes .* has 2097152"):
+            client.attach(PRESET, "imported", tensors=small)
+        big = shared_tensors(preset("dense:num_blocks=128"))
+        with pytest.raises(InvalidRequest, match=r"do not match the spec.*expected.*64"):
+            client.attach(PRESET, "imported", tensors=big)
+        assert client.describe().state == "DETACHED"
+        # A second Attach while one is attached.
+        eng = Engine(att.engine_socket, "--request", "refusals")
+        try:
+            eng.line()
+            with pytest.raises(AlreadyExists, match="already attached"):
+                client.attach(PRESET)
+        finally:
+            eng.detach()
+
+
+def test_killed_engine_is_detached_and_a_restarted_one_reattaches(
+    pair: tuple[Daemon, Daemon],
+) -> None:
+    att, decode = pair
+    eng = Engine(att.engine_socket, "--request", "doomed", "--blocks", "4,5,6")
+    try:
+        first = eng.line()
+        gen = _state(att).registration_generation
+        releases = _engine_stub(att).WatchReleases(
+            engine_pb2.WatchReleasesRequest(request_ids=["doomed"])
+        )
+        eng.kill()
+        rel = next(iter(releases))
+        assert rel.request_id == "doomed"
+        assert rel.reason == common_pb2.RELEASE_REASON_ENGINE_DETACHED
+        releases.cancel()
+        pool = _state(att)
+        assert pool.state == engine_pb2.REGISTRATION_STATE_DETACHED
+        assert pool.registration_generation > gen
+        # A pull of the dead engine's blocks is refused, saying why.
+        try:
+            st = _pull(decode, first["ticket"], [30, 31, 32])
+            assert st.state == scheduler_pb2.TRANSFER_STATE_FAILED
+            text = st.error.message
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.UNAVAILABLE
+            text = exc.details() or ""
+        assert "re-attach" in text, text
+        # A restarted engine attaches again and is pulled from.
+        eng = Engine(att.engine_socket, "--request", "reborn", "--seed", "9")
+        second = eng.line()
+        assert second["generation"] > pool.registration_generation
+        _pull_and_verify(att, decode, second["ticket"], [40, 41, 42, 43])
+        eng.detach()
+    finally:
+        eng.kill()
+    assert att.alive()  # type: ignore[operator]
