@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import numpy as np
 from grpc import aio
 from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -29,7 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from kvxferd.config import Config, is_loopback, split_hostport
 from kvxferd.daemon.core import Daemon, DaemonLimits
-from kvxferd.daemon.peers import PeerDirectory
+from kvxferd.daemon.peers import PeerDirectory, remote_error
 from kvxferd.errors import ConfigError
 from kvxferd.layout.presets import preset
 from kvxferd.layout.spec import KVCacheSpec, MemoryType
@@ -46,7 +47,10 @@ from kvxferd.service.auth import (
     server_credentials,
 )
 from kvxferd.service.servicers import EngineService, PeerService, SchedulerService
+from kvxferd.staging.ring import StagingRing
+from kvxferd.staging.setup import build_staging
 from kvxferd.transfer import EngineOptions, LeaseTable, NotificationPump, TransferEngine
+from kvxferd.transfer.strategy import CostModel
 from kvxferd.v1 import (
     engine_pb2,
     engine_pb2_grpc,
@@ -146,10 +150,20 @@ async def start(cfg: Config, *, fill_seed: int | None = None) -> Running:
     agent.start()
     rows = pool.region_rows()
     await asyncio.to_thread(agent.register, rows, mem)
-    metrics.registered_bytes.set(int(rows[:, 1].sum()))
+    ring, engine_rows = None, rows
+    if cfg.transfer.staging_chunks:
+        # One staging ring, registered once; it is the engine's last local region.
+        t = cfg.transfer
+        ring = await asyncio.to_thread(
+            StagingRing.allocate, t.staging_chunk_bytes, t.staging_chunks, cfg.pool.device
+        )
+        ring_rows = np.array([ring.info.row()], dtype=np.int64)
+        await asyncio.to_thread(agent.register, ring_rows, mem)
+        engine_rows = np.vstack([rows, ring_rows])
+    metrics.registered_bytes.set(int(engine_rows[:, 1].sum()))
     engine = TransferEngine(
         agent,
-        rows,
+        engine_rows,
         local_mem=mem,
         options=EngineOptions(
             max_inflight_bytes_per_peer=cfg.transfer.max_inflight_bytes_per_peer,
@@ -194,6 +208,23 @@ async def start(cfg: Config, *, fill_seed: int | None = None) -> Running:
         ),
         instance_id=cfg.server.instance_id or uuid.uuid4().hex,
         call_metadata=call_metadata(token),
+        staging=build_staging(
+            mode=cfg.transfer.strategy,
+            model=CostModel.defaults(pool.spec.regions[0].memory).with_overrides(
+                descriptor_us=cfg.transfer.cost_descriptor_us,
+                chunk_us=cfg.transfer.cost_chunk_us,
+                link_gbps=cfg.transfer.cost_link_gbps,
+                gather_gbps=cfg.transfer.cost_gather_gbps,
+            ),
+            ring=ring,
+            pool=pool,
+            engine=engine,
+            leases=leases,
+            grant_timeout_s=cfg.transfer.staging_grant_timeout_ms / 1000,
+            max_block_ids=cfg.transfer.max_block_ids,
+            call_metadata=call_metadata(token),
+            remote_error=remote_error,
+        ),
     )
     ccreds = channel_credentials(cfg.auth)
 
