@@ -4,14 +4,15 @@ Run from the repository root: ``python -m bench.staging_costs`` (``--json PATH``
 figures). Three measurements, medians of ``--repeat`` runs:
 
 * **descriptor cost and link bandwidth** (NIXL READ between two processes over UCX on
-  loopback): the same ``--mib`` MiB read once as one descriptor per 32 MiB region (bandwidth
-  bound) and once as every 64 KiB block in random order (descriptor bound):
-  ``link = bytes / t_big`` and ``descriptor = (t_frag - t_big) / (n_frag - n_big)``;
+  loopback): the same ``--mib`` MiB read as one descriptor per 32 MiB region (bandwidth
+  bound: ``link = bytes / t``); ``n`` random 1 KiB descriptors against one descriptor of
+  ``n`` KiB (``descriptor = (t_n - t_1) / n``, the copy being negligible); and every 64 KiB
+  block in random order (``descriptor_us_64k``: what remains of it when copies overlap it);
 * **gather / scatter bandwidth**: :func:`kvxferd.kernels.gather_blocks` /
   :func:`~kvxferd.kernels.scatter_blocks` (the torch twin on CPU) of random 2 MiB block rows
   (32 regions x 64 KiB) into a 64 MiB slot;
-* **per-chunk cost**: ``Peer.Gather`` + ``ReleaseStaging`` round trips between two real daemons
-  for a one-block chunk, minus the gather time the owner reports.
+* **per-chunk cost**: ``Peer.Gather`` round trips to a real daemon for a one-block (2 MiB)
+  chunk, minus the gather time the owner reports (the release rides on the next Gather).
 """
 
 from __future__ import annotations
@@ -80,9 +81,18 @@ def nixl_costs(mib: int, repeat: int) -> dict[str, float]:
         big_l = local.copy()
         big_r = remote[:, :3].copy()
         agent.submit(read, big_l[:1], big_r[:1]).result()  # warm the connection
-        big, frag = [], []
+        big, frag, tiny, one = [], [], [], []
+        n_tiny = nb * LAYERS
         for _ in range(repeat):
             big.append(agent.submit(read, big_l, big_r).result())
+            # Descriptor cost with the copy negligible: n x 1 KiB vs one n KiB descriptor.
+            order = rng.permutation(nb * LAYERS)
+            lt, rt = _rows(local[:, 0], nb, order), _rows(remote[:, 0], nb, order)
+            lt[:, 1] = rt[:, 1] = 1024
+            tiny.append(agent.submit(read, lt, rt).result())
+            lo, ro = local[:1].copy(), remote[:1, :3].copy()
+            lo[0, 1] = ro[0, 1] = n_tiny * 1024
+            one.append(agent.submit(read, lo, ro).result())
             order = rng.permutation(nb * LAYERS)
             frag.append(
                 agent.submit(
@@ -101,7 +111,8 @@ def nixl_costs(mib: int, repeat: int) -> dict[str, float]:
         "t_big_s": t_big,
         "t_frag_s": t_frag,
         "link_gbps": nbytes / t_big / 1e9,
-        "descriptor_us": (t_frag - t_big) / (nb * LAYERS - LAYERS) * 1e6,
+        "descriptor_us_64k": (t_frag - t_big) / (nb * LAYERS - LAYERS) * 1e6,
+        "descriptor_us": (statistics.median(tiny) - statistics.median(one)) / n_tiny * 1e6,
     }
 
 
@@ -146,11 +157,12 @@ async def _rtt(prefill: str, sock: str, repeat: int) -> dict[str, float]:
             peer_pb2.GatherRequest(request_id="rtt", reader_id="bench", kernel_block_ids=ids),
             timeout=5,
         )
+        t1 = time.perf_counter()
         await peer.ReleaseStaging(
             peer_pb2.ReleaseStagingRequest(request_id="rtt", reader_id="bench", slots=[r.slot])
         )
         if i >= 5:
-            rtt.append(time.perf_counter() - t0)
+            rtt.append(t1 - t0)
             gather.append(r.gather_us / 1e6)
     m_rtt, m_g = statistics.median(rtt), statistics.median(gather)
     return {"rtt_us": m_rtt * 1e6, "gather_us": m_g * 1e6, "chunk_us": (m_rtt - m_g) * 1e6}

@@ -93,13 +93,13 @@ class TransferConfig:
     staging_grant_timeout_ms: int = 30_000
     """How long a reader may keep an owner slot before the owner takes it back."""
     cost_descriptor_us: float = 0.0
-    """Cost model: posting cost per descriptor, us (0: 6 on VRAM, 2.7 on DRAM)."""
+    """Cost model: posting cost per descriptor, us (0: 6 on VRAM, 6.3 on DRAM)."""
     cost_chunk_us: float = 0.0
-    """Cost model: fixed cost per staged chunk (Gather RPC round trip), us (0: built-in)."""
+    """Cost model: fixed cost per staged chunk (Gather round trip), us (0: 400 VRAM, 1200 DRAM)."""
     cost_link_gbps: float = 0.0
-    """Cost model: link bandwidth, GB/s (0: 394 on VRAM, DRAM figure on DRAM)."""
+    """Cost model: link bandwidth, GB/s (0: 394 on VRAM, 3.6 on DRAM)."""
     cost_gather_gbps: float = 0.0
-    """Cost model: gather and scatter bandwidth, GB/s (0: built-in per memory type)."""
+    """Cost model: gather and scatter bandwidth, GB/s (0: 873 on VRAM, 1.6 on DRAM)."""
 
 
 @dataclass(frozen=True)

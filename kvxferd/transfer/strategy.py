@@ -89,11 +89,14 @@ class CostModel:
         return nbytes / slowest + chunks * (self.chunk_s + self.descriptor_s) + fill
 
 
-# DRAM defaults, measured on the CPU machine (docs/strategies.md: "Measured constants").
-DRAM_DESCRIPTOR_S = 2.7e-6
-DRAM_CHUNK_S = 1.0e-3
-DRAM_LINK_BPS = 7.5e9
-DRAM_GATHER_BPS = 6.0e9
+# DRAM defaults, measured with ``python -m bench.staging_costs`` on the shared 2-core CPU
+# machine (docs/strategies.md, "Measured constants"): 1 KiB descriptors ~6.3 us each; 32 MiB
+# descriptors 3.5-3.8 GB/s; a daemon's gather of a 2 MiB row ~1.3 ms (~1.6 GB/s; the twin alone
+# reached 0.6-8 GB/s depending on load); a Gather round trip beyond the gather ~1.2 ms.
+DRAM_DESCRIPTOR_S = 6.3e-6
+DRAM_CHUNK_S = 1.2e-3
+DRAM_LINK_BPS = 3.6e9
+DRAM_GATHER_BPS = 1.6e9
 
 
 @dataclass(frozen=True)
