@@ -149,8 +149,16 @@ class StagingOwner:
         loop = asyncio.get_running_loop()
         held = _Held(request_id, reader, loop.call_later(self.grant_timeout_s, self._expire, slot))
         self._grants[slot] = held
+        work = asyncio.ensure_future(
+            asyncio.to_thread(self.copier.gather, ids, self.ring.view(slot, total))
+        )
         try:
-            seconds = await asyncio.to_thread(self.copier.gather, ids, self.ring.view(slot, total))
+            seconds = await asyncio.shield(work)
+        except asyncio.CancelledError:
+            # The caller went away; the thread still writes the slot: free it when it ends.
+            held.revoked = True
+            work.add_done_callback(lambda _: self._drop(slot))
+            raise
         except BaseException:
             self._drop(slot)
             raise

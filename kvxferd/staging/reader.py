@@ -28,6 +28,7 @@ from kvxferd.errors import (
     InvalidRequest,
     KvxferdError,
     PeerUnavailable,
+    TransportError,
 )
 from kvxferd.logs import kv
 from kvxferd.staging.chunks import Chunk, RingInfo
@@ -126,6 +127,13 @@ class StagedReader:
             status, err = TransferStatus.CANCELLED, Cancelled(f"transfer {tid} cancelled")
         except KvxferdError as exc:
             status, err = TransferStatus.FAILED, exc
+        except Exception as exc:  # a bug or a torch/CUDA error: still a terminal status
+            log.exception("staged pull failed", extra=kv(transfer_id=tid))
+            status = TransferStatus.FAILED
+            err = TransportError(
+                f"staged pull failed: {type(exc).__name__}: {exc}",
+                fix="see the daemon log; retry with transfer.strategy = direct",
+            )
         finally:
             await self._stop(driver)
             self._running.pop(tid, None)

@@ -249,6 +249,36 @@ def test_owner_reclaims_slots_when_the_lease_ends(dense: Daemons) -> None:
     run(go())
 
 
+def test_cancel_mid_staged_pull_reports_invalid_blocks_and_frees_slots(dense: Daemons) -> None:
+    async def go() -> None:
+        c = Client(dense["prefill"], dense["staged"])
+        remote, local = list(range(0, 60)), list(range(63, 3, -1))
+        held = await c.hold("staged-cancel", [remote])
+        resp = await c.decode.StartPull(
+            scheduler_pb2.StartPullRequest(
+                request_id=held.request_id,
+                peer_address=held.peer_address,
+                remote_block_ids=held.remote_block_ids,
+                local_block_ids=group_ids_to_proto([local]),
+            )
+        )
+        await asyncio.sleep(0.2)
+        got = await c.decode.CancelTransfer(
+            scheduler_pb2.CancelTransferRequest(transfer_id=resp.status.transfer_id)
+        )
+        st = got.status
+        assert st.state in TERMINAL
+        if st.state == scheduler_pb2.TRANSFER_STATE_CANCELLED:
+            assert sorted(st.invalid_local_block_ids.groups[0].ids) == sorted(local)
+        # Every slot came back: further staged pulls still complete.
+        remote2, local2 = [50, 7, 33, 12], [1, 2, 3, 4]
+        st2 = await c.pull(await c.hold("after-cancel", [remote2]), [local2])
+        assert st2.state == scheduler_pb2.TRANSFER_STATE_DONE, st2.error.message
+        assert await c.same([remote2], [local2])
+
+    run(go())
+
+
 @pytest.fixture(scope="module")
 def mixed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemons]:
     """Hybrid (attention + Mamba) and cross-layer pairs, decode sides forced STAGED."""
