@@ -89,6 +89,22 @@ class TransferConfig:
     """Most block IDs accepted in one request (per group)."""
     handshake_timeout_ms: int = 5_000
     """Timeout of a handshake or lease call to a peer."""
+    strategy: str = "auto"
+    """``auto`` (cost model picks), ``direct`` or ``staged`` (forced; see docs/strategies.md)."""
+    staging_chunk_bytes: int = 64 << 20
+    """Bytes of one staging slot (one chunk of a STAGED pull)."""
+    staging_chunks: int = 8
+    """Slots in the staging ring (one buffer, registered once); 0 disables STAGED."""
+    staging_grant_timeout_ms: int = 30_000
+    """How long a reader may keep an owner slot before the owner takes it back."""
+    cost_descriptor_us: float = 0.0
+    """Cost model: posting cost per descriptor, us (0: 6 on VRAM, 6.3 on DRAM)."""
+    cost_chunk_us: float = 0.0
+    """Cost model: fixed cost per staged chunk (Gather round trip), us (0: 400 VRAM, 1200 DRAM)."""
+    cost_link_gbps: float = 0.0
+    """Cost model: link bandwidth, GB/s (0: 394 on VRAM, 3.6 on DRAM)."""
+    cost_gather_gbps: float = 0.0
+    """Cost model: gather and scatter bandwidth, GB/s (0: 873 on VRAM, 1.6 on DRAM)."""
 
 
 @dataclass(frozen=True)
@@ -304,6 +320,7 @@ def validate(cfg: Config) -> None:
     ):
         if v <= 0:
             raise ConfigError(f"must be positive, got {v}", field=key, fix="use a value > 0")
+    _validate_staging(cfg.transfer)
     if cfg.nixl.progress_delay_us < 0 or cfg.nixl.num_threads < 0:
         raise ConfigError("must be >= 0", field="nixl", fix="use 0 or a positive value")
     if cfg.log.level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
@@ -314,3 +331,37 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"unknown format {cfg.log.format!r}", field="log.format", fix="json or text"
         )
+
+
+def _validate_staging(t: TransferConfig) -> None:
+    if t.strategy not in ("auto", "direct", "staged"):
+        raise ConfigError(
+            f"unknown strategy {t.strategy!r}",
+            field="transfer.strategy",
+            fix="auto, direct or staged",
+        )
+    if t.staging_chunks < 0 or t.staging_chunks == 1:
+        raise ConfigError(
+            f"staging_chunks must be 0 (off) or >= 2, got {t.staging_chunks}",
+            field="transfer.staging_chunks",
+            fix="use 0 to disable staging, or 2 or more slots (readers may hold at most half)",
+        )
+    if t.staging_chunk_bytes <= 0 or t.staging_grant_timeout_ms <= 0:
+        raise ConfigError(
+            "staging_chunk_bytes and staging_grant_timeout_ms must be positive",
+            field="transfer.staging_chunk_bytes",
+            fix="use values > 0 (set staging_chunks = 0 to disable staging)",
+        )
+    if t.strategy == "staged" and t.staging_chunks == 0:
+        raise ConfigError(
+            "strategy = staged needs a staging ring, but staging_chunks = 0",
+            field="transfer.strategy",
+            fix="set transfer.staging_chunks >= 2 or use strategy = auto or direct",
+        )
+    for name in ("cost_descriptor_us", "cost_chunk_us", "cost_link_gbps", "cost_gather_gbps"):
+        if getattr(t, name) < 0:
+            raise ConfigError(
+                f"must be >= 0, got {getattr(t, name)}",
+                field=f"transfer.{name}",
+                fix="use 0 for the built-in default or a positive figure",
+            )

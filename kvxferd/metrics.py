@@ -10,9 +10,12 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from kvxferd.staging.stats import StageTimes
+
 _DURATION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 _DESC_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536)
 _BYTES_BUCKETS = tuple(float(1 << s) for s in range(16, 36, 2))
+_CHUNK_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,24 @@ class Metrics:
     pool_generation: Gauge
     pool_slow_path: Gauge
     engine_detaches: Counter
+    strategy_bytes: Counter
+    staged_chunks: Histogram
+    stage_seconds: Histogram
+
+    def observe_strategy(self, strategy: str, nbytes: int, times: StageTimes | None) -> None:
+        """A completed pull's bytes by strategy; for STAGED, its chunks and stage times."""
+        self.strategy_bytes.labels(strategy).inc(nbytes)
+        if times is None:
+            return
+        self.staged_chunks.observe(times.chunks)
+        for stage, seconds in (
+            ("gather", times.gather_s),
+            ("gather_rpc", times.gather_rpc_s),
+            ("read", times.read_s),
+            ("scatter", times.scatter_s),
+            ("slot_wait", times.slot_wait_s),
+        ):
+            self.stage_seconds.labels(stage).observe(seconds)
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> Metrics:
@@ -119,6 +140,25 @@ class Metrics:
                 "kvxferd_engine_detaches",
                 "Engine pools detached, by cause (detach, session, no_session, shutdown).",
                 ["cause"],
+                registry=r,
+            ),
+            strategy_bytes=Counter(
+                "kvxferd_strategy_bytes",
+                "Bytes moved by completed pulls, by strategy (DIRECT or STAGED).",
+                ["strategy"],
+                registry=r,
+            ),
+            staged_chunks=Histogram(
+                "kvxferd_staged_chunks",
+                "Chunks per completed STAGED pull.",
+                buckets=_CHUNK_BUCKETS,
+                registry=r,
+            ),
+            stage_seconds=Histogram(
+                "kvxferd_staged_stage_seconds",
+                "Seconds per completed STAGED pull spent in each stage, summed over its chunks.",
+                ["stage"],
+                buckets=_DURATION_BUCKETS,
                 registry=r,
             ),
         )

@@ -67,7 +67,11 @@ examples:
   kvxferd bench                                   CPU, 256..8192 tokens, 3 repeats
   kvxferd bench --sizes 256,32768 --repeat 5 --json bench.json
   kvxferd bench --device cuda                     one GPU, or prefill cuda:0 -> decode cuda:1
+  kvxferd bench --device cuda --sizes 8192 --patterns fragmented --strategy direct,staged,auto
+                                                  1 GiB of random blocks, one row per strategy
 """
+
+STRATEGIES = ("auto", "direct", "staged")
 
 
 def _sizes(text: str) -> list[int]:
@@ -90,6 +94,16 @@ def _patterns(text: str) -> list[str]:
             f"unknown pattern(s) {bad or text!r}: use {','.join(PATTERNS)}"
         )
     return list(dict.fromkeys(pats))
+
+
+def _strategies(text: str) -> list[str]:
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    if not names or any(n not in STRATEGIES for n in names) or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of distinct strategies from"
+            f" {','.join(STRATEGIES)} (e.g. direct,staged,auto)"
+        )
+    return names
 
 
 def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
@@ -137,6 +151,16 @@ def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
         default=50,
         metavar="N",
         help=f"small ({SMALL_BLOCKS}-block) pulls for the latency percentiles (default 50)",
+    )
+    p.add_argument(
+        "--strategy",
+        type=_strategies,
+        default=["auto"],
+        metavar="S,S",
+        help=(
+            "transfer.strategy of the decode daemon, one kvxferd row per value: auto (the cost"
+            " model picks), direct, staged; default auto. The strategy column shows what ran."
+        ),
     )
     p.add_argument("--seed", type=int, default=0, metavar="S", help="block-ID seed (default 0)")
     p.add_argument("--json", type=Path, metavar="PATH", help="also write every figure as JSON")
@@ -226,6 +250,22 @@ class Cell:
     kvxferd_descriptors_naive: int = 0
     kvxferd_descriptors: int = 0
     mismatches: int = 0
+    strategy: str = "auto"  # transfer.strategy of the decode daemon
+    kvxferd_strategy: str = ""  # what the daemon ran (DIRECT or STAGED), from the status
+    stage_seconds: dict[str, list[float]] = field(default_factory=dict)  # STAGED only
+
+    def for_strategy(self, strategy: str) -> Cell:
+        """A row of the same request for another strategy, sharing the limit/naive figures."""
+        return Cell(
+            self.tokens,
+            self.pattern,
+            self.blocks,
+            self.nbytes,
+            limit_gbps=self.limit_gbps,
+            naive_gbps=self.naive_gbps,
+            naive_descriptors=self.naive_descriptors,
+            strategy=strategy,
+        )
 
     def median(self, name: str) -> float:
         values: list[float] = getattr(self, name)
@@ -252,6 +292,11 @@ class Cell:
                 "data_plane_gbps": self.kvxferd_data_gbps,
                 "descriptors_before_coalescing": self.kvxferd_descriptors_naive,
                 "descriptors_after_coalescing": self.kvxferd_descriptors,
+            },
+            "strategy": {
+                "configured": self.strategy,
+                "ran": self.kvxferd_strategy,
+                "stage_seconds": self.stage_seconds,
             },
             "kvxferd_vs_limit": kvx / limit if limit > 0 else math.nan,
             "kvxferd_vs_naive": kvx / naive if naive > 0 else math.nan,
@@ -417,13 +462,34 @@ class DaemonPuller:
         return sum(1 for a, b in zip(mine, theirs, strict=True) if a != b)
 
 
+def _record_stages(cell: Cell, st: scheduler_pb2.TransferStatus) -> None:
+    cell.kvxferd_strategy = scheduler_pb2.TransferStrategy.Name(st.strategy).removeprefix(
+        "TRANSFER_STRATEGY_"
+    )
+    if st.stage_times.chunks:
+        t = st.stage_times
+        for name, value in (
+            ("chunks", float(t.chunks)),
+            ("gather", t.gather_seconds),
+            ("gather_rpc", t.gather_rpc_seconds),
+            ("read", t.read_seconds),
+            ("scatter", t.scatter_seconds),
+            ("slot_wait", t.slot_wait_seconds),
+        ):
+            cell.stage_seconds.setdefault(name, []).append(value)
+
+
 def measure_daemons(
     workload: Workload,
     cells: list[Cell],
     args: argparse.Namespace,
     workdir: Path,
+    *,
+    strategy: str = "auto",
+    latency_pulls: int | None = None,
 ) -> dict[str, Any]:
     pool = f"dense:num_blocks={workload.shape.num_blocks}"
+    pulls = args.latency_pulls if latency_pulls is None else latency_pulls
     verify = not args.no_verify
     options = [
         DaemonOptions(
@@ -433,7 +499,12 @@ def measure_daemons(
             fill_seed=11 if verify else None,
             extra=("--set", f"transfer.default_deadline_ms={PULL_DEADLINE_MS}"),
         ),
-        DaemonOptions("decode", pool, device=workload.dev_decode),
+        DaemonOptions(
+            "decode",
+            pool,
+            device=workload.dev_decode,
+            extra=("--set", f"transfer.strategy={strategy}"),
+        ),
     ]
     latency: dict[str, Any] = {}
     with DaemonSet(workdir, options) as daemons:
@@ -462,6 +533,7 @@ def measure_daemons(
                         cell.kvxferd_data_gbps.append(st.nbytes / out.data_seconds / 1e9)
                     cell.kvxferd_descriptors_naive = st.descriptors_before_coalescing
                     cell.kvxferd_descriptors = st.descriptors_after_coalescing
+                    _record_stages(cell, st)
                     if st.nbytes != cell.nbytes:
                         raise BenchFailure(
                             f"kvxferd {cell.tokens} tokens: the daemon moved {st.nbytes} bytes,"
@@ -474,11 +546,14 @@ def measure_daemons(
                                 f"kvxferd {cell.tokens} tokens {cell.pattern}: {cell.mismatches}"
                                 " sampled blocks differ from the prefill's"
                             )
-            _say(f"  latency  {args.latency_pulls} pulls of {SMALL_BLOCKS} blocks")
+            if not pulls:
+                daemons.check_alive()
+                return {}
+            _say(f"  latency  {pulls} pulls of {SMALL_BLOCKS} blocks ({strategy})")
             client_ms: list[float] = []
             server_ms: list[float] = []
             tokens = SMALL_BLOCKS * workload.spec.groups[0].kernel_block_size
-            for rep in range(args.latency_pulls):
+            for rep in range(pulls):
                 local, remote = block_ids(workload, tokens, FRAGMENTED, 1000 + rep, args.seed)
                 out = puller.pull(local, remote)
                 client_ms.append(out.seconds * 1e3)
@@ -486,7 +561,8 @@ def measure_daemons(
             latency = {
                 "blocks": SMALL_BLOCKS,
                 "tokens": tokens,
-                "pulls": args.latency_pulls,
+                "pulls": pulls,
+                "strategy": strategy,
                 "bytes": workload.request_bytes(tokens),
                 "client_ms": client_ms,
                 "server_ms": server_ms,
@@ -519,6 +595,7 @@ def results_table(cells: list[Cell]) -> str:
             [
                 str(c.tokens),
                 c.pattern,
+                f"{c.strategy}: {c.kvxferd_strategy or '?'}",
                 human_bytes(c.nbytes),
                 fmt(d["limit"]["median_gbps"]),
                 fmt(d["naive"]["median_gbps"]),
@@ -532,6 +609,7 @@ def results_table(cells: list[Cell]) -> str:
     headers = [
         "tokens",
         "pattern",
+        "strategy",
         "bytes",
         "limit GB/s",
         "naive GB/s",
@@ -548,11 +626,14 @@ def run(args: argparse.Namespace) -> int:
     sizes: list[int] = args.sizes or list(CPU_SIZES if args.device == "cpu" else GPU_SIZES)
     workload = make_workload(args.device, sizes)
     info, vers, env = machine.machine(), machine.versions(), machine.transports()
-    cells = [
-        Cell(t, p, workload.blocks(t), workload.request_bytes(t))
+    base = [
+        Cell(t, p, workload.blocks(t), workload.request_bytes(t), strategy=args.strategy[0])
         for t in sizes
         for p in args.patterns
     ]
+    rows_by = {s: [c.for_strategy(s) for c in base] for s in args.strategy[1:]}
+    rows_by[args.strategy[0]] = base
+    cells = [c for s in args.strategy for c in rows_by[s]]
     pool_bytes = workload.shape.num_layers * workload.shape.layer_bytes
     header = [
         f"kvxferd bench: {workload.spec.model}-shaped KV cache ({workload.shape.num_layers} layers"
@@ -587,6 +668,7 @@ def run(args: argparse.Namespace) -> int:
         },
         "repeat": args.repeat,
         "seed": args.seed,
+        "strategies": args.strategy,
         "verified": not args.no_verify,
     }
     error = ""
@@ -594,11 +676,23 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     try:
         _say("raw copy limit ...")
-        measure_limit(workload, cells, args.repeat)
+        measure_limit(workload, base, args.repeat)
         _say("naive: one NIXL descriptor per (layer, block), two processes ...")
-        measure_naive(workload, cells, args.repeat, args.seed, not args.no_verify)
-        _say("kvxferd: prefill and decode daemons ...")
-        latency = measure_daemons(workload, cells, args, workdir)
+        measure_naive(workload, base, args.repeat, args.seed, not args.no_verify)
+        for i, strategy in enumerate(args.strategy):
+            _say(f"kvxferd: prefill and decode daemons, transfer.strategy = {strategy} ...")
+            (workdir / strategy).mkdir(parents=True, exist_ok=True)
+            for row, b in zip(rows_by[strategy], base, strict=True):
+                row.naive_descriptors = b.naive_descriptors
+            got = measure_daemons(
+                workload,
+                rows_by[strategy],
+                args,
+                workdir / strategy,
+                strategy=strategy,
+                latency_pulls=None if i == 0 else 0,
+            )
+            latency = latency or got
     except (BenchFailure, DaemonError, RpcFailure) as exc:
         error = str(exc)
     except Exception as exc:  # NIXL, torch, the owner process: report, still print the table
@@ -613,8 +707,19 @@ def run(args: argparse.Namespace) -> int:
     print(
         "\nlimit: torch copy_ of the same bytes; naive: one NIXL descriptor per (layer, block);"
         " kvxferd: StartPull to terminal status on WatchTransfers through two daemons;"
+        " strategy: the decode daemon's transfer.strategy: what ran (DIRECT or STAGED);"
         " x limit / x naive: kvxferd's median over theirs"
     )
+    for c in cells:
+        if c.stage_seconds:
+            med = {k: statistics.median(v) for k, v in c.stage_seconds.items()}
+            print(
+                f"STAGED stages, {c.tokens} tokens {c.pattern} ({c.strategy}): {med['chunks']:.0f}"
+                f" chunks; summed over chunks (median): gather {med['gather'] * 1e3:.2f} ms,"
+                f" gather RPC {med['gather_rpc'] * 1e3:.2f} ms, read {med['read'] * 1e3:.2f} ms,"
+                f" scatter {med['scatter'] * 1e3:.2f} ms, slot wait"
+                f" {med['slot_wait'] * 1e3:.2f} ms"
+            )
     if latency:
         print(
             f"small-request latency ({latency['blocks']} blocks = {latency['tokens']} tokens,"

@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from kvxferd.attach import ShmSegment, region_tensor, strided_tensor
@@ -60,6 +61,8 @@ if TYPE_CHECKING:
     from kvxferd.daemon.core import Daemon
 
 log = logging.getLogger(__name__)
+
+_NO_ROWS = np.zeros((0, 3), dtype=np.int64)
 
 IMPORTED_VRAM_SLOW_PATH = (
     "IMPORTED VRAM: memory the engine allocated and shared over CUDA IPC reads at ~0.5 GB/s"
@@ -186,14 +189,17 @@ class Attacher:
                 built = await asyncio.to_thread(self._build, spec, req, att_id)
                 rows = built.pool.region_rows()
                 reg = await asyncio.to_thread(self.agent.register, rows, mem)
-                await asyncio.to_thread(self.d.engine.set_local, rows, mem, "pool attached")
+                local = self.d.local_rows(rows)
+                await asyncio.to_thread(self.d.engine.set_local, local, mem, "pool attached")
                 metadata = await asyncio.to_thread(self.agent.metadata)
             except BaseException as exc:
                 if reg is not None:
                     with contextlib.suppress(KvxferdError):
                         await asyncio.to_thread(self.agent.deregister, reg)
                 with contextlib.suppress(KvxferdError):
-                    await asyncio.to_thread(self.d.engine.set_local, None, mem, "attach failed")
+                    await asyncio.to_thread(
+                        self.d.engine.set_local, self.d.local_rows(_NO_ROWS), mem, "attach failed"
+                    )
                 if built is not None:
                     segments, mappings = built.segments, built.mappings
                     built = None
@@ -217,6 +223,7 @@ class Attacher:
                 mappings=built.mappings,
             )
             att.generation = self.d.slot.fill(Served(built.pool, info), metadata)
+            self.d.rebind_staging(built.pool)
             self.attachment = att
         m = self.d.metrics
         m.registered_bytes.set(int(rows[:, 1].sum()))
@@ -463,7 +470,10 @@ class Attacher:
                     self.d.leases.cancel(rid, ReleaseReason.ENGINE_DETACHED)
                     released += 1
             mem = MemType.VRAM if att.memory is MemoryType.VRAM else MemType.DRAM
-            await asyncio.to_thread(self.d.engine.set_local, None, mem, f"engine detached: {why}")
+            await asyncio.to_thread(
+                self.d.engine.set_local, self.d.local_rows(_NO_ROWS), mem, f"engine detached: {why}"
+            )
+            self.d.rebind_staging(None)
             if att.registration is not None:
                 try:
                     await asyncio.to_thread(self.agent.deregister, att.registration)

@@ -49,15 +49,19 @@ from kvxferd.metrics import Metrics
 from kvxferd.nixl import MemType
 from kvxferd.peers import PeerInfo
 from kvxferd.pool import KVPool
+from kvxferd.staging.reader import StagedJob
+from kvxferd.staging.setup import Decision, Staging, StagingFactory, decide
 from kvxferd.transfer import (
     LeaseTable,
     ReleaseFeed,
     ReleaseReason,
     TransferEngine,
+    TransferResult,
     TransferStatus,
     notify,
 )
 from kvxferd.transfer.leases import Lease
+from kvxferd.transfer.strategy import Strategy
 from kvxferd.v1 import peer_pb2, spec_pb2
 
 log = logging.getLogger(__name__)
@@ -127,6 +131,7 @@ class Daemon:
         limits: DaemonLimits,
         instance_id: str | None = None,
         call_metadata: tuple[tuple[str, str], ...] = (),
+        staging: StagingFactory | None = None,
     ) -> None:
         if isinstance(pool, KVPool):
             if info is None:
@@ -140,6 +145,10 @@ class Daemon:
         self.metrics = metrics
         self.limits = limits
         self.call_metadata = call_metadata
+        self._staging_factory = staging
+        self.staging: Staging | None = None
+        if staging is not None:
+            self.staging = staging.build(pool.current() if pool.registered else None)
         self.instance_id = instance_id or uuid.uuid4().hex
         self.daemon_id = agent_name
         self.pulls = PullBook()
@@ -167,6 +176,19 @@ class Daemon:
     @property
     def generation(self) -> int:
         return self.slot.generation
+
+    def local_rows(self, pool_rows: Int64Array) -> Int64Array:
+        """The transfer engine's local regions for a pool: its rows, then the staging ring's."""
+        f = self._staging_factory
+        return pool_rows if f is None else f.local_rows(pool_rows)
+
+    def rebind_staging(self, pool: KVPool | None) -> None:
+        """An engine attached ``pool`` (or detached: None): staging follows the pool."""
+        if self._staging_factory is None:
+            return
+        if self.staging is not None and self.staging.owner is not None:
+            self.staging.owner.stop()
+        self.staging = self._staging_factory.build(pool)
 
     # -- wiring -------------------------------------------------------------------------------
 
@@ -203,12 +225,17 @@ class Daemon:
             daemon_id=self.daemon_id,
             instance_id=self.instance_id,
             address=self.address,
+            staging=self.staging.info if self.staging else None,
         )
 
     def connect_remote(self, remote: RemoteDescription) -> None:
         """Load a handshaken peer's NIXL metadata and regions (once per peer incarnation)."""
         mem = _mem_type(remote)
-        self.engine.connect_peer(remote.agent_name, remote.agent_metadata, remote.regions, mem)
+        regions = remote.regions
+        if remote.staging is not None and self.staging and self.staging.info is not None:
+            # The peer's ring is one more region, at the index our own ring has locally.
+            regions = np.vstack([regions, np.array([remote.staging.row()], dtype=np.int64)])
+        self.engine.connect_peer(remote.agent_name, remote.agent_metadata, regions, mem)
 
     async def start_release_pump(self) -> None:
         """Forward lease releases (from any thread) to engine watchers on this loop."""
@@ -344,6 +371,28 @@ class Daemon:
             max_ids=self.limits.max_block_ids,
         )
         part = plan.per_rank.get(remote.info.tp_rank) or TransferPlan(ranges=())
+        decision = None
+        if self.staging is not None:
+            decision = decide(
+                self.staging,
+                local=self.pool.spec,
+                remote=remote.info.spec,
+                local_tp_size=self.info.tp_size,
+                remote_tp_size=remote.info.tp_size,
+                remote_ring=remote.staging,
+                plan=plan,
+                part=part,
+                peer=req.peer_address,
+            )
+            log.info(
+                "pull strategy",
+                extra=kv(
+                    transfer_id=req.transfer_id,
+                    strategy=decision.choice.strategy.value,
+                    reason=decision.choice.reason,
+                    chunks=len(decision.chunks),
+                ),
+            )
         rec = self.pulls.add(
             PullRecord(
                 transfer_id=req.transfer_id,
@@ -352,10 +401,22 @@ class Daemon:
                 nbytes=part.nbytes,
                 naive_descriptors=part.naive_descriptors,
                 deadline_ns=time.time_ns() + int(req.deadline_s * 1e9),
+                strategy=decision.choice.strategy.value if decision else "DIRECT",
+                strategy_reason=decision.choice.reason if decision else "staging not configured",
             )
         )
         self.metrics.inflight_transfers.inc()
-        self._spawn(self._run_pull(req, link, part, plan.local_kernel_blocks))
+        staged = decision if decision and decision.choice.strategy is Strategy.STAGED else None
+        self._spawn(
+            self._run_pull(
+                req,
+                link,
+                part,
+                plan.local_kernel_blocks,
+                staged=staged,
+                remote_blocks=plan.remote_kernel_blocks,
+            )
+        )
         return rec
 
     async def _run_pull(
@@ -364,6 +425,9 @@ class Daemon:
         link: PeerLink,
         plan: TransferPlan,
         local_blocks: tuple[Int64Array, ...],
+        *,
+        staged: Decision | None = None,
+        remote_blocks: tuple[Int64Array, ...] = (),
     ) -> None:
         tid = req.transfer_id
         t0 = time.monotonic()
@@ -379,14 +443,25 @@ class Daemon:
                 return  # cancelled while confirming: nothing was posted, nothing written
             self.pulls.update(tid, state=PullState.TRANSFERRING)
             note = notify.encode(req.request_id) if req.notify else b""
-            xfer = self.engine.submit(
-                tid,
-                remote.agent_name,
-                plan,
-                notif=note,
-                timeout_s=max(1e-3, deadline - time.monotonic()),
-            )
-            result = await xfer.wait()
+            if staged is not None:
+                job = self._staged_job(
+                    req,
+                    link,
+                    staged,
+                    local_blocks=local_blocks,
+                    remote_blocks=remote_blocks,
+                    deadline=deadline,
+                )
+                result = await self._staged_pull(job, plan)
+            else:
+                xfer = self.engine.submit(
+                    tid,
+                    remote.agent_name,
+                    plan,
+                    notif=note,
+                    timeout_s=max(1e-3, deadline - time.monotonic()),
+                )
+                result = await xfer.wait()
             state = _TERMINAL[result.status]
             self.pulls.update(
                 tid,
@@ -428,6 +503,39 @@ class Daemon:
             rec = self.pulls.get(tid)
             self._account(rec, time.monotonic() - t0)
 
+    def _staged_job(
+        self,
+        req: PullRequest,
+        link: PeerLink,
+        staged: Decision,
+        *,
+        local_blocks: tuple[Int64Array, ...],
+        remote_blocks: tuple[Int64Array, ...],
+        deadline: float,
+    ) -> StagedJob:
+        assert link.remote is not None and link.remote.staging is not None
+        return StagedJob(
+            transfer_id=req.transfer_id,
+            request_id=req.request_id,
+            reader_id=self.agent_name,
+            peer_agent=link.remote.agent_name,
+            peer_address=req.peer_address,
+            stub=link.stub,
+            remote_ring=link.remote.staging,
+            local_ids=local_blocks,
+            remote_ids=remote_blocks,
+            chunks=staged.chunks,
+            deadline=deadline,
+            notif=notify.encode(req.request_id) if req.notify else b"",
+        )
+
+    async def _staged_pull(self, job: StagedJob, plan: TransferPlan) -> TransferResult:
+        assert self.staging is not None and self.staging.reader is not None
+        try:
+            return await self.staging.reader.pull(job, plan.local_kernel_blocks, plan.nbytes)
+        finally:
+            self.pulls.update(job.transfer_id, stage_times=job.times)
+
     async def _confirm(self, link: PeerLink, req: PullRequest) -> None:
         assert link.remote is not None
         try:
@@ -465,6 +573,7 @@ class Daemon:
         m.transfers.labels(rec.state.value, rec.strategy).inc()
         m.transfer_seconds.labels(rec.state.value).observe(seconds)
         if rec.state is PullState.DONE:
+            m.observe_strategy(rec.strategy, rec.nbytes, rec.stage_times)
             m.transfer_bytes.labels(rec.peer_address).inc(rec.nbytes)
             m.transfer_size_bytes.observe(rec.nbytes)
             m.descriptors.observe(rec.posted_descriptors)
@@ -482,6 +591,8 @@ class Daemon:
                 naive=rec.naive_descriptors,
                 ms=round(seconds * 1e3, 3),
                 error=str(rec.error) if rec.error else "",
+                strategy=rec.strategy,
+                **(rec.stage_times.as_log() if rec.stage_times else {}),
             ),
         )
 
@@ -489,6 +600,9 @@ class Daemon:
         rec = self.pulls.get(transfer_id)
         if rec.state.terminal:
             return rec
+        reader = self.staging.reader if self.staging else None
+        if reader is not None and reader.cancel(transfer_id):
+            return await self.pulls.wait_terminal(transfer_id)
         fut = self.engine.cancel(transfer_id)
         cancelled = await asyncio.wrap_future(fut)
         if not cancelled:

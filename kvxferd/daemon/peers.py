@@ -32,6 +32,7 @@ from kvxferd.logs import kv
 from kvxferd.peers import PeerInfo, compat_digest, require_compatible
 from kvxferd.peers.version import PROTOCOL_VERSION
 from kvxferd.service.convert import spec_from_proto, spec_to_proto
+from kvxferd.staging.chunks import RingInfo
 from kvxferd.v1 import peer_pb2, peer_pb2_grpc, spec_pb2
 
 log = logging.getLogger(__name__)
@@ -57,9 +58,19 @@ class SelfDescription:
     daemon_id: str
     instance_id: str
     address: str
+    staging: RingInfo | None = None
 
     def payload(self) -> peer_pb2.HandshakePayload:
+        ring = self.staging
         return peer_pb2.HandshakePayload(
+            staging=peer_pb2.StagingRing(
+                base_address=ring.base,
+                chunk_bytes=ring.chunk_bytes,
+                chunks=ring.chunks,
+                device_id=ring.device,
+            )
+            if ring
+            else None,
             spec=spec_to_proto(self.info.spec),
             registrations=list(self.registrations),
             nixl_agent_name=self.agent_name,
@@ -90,6 +101,18 @@ class RemoteDescription:
     daemon_id: str
     instance_id: str
     address: str
+    staging: RingInfo | None = None
+
+
+def _ring(msg: peer_pb2.HandshakePayload) -> RingInfo | None:
+    """The advertised staging ring; None when absent or unusable (the peer is read DIRECT)."""
+    if not msg.HasField("staging"):
+        return None
+    r = msg.staging
+    if r.chunks < 1 or r.chunk_bytes == 0 or r.base_address == 0:
+        log.warning("ignoring a malformed staging ring", extra=kv(ring=str(r).replace("\n", " ")))
+        return None
+    return RingInfo(r.base_address, r.chunk_bytes, r.chunks, r.device_id)
 
 
 def decode_envelope(
@@ -138,6 +161,7 @@ def decode_envelope(
         daemon_id=msg.daemon_id,
         instance_id=msg.instance_id,
         address=msg.peer_address,
+        staging=_ring(msg),
     )
     if digest == bytes.fromhex(compat_digest(local.info.spec)):
         log.debug("handshake digest matches", extra=kv(peer=who))

@@ -17,6 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvxferd.errors import KvxferdError, NotFound
+from kvxferd.staging.stats import StageTimes
 
 Int64Array = npt.NDArray[np.int64]
 
@@ -55,6 +56,8 @@ class PullRecord:
     finished_ns: int = 0
     deadline_ns: int = 0
     revision: int = 0
+    strategy_reason: str = ""
+    stage_times: StageTimes | None = None
 
 
 class PullBook:

@@ -22,6 +22,21 @@ def _permuted(blocks: torch.Tensor, p: KVPermute) -> torch.Tensor:
     )
 
 
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (2-D uint8, unit inner stride) viewed as int64 when every size, stride and the
+    address allow it: torch's uint8 ``index_select``/``index_copy_`` on CPU move one byte per
+    element (~30 MB/s on 64 KiB rows); as int64 they are ~30x faster. Same bytes either way."""
+    if (
+        t.device.type == "cpu"
+        and t.stride(1) == 1
+        and t.shape[1] % 8 == 0
+        and t.stride(0) % 8 == 0
+        and t.data_ptr() % 8 == 0
+    ):
+        return t.view(torch.int64)
+    return t
+
+
 def gather_blocks(
     regions: Sequence[torch.Tensor],
     block_ids: BlockIds,
@@ -37,10 +52,16 @@ def gather_blocks(
     ids = c.ids.to(out.device)
     rows = out.view(n, c.row_bytes)
     for r, off in zip(regions, c.offsets, strict=True):
+        dst = rows[:, off : off + r.shape[1]]
+        if permute is None:
+            wide_src, wide_dst = _wide(r), _wide(dst)
+            if wide_src.dtype == wide_dst.dtype:
+                wide_dst.copy_(wide_src.index_select(0, ids))
+                continue
         blocks = r.index_select(0, ids)
         if permute is not None:
             blocks = _permuted(blocks, permute)
-        rows[:, off : off + r.shape[1]].copy_(blocks)
+        dst.copy_(blocks)
     return out
 
 
@@ -62,4 +83,10 @@ def scatter_blocks(
         src = rows[:, off : off + r.shape[1]]
         if permute is not None:
             src = _permuted(src, permute)
-        r.index_copy_(0, ids, src)
+            r.index_copy_(0, ids, src)
+            continue
+        wide_r, wide_src = _wide(r), _wide(src)
+        if wide_r.dtype == wide_src.dtype:
+            wide_r.index_copy_(0, ids, wide_src)
+        else:
+            r.index_copy_(0, ids, src)

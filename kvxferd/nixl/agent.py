@@ -52,9 +52,10 @@ class _DelayedBindings:
         return self._real.nixlAgent(name, config)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Registration:
-    """Memory registered with the agent: one NIXL registration per region row."""
+    """Memory registered with the agent: one NIXL registration per region row. Compared by
+    identity: two registrations of the same rows are still two registrations."""
 
     regions: Int64Array
     mem_type: MemType

@@ -31,7 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from kvxferd.config import Config, is_loopback, split_hostport
 from kvxferd.daemon.attach import Attacher
 from kvxferd.daemon.core import Daemon, DaemonLimits
-from kvxferd.daemon.peers import PeerDirectory
+from kvxferd.daemon.peers import PeerDirectory, remote_error
 from kvxferd.daemon.slot import PoolSlot
 from kvxferd.errors import ConfigError
 from kvxferd.layout.presets import preset
@@ -49,7 +49,10 @@ from kvxferd.service.auth import (
     server_credentials,
 )
 from kvxferd.service.servicers import EngineService, PeerService, SchedulerService
+from kvxferd.staging.ring import StagingRing
+from kvxferd.staging.setup import StagingFactory
 from kvxferd.transfer import EngineOptions, LeaseTable, NotificationPump, TransferEngine
+from kvxferd.transfer.strategy import CostModel
 from kvxferd.v1 import (
     engine_pb2,
     engine_pb2_grpc,
@@ -148,15 +151,28 @@ async def start(cfg: Config, *, fill_seed: int | None = None) -> Running:
     )
     agent.start()
     mem = MemType.DRAM
+    if cfg.pool.device.startswith("cuda"):
+        mem = MemType.VRAM
     rows = np.zeros((0, 3), dtype=np.int64)
     if pool is not None:
         mem = MemType.VRAM if pool.spec.regions[0].memory is MemoryType.VRAM else MemType.DRAM
         rows = pool.region_rows()
         await asyncio.to_thread(agent.register, rows, mem)
-        metrics.registered_bytes.set(int(rows[:, 1].sum()))
+    ring, ring_row = None, np.zeros((0, 3), dtype=np.int64)
+    if cfg.transfer.staging_chunks:
+        # One staging ring, registered once for the daemon's life (attached pools come and
+        # go); it is always the engine's last local region, after the pool's regions.
+        t = cfg.transfer
+        ring = await asyncio.to_thread(
+            StagingRing.allocate, t.staging_chunk_bytes, t.staging_chunks, cfg.pool.device
+        )
+        ring_row = np.array([ring.info.row()], dtype=np.int64)
+        await asyncio.to_thread(agent.register, ring_row, mem)
+    engine_rows = np.vstack([rows, ring_row])
+    metrics.registered_bytes.set(int(engine_rows[:, 1].sum()))
     engine = TransferEngine(
         agent,
-        rows,
+        engine_rows,
         local_mem=mem,
         options=EngineOptions(
             max_inflight_bytes_per_peer=cfg.transfer.max_inflight_bytes_per_peer,
@@ -204,6 +220,24 @@ async def start(cfg: Config, *, fill_seed: int | None = None) -> Running:
         ),
         instance_id=cfg.server.instance_id or uuid.uuid4().hex,
         call_metadata=call_metadata(token),
+        staging=StagingFactory(
+            mode=cfg.transfer.strategy,
+            model=CostModel.defaults(
+                MemoryType.VRAM if mem is MemType.VRAM else MemoryType.DRAM
+            ).with_overrides(
+                descriptor_us=cfg.transfer.cost_descriptor_us,
+                chunk_us=cfg.transfer.cost_chunk_us,
+                link_gbps=cfg.transfer.cost_link_gbps,
+                gather_gbps=cfg.transfer.cost_gather_gbps,
+            ),
+            ring=ring,
+            engine=engine,
+            leases=leases,
+            grant_timeout_s=cfg.transfer.staging_grant_timeout_ms / 1000,
+            max_block_ids=cfg.transfer.max_block_ids,
+            call_metadata=call_metadata(token),
+            remote_error=remote_error,
+        ),
     )
     ccreds = channel_credentials(cfg.auth)
 

@@ -25,6 +25,7 @@ from kvxferd.errors import InvalidRequest, KvxferdError
 from kvxferd.logs import kv
 from kvxferd.service.attaching import attach_request_from_proto, pool_info
 from kvxferd.service.convert import group_ids_from_proto, group_ids_to_proto
+from kvxferd.service.staging import gather, release_staging, stage_times_to_proto
 from kvxferd.service.status import message_for, status_for
 from kvxferd.transfer import ReleaseReason
 from kvxferd.v1 import (
@@ -58,6 +59,10 @@ _LINK = {
     LinkState.READY: scheduler_pb2.HANDSHAKE_STATE_READY,
     LinkState.REFUSED: scheduler_pb2.HANDSHAKE_STATE_REFUSED,
     LinkState.UNREACHABLE: scheduler_pb2.HANDSHAKE_STATE_UNREACHABLE,
+}
+_STRATEGY = {
+    "DIRECT": scheduler_pb2.TRANSFER_STRATEGY_DIRECT,
+    "STAGED": scheduler_pb2.TRANSFER_STRATEGY_STAGED,
 }
 _REASON = {
     ReleaseReason.DONE: common_pb2.RELEASE_REASON_DONE,
@@ -93,7 +98,8 @@ def status_to_proto(rec: PullRecord) -> scheduler_pb2.TransferStatus:
         nbytes=rec.nbytes,
         descriptors_before_coalescing=rec.naive_descriptors,
         descriptors_after_coalescing=rec.posted_descriptors,
-        strategy=scheduler_pb2.TRANSFER_STRATEGY_DIRECT,
+        strategy=_STRATEGY.get(rec.strategy, scheduler_pb2.TRANSFER_STRATEGY_UNSPECIFIED),
+        strategy_reason=rec.strategy_reason,
         created_unix_ns=rec.created_ns,
         started_unix_ns=rec.started_ns,
         finished_unix_ns=rec.finished_ns,
@@ -104,6 +110,8 @@ def status_to_proto(rec: PullRecord) -> scheduler_pb2.TransferStatus:
         msg.error.message = str(rec.error)
         msg.error.field = rec.error.field
         msg.error.fix = rec.error.fix
+    if rec.stage_times is not None:
+        msg.stage_times.CopyFrom(stage_times_to_proto(rec.stage_times))
     if rec.invalid_local_blocks:
         msg.invalid_local_block_ids.CopyFrom(group_ids_to_proto(list(rec.invalid_local_blocks)))
     return msg
@@ -199,6 +207,20 @@ class PeerService(peer_pb2_grpc.PeerServicer):
             )
 
         return await _rpc(self.d, "Heartbeat", context, call)
+
+    async def Gather(
+        self, request: peer_pb2.GatherRequest, context: Ctx
+    ) -> peer_pb2.GatherResponse:
+        return await _rpc(
+            self.d, "Gather", context, lambda: gather(self.d, request, context.time_remaining())
+        )
+
+    async def ReleaseStaging(
+        self, request: peer_pb2.ReleaseStagingRequest, context: Ctx
+    ) -> peer_pb2.ReleaseStagingResponse:
+        return await _rpc(
+            self.d, "ReleaseStaging", context, lambda: release_staging(self.d, request)
+        )
 
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):

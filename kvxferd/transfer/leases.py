@@ -85,6 +85,9 @@ class LeaseTable:
     def subscribe(self, callback: ReleaseCallback) -> None:
         self._callbacks.append(callback)
 
+    def unsubscribe(self, callback: ReleaseCallback) -> None:
+        self._callbacks = [c for c in self._callbacks if c is not callback]
+
     def __len__(self) -> int:
         return len(self._leases)
 

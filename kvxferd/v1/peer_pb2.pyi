@@ -162,6 +162,7 @@ class HandshakePayload(_message.Message):
     DAEMON_ID_FIELD_NUMBER: _builtins.int
     INSTANCE_ID_FIELD_NUMBER: _builtins.int
     PEER_ADDRESS_FIELD_NUMBER: _builtins.int
+    STAGING_FIELD_NUMBER: _builtins.int
     nixl_agent_name: _builtins.str
     """The NIXL agent's name (unique per daemon process)."""
     nixl_agent_metadata: _builtins.bytes
@@ -188,6 +189,12 @@ class HandshakePayload(_message.Message):
     def registrations(self) -> _containers.RepeatedCompositeFieldContainer[_spec_pb2.RegionRegistration]:
         """One per spec.regions, in the same order: where each region is registered."""
 
+    @_builtins.property
+    def staging(self) -> Global___StagingRing:
+        """The daemon's staging ring for STAGED pulls; unset when staging is disabled. Old peers
+        ignore it (and are then read with DIRECT).
+        """
+
     def __init__(
         self,
         *,
@@ -202,14 +209,179 @@ class HandshakePayload(_message.Message):
         daemon_id: _builtins.str = ...,
         instance_id: _builtins.str = ...,
         peer_address: _builtins.str = ...,
+        staging: Global___StagingRing | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec", "staging", b"staging"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["daemon_id", b"daemon_id", "instance_id", b"instance_id", "nixl_agent_metadata", b"nixl_agent_metadata", "nixl_agent_name", b"nixl_agent_name", "peer_address", b"peer_address", "prefix_caching", b"prefix_caching", "registration_generation", b"registration_generation", "registrations", b"registrations", "spec", b"spec", "tp_rank", b"tp_rank", "tp_size", b"tp_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["daemon_id", b"daemon_id", "instance_id", b"instance_id", "nixl_agent_metadata", b"nixl_agent_metadata", "nixl_agent_name", b"nixl_agent_name", "peer_address", b"peer_address", "prefix_caching", b"prefix_caching", "registration_generation", b"registration_generation", "registrations", b"registrations", "spec", b"spec", "staging", b"staging", "tp_rank", b"tp_rank", "tp_size", b"tp_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___HandshakePayload: _TypeAlias = HandshakePayload  # noqa: Y015
+
+@_typing.final
+class StagingRing(_message.Message):
+    """One staging buffer, allocated at start on the pool's device and registered with NIXL once
+    (in the same memory type as the pool's regions): chunks slots of chunk_bytes each.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BASE_ADDRESS_FIELD_NUMBER: _builtins.int
+    CHUNK_BYTES_FIELD_NUMBER: _builtins.int
+    CHUNKS_FIELD_NUMBER: _builtins.int
+    DEVICE_ID_FIELD_NUMBER: _builtins.int
+    base_address: _builtins.int
+    """Address of slot 0; slot i starts at base_address + i * chunk_bytes."""
+    chunk_bytes: _builtins.int
+    """Bytes of one slot (transfer.staging_chunk_bytes)."""
+    chunks: _builtins.int
+    """Number of slots (transfer.staging_chunks), >= 2."""
+    device_id: _builtins.int
+    """Device index of the buffer (0 for DRAM)."""
+    def __init__(
+        self,
+        *,
+        base_address: _builtins.int = ...,
+        chunk_bytes: _builtins.int = ...,
+        chunks: _builtins.int = ...,
+        device_id: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_address", b"base_address", "chunk_bytes", b"chunk_bytes", "chunks", b"chunks", "device_id", b"device_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StagingRing: _TypeAlias = StagingRing  # noqa: Y015
+
+@_typing.final
+class GatherRequest(_message.Message):
+    """Gather a chunk of a held request into a staging slot."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    READER_ID_FIELD_NUMBER: _builtins.int
+    KERNEL_BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    RELEASE_SLOTS_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """The held request (its lease must be active)."""
+    reader_id: _builtins.str
+    """The reader's daemon_id (slots are granted to it)."""
+    @_builtins.property
+    def kernel_block_ids(self) -> _common_pb2.GroupBlockIds:
+        """Kernel block IDs per group, in the order rows are wanted: group 0's rows come first in the
+        slot, then group 1's, and so on (row = one block of every region of the group).
+        """
+
+    @_builtins.property
+    def release_slots(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Slots of this reader to free first (piggybacked releases of earlier chunks)."""
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        reader_id: _builtins.str = ...,
+        kernel_block_ids: _common_pb2.GroupBlockIds | None = ...,
+        release_slots: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["kernel_block_ids", b"kernel_block_ids"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kernel_block_ids", b"kernel_block_ids", "reader_id", b"reader_id", "release_slots", b"release_slots", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GatherRequest: _TypeAlias = GatherRequest  # noqa: Y015
+
+@_typing.final
+class GatherResponse(_message.Message):
+    """Where a gathered chunk lies, sent once its bytes are in place."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SLOT_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    NBYTES_FIELD_NUMBER: _builtins.int
+    GATHER_US_FIELD_NUMBER: _builtins.int
+    slot: _builtins.int
+    """The granted slot index."""
+    offset: _builtins.int
+    """Byte offset of the chunk from the ring's base_address."""
+    nbytes: _builtins.int
+    """Bytes gathered (sum over groups of rows x row bytes)."""
+    gather_us: _builtins.int
+    """Time the gather itself took on the owner, us (for per-stage timing)."""
+    def __init__(
+        self,
+        *,
+        slot: _builtins.int = ...,
+        offset: _builtins.int = ...,
+        nbytes: _builtins.int = ...,
+        gather_us: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["gather_us", b"gather_us", "nbytes", b"nbytes", "offset", b"offset", "slot", b"slot"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GatherResponse: _TypeAlias = GatherResponse  # noqa: Y015
+
+@_typing.final
+class ReleaseStagingRequest(_message.Message):
+    """Give granted staging slots back."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    READER_ID_FIELD_NUMBER: _builtins.int
+    SLOTS_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """The request the slots were granted for."""
+    reader_id: _builtins.str
+    """The reader's daemon_id."""
+    @_builtins.property
+    def slots(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Slot indices to free; slots not granted to this reader for this request are ignored."""
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        reader_id: _builtins.str = ...,
+        slots: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reader_id", b"reader_id", "request_id", b"request_id", "slots", b"slots"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseStagingRequest: _TypeAlias = ReleaseStagingRequest  # noqa: Y015
+
+@_typing.final
+class ReleaseStagingResponse(_message.Message):
+    """Result of ReleaseStaging."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RELEASED_FIELD_NUMBER: _builtins.int
+    released: _builtins.int
+    """How many of the slots were freed."""
+    def __init__(
+        self,
+        *,
+        released: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["released", b"released"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseStagingResponse: _TypeAlias = ReleaseStagingResponse  # noqa: Y015
 
 @_typing.final
 class Lease(_message.Message):

@@ -60,6 +60,16 @@ class PeerStub:
                 request_serializer=kvxferd_dot_v1_dot_peer__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=kvxferd_dot_v1_dot_peer__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
+        self.Gather = channel.unary_unary(
+                '/kvxferd.v1.Peer/Gather',
+                request_serializer=kvxferd_dot_v1_dot_peer__pb2.GatherRequest.SerializeToString,
+                response_deserializer=kvxferd_dot_v1_dot_peer__pb2.GatherResponse.FromString,
+                _registered_method=True)
+        self.ReleaseStaging = channel.unary_unary(
+                '/kvxferd.v1.Peer/ReleaseStaging',
+                request_serializer=kvxferd_dot_v1_dot_peer__pb2.ReleaseStagingRequest.SerializeToString,
+                response_deserializer=kvxferd_dot_v1_dot_peer__pb2.ReleaseStagingResponse.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -108,6 +118,25 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Gather(self, request, context):
+        """STAGED pulls: gather some of a held request's kernel blocks into a free slot of this
+        daemon's staging ring and answer once the bytes are there (the reader then READs the slot
+        with one descriptor). Every ID must be held under the request's lease (FAILED_PRECONDITION
+        otherwise) and inside the pool (INVALID_ARGUMENT); waits for a free slot up to the call's
+        deadline. The slot stays granted to the caller until ReleaseStaging (or a later Gather's
+        release_slots), the lease ends, or transfer.staging_grant_timeout_ms passes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseStaging(self, request, context):
+        """Return granted staging slots to the ring (the reader has read them).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -135,6 +164,16 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=kvxferd_dot_v1_dot_peer__pb2.HeartbeatRequest.FromString,
                     response_serializer=kvxferd_dot_v1_dot_peer__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'Gather': grpc.unary_unary_rpc_method_handler(
+                    servicer.Gather,
+                    request_deserializer=kvxferd_dot_v1_dot_peer__pb2.GatherRequest.FromString,
+                    response_serializer=kvxferd_dot_v1_dot_peer__pb2.GatherResponse.SerializeToString,
+            ),
+            'ReleaseStaging': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseStaging,
+                    request_deserializer=kvxferd_dot_v1_dot_peer__pb2.ReleaseStagingRequest.FromString,
+                    response_serializer=kvxferd_dot_v1_dot_peer__pb2.ReleaseStagingResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -273,6 +312,60 @@ class Peer:
             '/kvxferd.v1.Peer/Heartbeat',
             kvxferd_dot_v1_dot_peer__pb2.HeartbeatRequest.SerializeToString,
             kvxferd_dot_v1_dot_peer__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Gather(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxferd.v1.Peer/Gather',
+            kvxferd_dot_v1_dot_peer__pb2.GatherRequest.SerializeToString,
+            kvxferd_dot_v1_dot_peer__pb2.GatherResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseStaging(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxferd.v1.Peer/ReleaseStaging',
+            kvxferd_dot_v1_dot_peer__pb2.ReleaseStagingRequest.SerializeToString,
+            kvxferd_dot_v1_dot_peer__pb2.ReleaseStagingResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -52,6 +52,16 @@ class PeerStub:
     """A reader lets go of a lease: done (same effect as the NIXL notification) or giving up."""
     Heartbeat: _grpc.UnaryUnaryMultiCallable[_peer_pb2.HeartbeatRequest, _peer_pb2.HeartbeatResponse]
     """Liveness and restart detection; also renews the caller's leases in bulk."""
+    Gather: _grpc.UnaryUnaryMultiCallable[_peer_pb2.GatherRequest, _peer_pb2.GatherResponse]
+    """STAGED pulls: gather some of a held request's kernel blocks into a free slot of this
+    daemon's staging ring and answer once the bytes are there (the reader then READs the slot
+    with one descriptor). Every ID must be held under the request's lease (FAILED_PRECONDITION
+    otherwise) and inside the pool (INVALID_ARGUMENT); waits for a free slot up to the call's
+    deadline. The slot stays granted to the caller until ReleaseStaging (or a later Gather's
+    release_slots), the lease ends, or transfer.staging_grant_timeout_ms passes.
+    """
+    ReleaseStaging: _grpc.UnaryUnaryMultiCallable[_peer_pb2.ReleaseStagingRequest, _peer_pb2.ReleaseStagingResponse]
+    """Return granted staging slots to the ring (the reader has read them)."""
 
 @_typing.type_check_only
 class PeerAsyncStub(PeerStub):
@@ -77,6 +87,16 @@ class PeerAsyncStub(PeerStub):
     """A reader lets go of a lease: done (same effect as the NIXL notification) or giving up."""
     Heartbeat: _aio.UnaryUnaryMultiCallable[_peer_pb2.HeartbeatRequest, _peer_pb2.HeartbeatResponse]  # type: ignore[assignment]
     """Liveness and restart detection; also renews the caller's leases in bulk."""
+    Gather: _aio.UnaryUnaryMultiCallable[_peer_pb2.GatherRequest, _peer_pb2.GatherResponse]  # type: ignore[assignment]
+    """STAGED pulls: gather some of a held request's kernel blocks into a free slot of this
+    daemon's staging ring and answer once the bytes are there (the reader then READs the slot
+    with one descriptor). Every ID must be held under the request's lease (FAILED_PRECONDITION
+    otherwise) and inside the pool (INVALID_ARGUMENT); waits for a free slot up to the call's
+    deadline. The slot stays granted to the caller until ReleaseStaging (or a later Gather's
+    release_slots), the lease ends, or transfer.staging_grant_timeout_ms passes.
+    """
+    ReleaseStaging: _aio.UnaryUnaryMultiCallable[_peer_pb2.ReleaseStagingRequest, _peer_pb2.ReleaseStagingResponse]  # type: ignore[assignment]
+    """Return granted staging slots to the ring (the reader has read them)."""
 
 class PeerServicer(metaclass=_abc_1.ABCMeta):
     """Daemon-to-daemon control service, served on the daemon's peer address (TCP, authenticated)."""
@@ -129,5 +149,27 @@ class PeerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_peer_pb2.HeartbeatResponse, _abc.Awaitable[_peer_pb2.HeartbeatResponse]]:
         """Liveness and restart detection; also renews the caller's leases in bulk."""
+
+    @_abc_1.abstractmethod
+    def Gather(
+        self,
+        request: _peer_pb2.GatherRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_peer_pb2.GatherResponse, _abc.Awaitable[_peer_pb2.GatherResponse]]:
+        """STAGED pulls: gather some of a held request's kernel blocks into a free slot of this
+        daemon's staging ring and answer once the bytes are there (the reader then READs the slot
+        with one descriptor). Every ID must be held under the request's lease (FAILED_PRECONDITION
+        otherwise) and inside the pool (INVALID_ARGUMENT); waits for a free slot up to the call's
+        deadline. The slot stays granted to the caller until ReleaseStaging (or a later Gather's
+        release_slots), the lease ends, or transfer.staging_grant_timeout_ms passes.
+        """
+
+    @_abc_1.abstractmethod
+    def ReleaseStaging(
+        self,
+        request: _peer_pb2.ReleaseStagingRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_peer_pb2.ReleaseStagingResponse, _abc.Awaitable[_peer_pb2.ReleaseStagingResponse]]:
+        """Return granted staging slots to the ring (the reader has read them)."""
 
 def add_PeerServicer_to_server(servicer: PeerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

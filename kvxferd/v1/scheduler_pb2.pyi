@@ -317,6 +317,8 @@ class TransferStatus(_message.Message):
     FINISHED_UNIX_NS_FIELD_NUMBER: _builtins.int
     DEADLINE_UNIX_NS_FIELD_NUMBER: _builtins.int
     REVISION_FIELD_NUMBER: _builtins.int
+    STRATEGY_REASON_FIELD_NUMBER: _builtins.int
+    STAGE_TIMES_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     """The transfer's ID."""
     request_id: _builtins.str
@@ -343,6 +345,8 @@ class TransferStatus(_message.Message):
     """When it will be expired if not terminal, unix time in ns."""
     revision: _builtins.int
     """Increases by at least 1 on every change of this status (watchers drop stale copies)."""
+    strategy_reason: _builtins.str
+    """Why this strategy was picked (forced, cost estimate, or why STAGED was not possible)."""
     @_builtins.property
     def error(self) -> _common_pb2.ErrorDetail:
         """Why it FAILED, was CANCELLED or EXPIRED; unset otherwise."""
@@ -350,6 +354,10 @@ class TransferStatus(_message.Message):
     @_builtins.property
     def invalid_local_block_ids(self) -> _common_pb2.GroupBlockIds:
         """Local logical block IDs per group whose contents are undefined after a failed transfer."""
+
+    @_builtins.property
+    def stage_times(self) -> Global___StageTimes:
+        """STAGED only: per-stage timing and chunk count (zero for DIRECT)."""
 
     def __init__(
         self,
@@ -369,14 +377,60 @@ class TransferStatus(_message.Message):
         finished_unix_ns: _builtins.int = ...,
         deadline_unix_ns: _builtins.int = ...,
         revision: _builtins.int = ...,
+        strategy_reason: _builtins.str = ...,
+        stage_times: Global___StageTimes | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "invalid_local_block_ids", b"invalid_local_block_ids"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "invalid_local_block_ids", b"invalid_local_block_ids", "stage_times", b"stage_times"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_unix_ns", b"created_unix_ns", "deadline_unix_ns", b"deadline_unix_ns", "descriptors_after_coalescing", b"descriptors_after_coalescing", "descriptors_before_coalescing", b"descriptors_before_coalescing", "error", b"error", "finished_unix_ns", b"finished_unix_ns", "invalid_local_block_ids", b"invalid_local_block_ids", "nbytes", b"nbytes", "peer_address", b"peer_address", "request_id", b"request_id", "revision", b"revision", "started_unix_ns", b"started_unix_ns", "state", b"state", "strategy", b"strategy", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_unix_ns", b"created_unix_ns", "deadline_unix_ns", b"deadline_unix_ns", "descriptors_after_coalescing", b"descriptors_after_coalescing", "descriptors_before_coalescing", b"descriptors_before_coalescing", "error", b"error", "finished_unix_ns", b"finished_unix_ns", "invalid_local_block_ids", b"invalid_local_block_ids", "nbytes", b"nbytes", "peer_address", b"peer_address", "request_id", b"request_id", "revision", b"revision", "stage_times", b"stage_times", "started_unix_ns", b"started_unix_ns", "state", b"state", "strategy", b"strategy", "strategy_reason", b"strategy_reason", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TransferStatus: _TypeAlias = TransferStatus  # noqa: Y015
+
+@_typing.final
+class StageTimes(_message.Message):
+    """Where a STAGED pull's time went: seconds summed over its chunks (chunks overlap, so the
+    sum of stages exceeds the pull's wall time when the pipeline works).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHUNKS_FIELD_NUMBER: _builtins.int
+    GATHER_SECONDS_FIELD_NUMBER: _builtins.int
+    GATHER_RPC_SECONDS_FIELD_NUMBER: _builtins.int
+    READ_SECONDS_FIELD_NUMBER: _builtins.int
+    SCATTER_SECONDS_FIELD_NUMBER: _builtins.int
+    SLOT_WAIT_SECONDS_FIELD_NUMBER: _builtins.int
+    chunks: _builtins.int
+    """Chunks the pull was cut into."""
+    gather_seconds: _builtins.float
+    """Owner-side gather time (from each Gather response), seconds."""
+    gather_rpc_seconds: _builtins.float
+    """Gather RPC round trips as the reader saw them (gather included), seconds."""
+    read_seconds: _builtins.float
+    """NIXL READs of owner slots into local slots, seconds."""
+    scatter_seconds: _builtins.float
+    """Local scatters of slots into the pool, seconds."""
+    slot_wait_seconds: _builtins.float
+    """Time spent waiting for a free local slot, seconds."""
+    def __init__(
+        self,
+        *,
+        chunks: _builtins.int = ...,
+        gather_seconds: _builtins.float = ...,
+        gather_rpc_seconds: _builtins.float = ...,
+        read_seconds: _builtins.float = ...,
+        scatter_seconds: _builtins.float = ...,
+        slot_wait_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks", "gather_rpc_seconds", b"gather_rpc_seconds", "gather_seconds", b"gather_seconds", "read_seconds", b"read_seconds", "scatter_seconds", b"scatter_seconds", "slot_wait_seconds", b"slot_wait_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StageTimes: _TypeAlias = StageTimes  # noqa: Y015
 
 @_typing.final
 class WatchTransfersRequest(_message.Message):

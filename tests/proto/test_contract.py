@@ -292,7 +292,15 @@ def test_services_and_streaming_shape() -> None:
     expected = {
         peer_pb2: (
             "Peer",
-            {"Handshake", "ConfirmLease", "ExtendLease", "ReleaseLease", "Heartbeat"},
+            {
+                "Handshake",
+                "ConfirmLease",
+                "ExtendLease",
+                "ReleaseLease",
+                "Heartbeat",
+                "Gather",
+                "ReleaseStaging",
+            },
             set(),
         ),
         scheduler_pb2: (

@@ -1,0 +1,64 @@
+"""Peer-service handlers of STAGED pulls (Gather, ReleaseStaging) and stage-time encoding.
+
+Thin, like every servicer: decode, call the daemon's staging owner, encode. Errors are raised
+as :mod:`kvxferd.errors` and mapped to status codes by the servicers' one table.
+"""
+
+from __future__ import annotations
+
+from kvxferd.daemon.core import Daemon
+from kvxferd.errors import InvalidRequest
+from kvxferd.staging.owner import StagingOwner
+from kvxferd.staging.stats import StageTimes
+from kvxferd.v1 import peer_pb2, scheduler_pb2
+
+
+def _owner(daemon: Daemon) -> StagingOwner:
+    owner = daemon.staging.owner if daemon.staging else None
+    if owner is None:
+        raise InvalidRequest(
+            "this daemon has no staging ring, so it cannot gather",
+            field="transfer.staging_chunks",
+            fix="read this daemon with DIRECT (it advertises no ring), or set"
+            " transfer.staging_chunks >= 2 on it",
+        )
+    return owner
+
+
+async def gather(
+    daemon: Daemon, req: peer_pb2.GatherRequest, time_left: float | None
+) -> peer_pb2.GatherResponse:
+    if not req.reader_id:
+        raise InvalidRequest("reader_id is empty", field="reader_id", fix="send your daemon_id")
+    owner = _owner(daemon)
+    grant = await owner.gather(
+        req.request_id,
+        req.reader_id,
+        [list(g.ids) for g in req.kernel_block_ids.groups],
+        release=list(req.release_slots),
+        timeout_s=time_left,
+    )
+    return peer_pb2.GatherResponse(
+        slot=grant.slot,
+        offset=grant.offset,
+        nbytes=grant.nbytes,
+        gather_us=int(grant.gather_s * 1e6),
+    )
+
+
+async def release_staging(
+    daemon: Daemon, req: peer_pb2.ReleaseStagingRequest
+) -> peer_pb2.ReleaseStagingResponse:
+    n = _owner(daemon).release(req.request_id, req.reader_id, list(req.slots))
+    return peer_pb2.ReleaseStagingResponse(released=n)
+
+
+def stage_times_to_proto(t: StageTimes) -> scheduler_pb2.StageTimes:
+    return scheduler_pb2.StageTimes(
+        chunks=t.chunks,
+        gather_seconds=t.gather_s,
+        gather_rpc_seconds=t.gather_rpc_s,
+        read_seconds=t.read_s,
+        scatter_seconds=t.scatter_s,
+        slot_wait_seconds=t.slot_wait_s,
+    )

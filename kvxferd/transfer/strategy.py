@@ -1,0 +1,188 @@
+"""DIRECT or STAGED: eligibility and a cost model (pure: numbers and specs in, a choice out).
+
+* **DIRECT** reads remote blocks straight into local blocks: one NIXL descriptor per coalesced
+  run. Its cost is dominated by descriptors when blocks are fragmented:
+  ``descriptors x descriptor_s + bytes / link``.
+* **STAGED** has the owner gather the blocks into a slot of its staging ring, reads the slot
+  with one descriptor, and scatters it locally, chunk by chunk, pipelined:
+  ``bytes / min(link, gather, scatter) + chunks x (chunk_s + descriptor_s) + fill``, where
+  ``fill`` is the first chunk's gather plus the last chunk's scatter (not overlapped).
+
+STAGED copies whole blocks, so it is only eligible when both sides advertise a staging ring,
+the TP sizes match (no byte slicing), every region pair has the same block length and layout
+(no permute), and a block row fits a slot; :func:`staged_ineligible` says why not.
+
+Default constants per memory type: VRAM from ``perf.md`` (two H200s, NVLink); DRAM measured
+on the 2-core CPU machine (see docs/strategies.md for how).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+from kvxferd.layout.spec import KVCacheSpec, MemoryType
+from kvxferd.staging.chunks import RingInfo
+
+
+class Strategy(StrEnum):
+    DIRECT = "DIRECT"
+    STAGED = "STAGED"
+
+
+class Mode(StrEnum):
+    """``transfer.strategy``."""
+
+    AUTO = "auto"
+    DIRECT = "direct"
+    STAGED = "staged"
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds per descriptor and per chunk; bandwidths in bytes per second."""
+
+    descriptor_s: float
+    chunk_s: float
+    link_bps: float
+    gather_bps: float
+    scatter_bps: float
+
+    @classmethod
+    def defaults(cls, memory: MemoryType) -> CostModel:
+        if memory is MemoryType.VRAM:
+            # perf.md: ~6 us per descriptor through cuda_ipc, 394 GB/s NVLink raw copy, 873 GB/s
+            # torch gather of random blocks on one GPU; chunk cost = the Gather RPC round trip
+            # measured on CPU (gRPC on loopback) plus a kernel launch and an event wait.
+            return cls(6e-6, 400e-6, 394e9, 873e9, 873e9)
+        # Measured here (2-core CPU, UCX CMA on loopback); docs/strategies.md says how.
+        return cls(DRAM_DESCRIPTOR_S, DRAM_CHUNK_S, DRAM_LINK_BPS, DRAM_GATHER_BPS, DRAM_GATHER_BPS)
+
+    def with_overrides(
+        self,
+        *,
+        descriptor_us: float = 0.0,
+        chunk_us: float = 0.0,
+        link_gbps: float = 0.0,
+        gather_gbps: float = 0.0,
+    ) -> CostModel:
+        """A copy with every non-zero figure replaced (config keys ``transfer.cost_*``)."""
+        return CostModel(
+            descriptor_us * 1e-6 if descriptor_us else self.descriptor_s,
+            chunk_us * 1e-6 if chunk_us else self.chunk_s,
+            link_gbps * 1e9 if link_gbps else self.link_bps,
+            gather_gbps * 1e9 if gather_gbps else self.gather_bps,
+            gather_gbps * 1e9 if gather_gbps else self.scatter_bps,
+        )
+
+    def direct_seconds(self, descriptors: int, nbytes: int) -> float:
+        return descriptors * self.descriptor_s + nbytes / self.link_bps
+
+    def staged_seconds(self, nbytes: int, chunks: int) -> float:
+        if chunks <= 0 or nbytes <= 0:
+            return 0.0
+        per_chunk = nbytes / chunks
+        fill = per_chunk / self.gather_bps + per_chunk / self.scatter_bps
+        slowest = min(self.link_bps, self.gather_bps, self.scatter_bps)
+        return nbytes / slowest + chunks * (self.chunk_s + self.descriptor_s) + fill
+
+
+# DRAM defaults, measured with ``python -m bench.staging_costs`` on the shared 2-core CPU
+# machine (docs/strategies.md, "Measured constants"): 1 KiB descriptors ~6.3 us each; 32 MiB
+# descriptors 3.5-3.8 GB/s; a daemon's gather of a 2 MiB row ~1.3 ms (~1.6 GB/s; the twin alone
+# reached 0.6-8 GB/s depending on load); a Gather round trip beyond the gather ~1.2 ms.
+DRAM_DESCRIPTOR_S = 6.3e-6
+DRAM_CHUNK_S = 1.2e-3
+DRAM_LINK_BPS = 3.6e9
+DRAM_GATHER_BPS = 1.6e9
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The strategy of one pull, why, and both estimates (``staged_s`` is NaN if ineligible)."""
+
+    strategy: Strategy
+    reason: str
+    direct_s: float
+    staged_s: float
+
+
+def choose(
+    mode: Mode,
+    model: CostModel,
+    *,
+    descriptors: int,
+    nbytes: int,
+    chunks: int,
+    ineligible: str | None,
+) -> Choice:
+    """Pick the strategy. ``ineligible``: why STAGED cannot run (None if it can); a forced
+    STAGED that cannot run falls back to DIRECT with that reason."""
+    direct = model.direct_seconds(descriptors, nbytes)
+    if ineligible is not None:
+        why = f"STAGED not possible: {ineligible}"
+        if mode is Mode.STAGED:
+            why = f"forced staged, but {why}; fell back to DIRECT"
+        return Choice(Strategy.DIRECT, why, direct, math.nan)
+    staged = model.staged_seconds(nbytes, chunks)
+    if mode is Mode.DIRECT:
+        return Choice(Strategy.DIRECT, "forced by transfer.strategy = direct", direct, staged)
+    if mode is Mode.STAGED:
+        return Choice(Strategy.STAGED, "forced by transfer.strategy = staged", direct, staged)
+    if nbytes > 0 and staged < direct:
+        why = f"estimated {staged * 1e3:.3f} ms staged < {direct * 1e3:.3f} ms direct"
+        return Choice(Strategy.STAGED, why, direct, staged)
+    why = f"estimated {direct * 1e3:.3f} ms direct <= {staged * 1e3:.3f} ms staged"
+    return Choice(Strategy.DIRECT, why, direct, staged)
+
+
+def group_row_bytes(spec: KVCacheSpec) -> list[int]:
+    """Bytes of one staging row per group: one block of every region of the group."""
+    rows = [0] * len(spec.groups)
+    for r in spec.regions:
+        rows[r.group] += r.block_len
+    return rows
+
+
+def staged_ineligible(
+    local: KVCacheSpec,
+    remote: KVCacheSpec,
+    *,
+    local_tp_size: int,
+    remote_tp_size: int,
+    local_ring: RingInfo | None,
+    remote_ring: RingInfo | None,
+    peer: str,
+) -> str | None:
+    """Why a pull between these two sides cannot be STAGED, or None when it can."""
+    if local_ring is None:
+        return "this daemon has no staging ring (transfer.staging_chunks = 0)"
+    if remote_ring is None:
+        return f"peer {peer} advertises no staging ring (its transfer.staging_chunks = 0)"
+    if local_tp_size != remote_tp_size:
+        return (
+            f"TP sizes differ (local {local_tp_size}, remote {remote_tp_size}): blocks are"
+            " sliced by head, staging copies whole blocks"
+        )
+    if len(local.regions) != len(remote.regions):
+        return f"{len(local.regions)} regions here, {len(remote.regions)} on the peer"
+    for lr, rr in zip(local.regions, remote.regions, strict=True):
+        if (lr.block_len, lr.layout, lr.dtype) != (rr.block_len, rr.layout, rr.dtype):
+            return (
+                f"region {lr.name!r} differs: {lr.describe()} here, {rr.describe()} on the"
+                " peer (staging needs identical block bytes, no permute)"
+            )
+    slot = min(local_ring.chunk_bytes, remote_ring.chunk_bytes)
+    for g, rb in enumerate(group_row_bytes(local)):
+        if rb > slot:
+            return (
+                f"a block row of group {g} is {rb} bytes, more than a staging slot ({slot});"
+                " raise transfer.staging_chunk_bytes"
+            )
+    return None
+
+
+def whole_blocks_bytes(counts: Sequence[int], row_bytes: Sequence[int]) -> int:
+    return sum(n * rb for n, rb in zip(counts, row_bytes, strict=True))
