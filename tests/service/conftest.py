@@ -5,6 +5,7 @@ Started through :mod:`kvxferd.scenario.daemons`, the launcher the demo uses.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,14 +44,7 @@ class Daemons:
 
 def launch(tmp: Path, *options: DaemonOptions) -> Daemons:
     with_metrics = [
-        DaemonOptions(
-            o.name,
-            o.preset,
-            fill_seed=o.fill_seed,
-            token=o.token,
-            extra=(*o.extra, "--metrics-listen", "127.0.0.1:0"),
-        )
-        for o in options
+        dataclasses.replace(o, extra=(*o.extra, "--metrics-listen", "127.0.0.1:0")) for o in options
     ]
     daemons = DaemonSet(tmp, with_metrics)
     try:
