@@ -69,8 +69,6 @@ class PoolConfig:
     """This worker's tensor-parallel size."""
     prefix_caching: bool = False
     """Whether the engine beside this daemon uses prefix caching (checked at handshake)."""
-    allow_imported_vram: bool = False
-    """Accept IMPORTED VRAM (engine memory over CUDA IPC), which reads at ~0.5 GB/s."""
     session_grace_ms: int = 10_000
     """Attached mode: detach if the engine opens no Session this long after Attach."""
 

@@ -36,7 +36,6 @@ class Metrics:
     rpc_errors: Counter
     registered_bytes: Gauge
     pool_generation: Gauge
-    pool_slow_path: Gauge
     engine_detaches: Counter
     strategy_bytes: Counter
     staged_chunks: Histogram
@@ -129,11 +128,6 @@ class Metrics:
             pool_generation=Gauge(
                 "kvxferd_pool_generation",
                 "Registration generation of the pool (bumped on every attach and detach).",
-                registry=r,
-            ),
-            pool_slow_path=Gauge(
-                "kvxferd_pool_slow_path",
-                "1 while the registered pool is on a known slow path (IMPORTED VRAM).",
                 registry=r,
             ),
             engine_detaches=Counter(

@@ -9,10 +9,9 @@ Modes (``Engine.Attach``):
   daemon's allocation.
 * **IMPORTED**: the engine allocates; DRAM arrives as a shared-memory name, VRAM as a CUDA IPC
   handle. The daemon maps it, checks the tensor's shape, strides and dtype against the spec
-  (:meth:`KVPool.from_tensors`) and registers it. Imported VRAM reads at ~0.5 GB/s through UCX
-  (docs/perf.md), so it is refused unless ``pool.allow_imported_vram``; when allowed, it is
-  logged as a WARNING and reported in Describe (``slow_path``) and the
-  ``kvxferd_pool_slow_path`` gauge.
+  (:meth:`KVPool.from_tensors`) and registers it. IMPORTED VRAM is refused: imported CUDA
+  memory registered with NIXL reads at 0.5-0.6 GB/s (docs/attachment.md), and registering
+  memory imported through the driver API failed outright on the test machine.
 
 Liveness: after Attach the engine opens ``Engine.Session``. When that stream ends (the engine
 process died and its socket closed), or no session is opened within ``pool.session_grace_ms``,
@@ -64,9 +63,10 @@ log = logging.getLogger(__name__)
 
 _NO_ROWS = np.zeros((0, 3), dtype=np.int64)
 
-IMPORTED_VRAM_SLOW_PATH = (
-    "IMPORTED VRAM: memory the engine allocated and shared over CUDA IPC reads at ~0.5 GB/s"
-    " through UCX (docs/perf.md); attach with MEMORY_MODE_OWNED to get the fast path"
+IMPORTED_VRAM_REFUSED = (
+    "IMPORTED VRAM is not supported: GPU memory the engine allocated and shared over CUDA IPC"
+    " reads at 0.5-0.6 GB/s once registered with NIXL, against ~300 GB/s for memory the daemon"
+    " allocated (docs/attachment.md)"
 )
 
 
@@ -148,13 +148,11 @@ class Attacher:
         agent: NixlAgent,
         *,
         device: str,
-        allow_imported_vram: bool,
         session_grace_s: float,
     ) -> None:
         self.d = daemon
         self.agent = agent
         self.device = device
-        self.allow_imported_vram = allow_imported_vram
         self.session_grace_s = session_grace_s
         self.attachment: Attachment | None = None
         self._lock = asyncio.Lock()
@@ -177,11 +175,6 @@ class Attacher:
             memory, spec = self._resolve(req)
             self.d.slot.begin()
             att_id = uuid.uuid4().hex
-            slow = (
-                IMPORTED_VRAM_SLOW_PATH
-                if req.mode is MemoryMode.IMPORTED and memory is MemoryType.VRAM
-                else ""
-            )
             mem = MemType.VRAM if memory is MemoryType.VRAM else MemType.DRAM
             built: _Built | None = None
             reg: Registration | None = None
@@ -217,7 +210,7 @@ class Attacher:
                 req.mode,
                 memory,
                 built.exports,
-                slow,
+                "",
                 registration=reg,
                 segments=built.segments,
                 mappings=built.mappings,
@@ -227,10 +220,7 @@ class Attacher:
             self.attachment = att
         m = self.d.metrics
         m.registered_bytes.set(int(rows[:, 1].sum()))
-        m.pool_slow_path.set(1 if slow else 0)
         m.pool_generation.set(att.generation)
-        if slow:
-            log.warning("slow path attached", extra=kv(attachment=att_id, why=slow))
         log.info(
             "engine attached",
             extra=kv(
@@ -262,12 +252,12 @@ class Attacher:
                 fix="run the daemon with pool.device = cuda:N (the engine's GPU), or attach DRAM",
             )
         vram_import = req.mode is MemoryMode.IMPORTED and memory is MemoryType.VRAM
-        if vram_import and not self.allow_imported_vram:
+        if vram_import:
             raise InvalidRequest(
-                "IMPORTED VRAM is refused: " + IMPORTED_VRAM_SLOW_PATH,
+                IMPORTED_VRAM_REFUSED,
                 field="memory_mode",
-                fix="attach with MEMORY_MODE_OWNED (the engine maps the daemon's memory), or"
-                " set pool.allow_imported_vram = true to accept the slow path",
+                fix="attach with MEMORY_MODE_OWNED: the daemon allocates and the engine maps the"
+                " daemon's memory over CUDA IPC and computes straight into it (full speed)",
             )
         if not 0 <= req.tp_rank < max(1, req.tp_size):
             raise InvalidRequest(
@@ -487,7 +477,6 @@ class Attacher:
             await asyncio.to_thread(self._drop, segments, mappings, att.memory)
         m = self.d.metrics
         m.registered_bytes.set(0)
-        m.pool_slow_path.set(0)
         m.pool_generation.set(self.d.slot.generation)
         m.engine_detaches.labels(cause).inc()
         log.warning(

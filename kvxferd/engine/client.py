@@ -107,7 +107,7 @@ def shared_tensors(spec: KVCacheSpec, device: str = "cpu") -> dict[str, torch.Te
     """Allocate ``spec``'s regions where the daemon can import them (IMPORTED mode).
 
     ``cpu``: one POSIX shared-memory segment per region (unlinked when detached, or at exit);
-    ``cuda:N``: ordinary torch allocations (exported over CUDA IPC at attach; the slow path).
+    ``cuda:N``: ordinary torch allocations (the daemon refuses to import them: attach OWNED).
     """
     if device.startswith("cuda"):
         from kvxferd.layout.alloc import allocate_pool
@@ -334,8 +334,8 @@ class EngineClient:
 
         ``owned`` (the fast path): the daemon allocates; ``Attachment.tensors`` are mapped
         onto its memory (DRAM: shared memory; ``cuda:N``: CUDA IPC). ``imported``: pass
-        ``tensors`` from :func:`shared_tensors` (DRAM) or CUDA tensors (VRAM, the slow path,
-        refused unless the daemon sets pool.allow_imported_vram)."""
+        ``tensors`` from :func:`shared_tensors` (DRAM only: the daemon refuses IMPORTED VRAM,
+        which reads at 0.5-0.6 GB/s once registered; see docs/attachment.md)."""
         spec = preset_spec(spec_or_preset) if isinstance(spec_or_preset, str) else spec_or_preset
         memory = MemoryType.VRAM if device.startswith("cuda") else MemoryType.DRAM
         spec = spec.with_memory(memory)

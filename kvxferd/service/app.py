@@ -262,7 +262,6 @@ async def start(cfg: Config, *, fill_seed: int | None = None) -> Running:
             daemon,
             agent,
             device=cfg.pool.device,
-            allow_imported_vram=cfg.pool.allow_imported_vram,
             session_grace_s=cfg.pool.session_grace_ms / 1000,
         )
         attacher.on_change(lambda: health_changed(daemon, health_servicer))

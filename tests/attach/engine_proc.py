@@ -38,7 +38,6 @@ def main() -> int:
         "ticket": ticket.to_json(),
         "attachment_id": att.attachment_id,
         "generation": att.generation,
-        "slow_path": att.slow_path,
     }
     print(json.dumps(out), flush=True)
     for line in sys.stdin:
