@@ -54,9 +54,10 @@ class CostModel:
     def defaults(cls, memory: MemoryType) -> CostModel:
         if memory is MemoryType.VRAM:
             # perf.md: ~6 us per descriptor through cuda_ipc, 394 GB/s NVLink raw copy, 873 GB/s
-            # torch gather of random blocks on one GPU; chunk cost = the Gather RPC round trip
-            # measured on CPU (gRPC on loopback) plus a kernel launch and an event wait.
-            return cls(6e-6, 400e-6, 394e9, 873e9, 873e9)
+            # torch gather of random blocks on one GPU. Chunk cost: measured through the
+            # daemons on two H200s (docs/benchmarks.md): a Gather round trip plus the READ's
+            # observed completion cost ~5 ms per chunk beyond the copies themselves.
+            return cls(6e-6, 5e-3, 394e9, 873e9, 873e9)
         # Measured here (2-core CPU, UCX CMA on loopback); docs/strategies.md says how.
         return cls(DRAM_DESCRIPTOR_S, DRAM_CHUNK_S, DRAM_LINK_BPS, DRAM_GATHER_BPS, DRAM_GATHER_BPS)
 
