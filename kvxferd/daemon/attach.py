@@ -122,7 +122,6 @@ class Attachment:
     mode: MemoryMode
     memory: MemoryType
     exports: tuple[ExportHandle, ...]
-    slow_path: str
     generation: int = 0
     registration: Registration | None = None
     segments: list[ShmSegment] = field(default_factory=list)
@@ -210,7 +209,6 @@ class Attacher:
                 req.mode,
                 memory,
                 built.exports,
-                "",
                 registration=reg,
                 segments=built.segments,
                 mappings=built.mappings,

@@ -92,7 +92,6 @@ class PoolState:
     mode: str  # OWNED, IMPORTED or "" when detached
     generation: int
     attachment_id: str
-    slow_path: str
     held_requests: int
     peer_address: str
 
@@ -163,7 +162,6 @@ class Attachment:
     spec: KVCacheSpec
     peer_address: str
     tensors: dict[str, torch.Tensor]
-    slow_path: str = ""
     _releases: queue.Queue[ReleaseEvent | None] = field(default_factory=queue.Queue)
     _callbacks: list[Callable[[ReleaseEvent], None]] = field(default_factory=list)
     _ended: threading.Event = field(default_factory=threading.Event)
@@ -386,7 +384,6 @@ class EngineClient:
             got,
             pool.peer_address,
             dict(tensors) if tensors is not None else _map_exports(got, pool.exports),
-            slow_path=pool.slow_path,
             _owned_shm=imported_shm,
         )
         self._open_session(att)
@@ -453,7 +450,6 @@ def _state(p: engine_pb2.PoolInfo) -> PoolState:
         else engine_pb2.MemoryMode.Name(p.memory_mode).removeprefix("MEMORY_MODE_"),
         generation=p.registration_generation,
         attachment_id=p.attachment_id,
-        slow_path=p.slow_path,
         held_requests=p.held_requests,
         peer_address=p.peer_address,
     )

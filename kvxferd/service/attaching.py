@@ -121,5 +121,4 @@ def pool_info(daemon: Daemon, attacher: Attacher | None) -> engine_pb2.PoolInfo:
     out.memory_mode = _MODE_OUT[att.mode]
     out.exports.extend(_export_to_proto(e) for e in att.exports)
     out.attachment_id = att.attachment_id
-    out.slow_path = att.slow_path
     return out

@@ -276,7 +276,6 @@ class PoolInfo(_message.Message):
     PEER_ADDRESS_FIELD_NUMBER: _builtins.int
     HELD_REQUESTS_FIELD_NUMBER: _builtins.int
     ATTACHMENT_ID_FIELD_NUMBER: _builtins.int
-    SLOW_PATH_FIELD_NUMBER: _builtins.int
     state: Global___RegistrationState.ValueType
     """Registration state."""
     memory_mode: Global___MemoryMode.ValueType
@@ -291,8 +290,6 @@ class PoolInfo(_message.Message):
     """Requests currently held."""
     attachment_id: _builtins.str
     """Identifies this attachment (Session and Detach name it); empty when detached or owned."""
-    slow_path: _builtins.str
-    """Why this pool is on a known slow path (IMPORTED VRAM over CUDA IPC); empty if none."""
     @_builtins.property
     def spec(self) -> _spec_pb2.KvCacheSpec:
         """The resolved spec (a preset expanded)."""
@@ -318,11 +315,10 @@ class PoolInfo(_message.Message):
         peer_address: _builtins.str = ...,
         held_requests: _builtins.int = ...,
         attachment_id: _builtins.str = ...,
-        slow_path: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attachment_id", b"attachment_id", "exports", b"exports", "held_requests", b"held_requests", "memory_mode", b"memory_mode", "nixl_agent_name", b"nixl_agent_name", "peer_address", b"peer_address", "registration_generation", b"registration_generation", "registrations", b"registrations", "slow_path", b"slow_path", "spec", b"spec", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attachment_id", b"attachment_id", "exports", b"exports", "held_requests", b"held_requests", "memory_mode", b"memory_mode", "nixl_agent_name", b"nixl_agent_name", "peer_address", b"peer_address", "registration_generation", b"registration_generation", "registrations", b"registrations", "spec", b"spec", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
