@@ -116,6 +116,19 @@ class NixlConfig:
 
 
 @dataclass(frozen=True)
+class PeersConfig:
+    allow: str = ""
+    """Peer addresses this daemon may connect to and send its credentials to: comma-separated
+    IPs, CIDRs, host names or host:port (a TOML array also works); empty allows any."""
+    heartbeat_interval_ms: int = 1_000
+    """How often a reader heartbeats each peer it has pulls in flight from."""
+    heartbeat_timeout_ms: int = 5_000
+    """An owner ends a reader's share of a lease when it has not heard from it this long."""
+    max_links: int = 1_024
+    """Most peer links kept; the least recently used unreachable ones are evicted first."""
+
+
+@dataclass(frozen=True)
 class LogConfig:
     level: str = "INFO"
     """DEBUG, INFO, WARNING or ERROR."""
@@ -130,6 +143,7 @@ class Config:
     pool: PoolConfig = field(default_factory=PoolConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
     nixl: NixlConfig = field(default_factory=NixlConfig)
+    peers: PeersConfig = field(default_factory=PeersConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
     def resolved_token(self) -> str:
@@ -151,6 +165,7 @@ SECTIONS: dict[str, type[Any]] = {
     "pool": PoolConfig,
     "transfer": TransferConfig,
     "nixl": NixlConfig,
+    "peers": PeersConfig,
     "log": LogConfig,
 }
 

@@ -128,6 +128,10 @@ class Unauthenticated(KvxferdError):
     """The caller did not present the configured token or certificate."""
 
 
+class PermissionDenied(KvxferdError):
+    """The caller is known but may not do this (not a reader of the lease, address not allowed)."""
+
+
 class Cancelled(KvxferdError):
     """The transfer was cancelled by a caller or by shutdown."""
 

@@ -26,6 +26,7 @@ from kvxferd.errors import (
     LeaseRefused,
     Mismatch,
     PeerUnavailable,
+    PermissionDenied,
     Unauthenticated,
 )
 from kvxferd.logs import kv
@@ -229,8 +230,10 @@ class PeerDirectory:
         metadata: tuple[tuple[str, str], ...],
         timeout_s: float,
         on_handshake: Callable[[PeerLink], None] | None = None,
+        allow: Callable[[str], bool] | None = None,
     ) -> None:
         self._on_handshake = on_handshake
+        self._allow = allow
         self._me = me
         self._connect = connect
         self._channel_factory = channel_factory
@@ -251,6 +254,12 @@ class PeerDirectory:
 
     async def ready(self, address: str) -> PeerLink:
         """The peer at ``address``, handshaking first if it has not been (or was lost)."""
+        if self._allow is not None and not self._allow(address):
+            raise PermissionDenied(
+                f"peer address {address!r} is not in this daemon's peers.allow list",
+                field="peer_address",
+                fix="add the address (or its CIDR) to peers.allow, or pull from an allowed peer",
+            )
         link = self._link(address)
         if link.state is LinkState.READY and link.remote is not None:
             return link

@@ -27,6 +27,7 @@ STATUS_TABLE: tuple[tuple[type[e.KvxferdError], grpc.StatusCode], ...] = (
     (e.NotFound, grpc.StatusCode.NOT_FOUND),
     (e.AlreadyExists, grpc.StatusCode.ALREADY_EXISTS),
     (e.Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
+    (e.PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     (e.Cancelled, grpc.StatusCode.CANCELLED),
 )
 
