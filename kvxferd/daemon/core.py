@@ -83,6 +83,8 @@ class DaemonLimits:
     lease_ttl_s: float = 60.0
     max_block_ids: int = 1 << 20
     peer_timeout_s: float = 5.0
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 5.0
 
 
 @dataclass(frozen=True)

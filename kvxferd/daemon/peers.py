@@ -231,7 +231,9 @@ class PeerDirectory:
         timeout_s: float,
         on_handshake: Callable[[PeerLink], None] | None = None,
         allow: Callable[[str], bool] | None = None,
+        max_links: int = 1024,
     ) -> None:
+        self._max_links = max_links
         self._on_handshake = on_handshake
         self._allow = allow
         self._me = me
