@@ -20,16 +20,17 @@ Modes (how the memory the daemon registers came to be):
 * ``export``: (a) the daemon allocates and registers, then exports the memory to the engine over
   CUDA IPC (``torch.multiprocessing``); the engine writes into it.
 * ``ipc-import``: the engine allocates and exports over CUDA IPC; the daemon imports and
-  registers the imported pointer (perf.md's slow case).
+  registers the imported pointer (the slow case of docs/nixl.md §6).
 * ``vmm-owned``: the daemon allocates with CUDA VMM (``cuMemCreate``, POSIX-fd shareable).
 * ``vmm-import``: (b) the engine allocates with ``cuMemCreate``, sends the fd over a Unix
   socket (SCM_RIGHTS), the daemon imports and maps the same physical memory and registers it.
 
-Run ``ipc-import`` again under UCX settings for candidate (d). Request, as in perf.md: 512
-random blocks of 2 MiB (cross-layer rows: 32 layers x 64 KiB) = 1 GiB, as 512 descriptors and,
-for the limit, as one contiguous 1 GiB descriptor; READ and WRITE. Every row is verified: the
-peer's digest of its blocks equals the daemon's digest of the registered memory, and for the
-engine modes the engine's own view as well (what the engine computes into is what moved).
+Run ``ipc-import`` again under UCX settings for candidate (d). Request, the reference workload
+of docs/nixl.md §5: 512 random blocks of 2 MiB (cross-layer rows: 32 layers x 64 KiB) = 1 GiB,
+as 512 descriptors and, for the limit, as one contiguous 1 GiB descriptor; READ and WRITE.
+Every row is verified: the peer's digest of its blocks equals the daemon's digest of the
+registered memory, and for the engine modes the engine's own view as well (what the engine
+computes into is what moved).
 """
 
 from __future__ import annotations

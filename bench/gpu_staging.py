@@ -6,7 +6,7 @@ Run from the repository root on a machine with CUDA GPUs (two for the GPU0 -> GP
     python -m bench.gpu_staging --json out.json     # measure
     python -m bench.gpu_staging --report out.json nixl.json   # one table from both benches
 
-Workload (``docs/perf.md``): a Llama-3-8B-shaped cache, 32 layers x ``(4096, 2, 16, 8, 128)``
+Workload (``docs/nixl.md`` §5): a Llama-3-8B-shaped cache, 32 layers x ``(4096, 2, 16, 8, 128)``
 bf16 per layer (64 KiB a block), a request of 512 RANDOM blocks = 1 GiB, destination block IDs
 random too. Rows (median of ``--repeat``, host wall time between device synchronisations):
 

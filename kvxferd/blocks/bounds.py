@@ -1,6 +1,6 @@
 """Block-ID validation: every ID is checked against the registered count before any range exists.
 
-domain.md §8: an out-of-range ID must never become a read outside the registered region. The
+docs/domain.md §8: an out-of-range ID must never become a read outside the registered region. The
 checks are vectorised; the error names the first offending index and value and how many IDs
 were bad, with the input's field path (``groups[1].remote_block_ids[3]``).
 """

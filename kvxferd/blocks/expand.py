@@ -1,11 +1,11 @@
-"""Logical <-> kernel block IDs (domain.md §4).
+"""Logical <-> kernel block IDs (docs/domain.md §4).
 
 Logical block ``L`` of an attention group with ``ppl`` kernel blocks per logical block covers
 kernel blocks ``L*ppl .. L*ppl+ppl-1``. State (Mamba) groups are never expanded.
 
-The rule seed 004 paid for: expand **remote** IDs with the **remote** group's ``ppl`` and local
-IDs with the local one. Callers pass the group of the side the IDs belong to; nothing here
-knows a "default" ``ppl``.
+The rule a silent-corruption bug in vLLM's connector taught: expand **remote** IDs with the
+**remote** group's ``ppl`` and local IDs with the local one. Callers pass the group of the side
+the IDs belong to; nothing here knows a "default" ``ppl``.
 """
 
 from __future__ import annotations

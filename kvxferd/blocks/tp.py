@@ -1,6 +1,6 @@
 """Heterogeneous tensor parallelism: which remote ranks a local rank reads, and which bytes.
 
-Terms (domain.md §6): *local* is the reader (decode side), *remote* the prefill side. A TP
+Terms (docs/domain.md §6): *local* is the reader (decode side), *remote* the prefill side. A TP
 position is ``(rank, size)``. ``num_kv_heads`` here is the model's **total** KV head count;
 a region's shape holds the **per-rank** count.
 

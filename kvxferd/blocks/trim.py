@@ -1,4 +1,4 @@
-"""Pairing one group's local and remote block IDs 1:1 by token position (domain.md §5).
+"""Pairing one group's local and remote block IDs 1:1 by token position (docs/domain.md §5).
 
 Rules, per group (local = the reader, decode side):
 
@@ -9,7 +9,7 @@ Rules, per group (local = the reader, decode side):
   corrupts data; the handshake refuses it too). Otherwise both lists start at token 0: expand
   each side with its **own** ppl and keep the **first** ``min`` kernel blocks of each, provided
   the counts differ by less than one logical block (``max(ppl)`` kernel blocks); a larger
-  difference is refused. (Keeping the *last* blocks, as the seed report's excerpt does, pairs
+  difference is refused. (Keeping each side's *last* logical blocks instead would pair
   tokens 384-767 with 0-639 in the 640-token example.)
 * Pairing kernel blocks 1:1 needs **equal kernel block sizes** (in tokens); otherwise refused.
 * **State groups** (Mamba): never expanded, never cut token-wise; states pair element-wise.

@@ -1,6 +1,6 @@
 """TP arithmetic the compatibility check needs (private), on top of :mod:`kvxferd.blocks.tp`.
 
-The planner's rules (domain.md §6) are the single source: ``tp_ratio`` and ``kv_head_range``
+The planner's rules (docs/domain.md §6) are the single source: ``tp_ratio`` and ``kv_head_range``
 come from :mod:`kvxferd.blocks.tp`; here they answer ``None`` instead of raising, because the
 handshake reports every mismatch instead of stopping at the first.
 """

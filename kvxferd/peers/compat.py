@@ -1,7 +1,7 @@
 """Is a peer compatible? A pure check that lists every mismatch, each with its fix.
 
 Both sides of a handshake run :func:`check_compatible` with themselves as ``local``; every rule
-is symmetric, so the two sides refuse each other or neither does. What is checked (domain.md
+is symmetric, so the two sides refuse each other or neither does. What is checked (docs/domain.md
 §7): protocol version, model fingerprint, TP sizes dividing each other, prefix caching on or
 off alike, KV cache groups (count, kind, kernel block size, ``ppl`` while prefix caching is
 on), and regions paired by name and position (dtype, layout, shape and KV heads per rank
@@ -84,7 +84,7 @@ class PeerInfo:
 class CompatReport:
     """Every mismatch found (empty: compatible) and the TP ratio (None: TP sizes don't divide).
 
-    ``tp_ratio`` follows domain.md §6 with ``local`` in the decode role: ``local // remote``
+    ``tp_ratio`` follows docs/domain.md §6 with ``local`` in the decode role: ``local // remote``
     when local TP >= remote TP, else ``-(remote // local)``.
     """
 
@@ -227,7 +227,7 @@ def _check_groups(
                 _ppl(gl),
                 _ppl(gr),
                 f"disable prefix caching on both sides: ppl local {gl.ppl} vs remote {gr.ppl}"
-                " with prefix caching on silently corrupts data (domain.md §5)",
+                " with prefix caching on silently corrupts data (docs/domain.md §5)",
             )
 
 

@@ -12,8 +12,8 @@ STAGED copies whole blocks, so it is only eligible when both sides advertise a s
 the TP sizes match (no byte slicing), every region pair has the same block length and layout
 (no permute), and a block row fits a slot; :func:`staged_ineligible` says why not.
 
-Default constants per memory type: VRAM from ``perf.md`` (two H200s, NVLink); DRAM measured
-on the 2-core CPU machine (see docs/strategies.md for how).
+Default constants per memory type: VRAM from the two-H200 (NVLink) measurements in
+docs/nixl.md §5; DRAM measured on the 2-core CPU machine (see docs/strategies.md for how).
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ class CostModel:
     @classmethod
     def defaults(cls, memory: MemoryType) -> CostModel:
         if memory is MemoryType.VRAM:
-            # perf.md: ~6 us per descriptor through cuda_ipc, 394 GB/s NVLink raw copy, 873 GB/s
-            # torch gather of random blocks on one GPU. Chunk cost: measured through the
+            # docs/nixl.md §5: ~6 us per descriptor through cuda_ipc, 394 GB/s NVLink raw copy,
+            # 873 GB/s torch gather of random blocks on one GPU. Chunk cost: measured through the
             # daemons on two H200s (docs/benchmarks.md): a Gather round trip plus the READ's
             # observed completion cost ~5 ms per chunk beyond the copies themselves.
             return cls(6e-6, 5e-3, 394e9, 873e9, 873e9)

@@ -1,4 +1,4 @@
-"""Logical <-> kernel expansion: domain.md §4 worked examples, seed 004, round-trip property."""
+"""Logical <-> kernel expansion: docs/domain.md §4 worked examples, round-trip property."""
 
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ def test_bad_ppl_is_a_spec_error() -> None:
 
 
 def test_worked_example_fa_swa_ppl_2() -> None:
-    """§4 row 1: full attn + sliding window, ppl 2/2: [0,1,2], [3,4] -> [0..5], [6..9]."""
+    """docs/domain.md §4, row 1: full attn + sliding window, ppl 2/2: [0,1,2], [3,4] -> [0..5],
+    [6..9]."""
     fa, swa = group("fa", FA, 2), group("swa", SWA, 2)
     assert expand_group(fa, [0, 1, 2]).tolist() == list(range(6))
     assert expand_group(swa, [3, 4]).tolist() == list(range(6, 10))
@@ -38,9 +39,9 @@ def test_worked_example_fa_swa_ppl_2() -> None:
 
 
 def test_worked_example_fa_mamba_remote_34_local_66() -> None:
-    """§4 row 2: remote ppl 34, local ppl 66: remote [5,6], [2] -> [170..237], [2].
+    """docs/domain.md §4, row 2: remote ppl 34, local ppl 66: [5,6], [2] -> [170..237], [2].
 
-    Expanding the remote IDs with the local ppl (the seed-004 bug) would give 330..461.
+    Expanding the remote IDs with the local ppl (the bug §4 warns about) would give 330..461.
     """
     r_fa, l_fa = group("fa", FA, 34), group("fa", FA, 66)
     mamba = group("mamba", MAMBA, 66)

@@ -1,4 +1,4 @@
-"""Pairing/trimming: domain.md §5 worked example and position-alignment properties.
+"""Pairing/trimming: docs/domain.md §5 worked example and position-alignment properties.
 
 Each side gets a "cache": an array indexed by kernel block ID whose value is the first token
 position that kernel block holds. After pairing, paired blocks must hold the same positions.
@@ -32,8 +32,8 @@ def position_cache(
 def test_worked_example_640_tokens_ppl_10_vs_6() -> None:
     """640 tokens: ppl 10 -> 1 logical = 10 kernel blocks; ppl 6 -> 2 logical = 12.
 
-    Both keep kernel blocks covering tokens 0..639 (10 each). The seed excerpt's "keep the
-    last" would pair tokens 384..1023 of the ppl-6 side with 0..639.
+    Both keep kernel blocks covering tokens 0..639 (10 each). Keeping each side's last logical
+    blocks instead would pair tokens 384..767 of the ppl-6 side with 0..639.
     """
     g10, g6 = group("fa", FA, 10, kernel=KB), group("fa", FA, 6, kernel=KB)
     local_ids, remote_ids = [3], [7, 2]  # local ppl 10, remote ppl 6

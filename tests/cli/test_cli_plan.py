@@ -18,7 +18,7 @@ from kvxferd.layout import dump_spec, preset
 
 REPO = Path(__file__).resolve().parents[2]
 
-# domain.md §4: full attention + Mamba, remote ppl 34, local ppl 66, remote IDs [5,6], [2].
+# docs/domain.md §4: full attention + Mamba, remote ppl 34, local ppl 66, remote IDs [5,6], [2].
 HYBRID = [
     "plan",
     "--local",

@@ -207,7 +207,7 @@ def test_peer_info_validates_its_numbers() -> None:
         peer(attn(), num_kv_heads=0)
 
 
-# --- ppl and prefix caching (domain.md §5) -------------------------------------------------
+# --- ppl and prefix caching (docs/domain.md §5) --------------------------------------------
 
 
 def hybrid_pair(*, local_prefix: bool, remote_prefix: bool) -> tuple[PeerInfo, PeerInfo]:
@@ -254,7 +254,7 @@ def test_equal_ppl_with_prefix_caching_is_compatible() -> None:
     assert check_compatible(peer(spec, prefix=True), peer(spec, prefix=True)).compatible
 
 
-# --- heterogeneous TP (domain.md §6) -------------------------------------------------------
+# --- heterogeneous TP (docs/domain.md §6) --------------------------------------------------
 
 
 def test_decode_tp2_reads_hnd_halves_of_prefill_tp1() -> None:

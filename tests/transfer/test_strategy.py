@@ -28,7 +28,7 @@ RING = RingInfo(base=1 << 20, chunk_bytes=64 << 20, chunks=8, device=0)
 GIB = 1 << 30
 
 
-def test_perf_md_case_prefers_staged_on_gpu() -> None:
+def test_reference_1gib_fragmented_case_prefers_staged_on_gpu() -> None:
     # 1 GiB of random blocks per layer: 16,384 descriptors of 64 KiB; 16 chunks of 64 MiB.
     c = choose(Mode.AUTO, GPU, descriptors=16384, nbytes=GIB, chunks=16, ineligible=None)
     assert c.strategy is Strategy.STAGED
