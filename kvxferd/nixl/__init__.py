@@ -9,8 +9,12 @@ telemetry, and translating NIXL's strings, ``None`` returns and exceptions into
 Must not import: ``grpc``, ``kvxferd.service``, ``kvxferd.transfer`` (transfer depends on this
 package, never the reverse). It knows nothing about blocks, plans or leases.
 
-Progress (the idle CPU spin trap), measured with ``python -m bench.idle_cpu`` on the 2-core CPU
-dev machine (one agent, one region registered, one live peer loaded, 2 s of /proc/self/stat):
+The NIXL and UCX behaviour this package is built around (polling, stalled and restarted peers,
+descriptor cost, transports) is summarised in docs/nixl.md.
+
+Progress (the idle CPU spin trap, docs/nixl.md §2), measured with ``python -m bench.idle_cpu``
+on the 2-core CPU dev machine (one agent, one region registered, one live peer loaded, 2 s of
+/proc/self/stat):
 
 ==================================================  ==================
 mode                                                idle CPU of agent

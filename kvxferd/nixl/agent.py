@@ -1,9 +1,11 @@
 """``NixlAgent``: one NIXL agent, every call on one dedicated thread, typed in and out.
 
-Blocking methods (``register``, ``post``, ...) may be called from any thread; each has an
-``*_async`` twin returning a :class:`concurrent.futures.Future` that asyncio code awaits with
-``asyncio.wrap_future``. Pollers registered with :meth:`NixlAgent.add_poller` run on the NIXL
-thread and may call the blocking methods directly (they run inline there).
+Blocking methods (``register``, ``post``, ...) may be called from any thread. Code that must
+not block (asyncio) uses :meth:`NixlAgent.submit` or ``register_async``, which return a
+:class:`concurrent.futures.Future` to await with ``asyncio.wrap_future``. Pollers registered
+with :meth:`NixlAgent.add_poller` run on the NIXL thread and may call the blocking methods
+directly (they run inline there). NIXL behaviour this module is written against (polling,
+restarted peers, the progress thread's delay): docs/nixl.md.
 """
 
 from __future__ import annotations
@@ -287,9 +289,6 @@ class NixlAgent:
         """Load peer ``name``'s metadata; a known name (restarted peer) is removed first."""
         self._thread.call(self._add_remote, name, metadata)
 
-    def add_remote_async(self, name: str, metadata: bytes) -> Future[None]:
-        return self._thread.submit(self._add_remote, name, metadata)
-
     def _add_remote(self, name: str, metadata: bytes) -> None:
         agent = self._live()
         if name in self._remotes:
@@ -343,21 +342,6 @@ class NixlAgent:
     ) -> XferHandle:
         """Create and post one transfer of paired descriptors (built per request)."""
         return self._thread.call(
-            self._post, _PostArgs(op, local, remote, peer, (local_mem, remote_mem), notif)
-        )
-
-    def post_async(
-        self,
-        op: XferOp,
-        local: Int64Array,
-        remote: Int64Array,
-        *,
-        peer: str,
-        local_mem: MemType = MemType.DRAM,
-        remote_mem: MemType = MemType.DRAM,
-        notif: bytes = b"",
-    ) -> Future[XferHandle]:
-        return self._thread.submit(
             self._post, _PostArgs(op, local, remote, peer, (local_mem, remote_mem), notif)
         )
 
@@ -441,9 +425,6 @@ class NixlAgent:
         """Release (and thereby cancel) ``handle``; True when NIXL freed it."""
         return self._thread.call(self._release, handle)
 
-    def release_async(self, handle: XferHandle) -> Future[bool]:
-        return self._thread.submit(self._release, handle)
-
     def _release(self, handle: XferHandle) -> bool:
         if handle.released:
             return True
@@ -491,9 +472,6 @@ class NixlAgent:
 
     def send_notif(self, peer: str, msg: bytes) -> None:
         self._thread.call(self._send_notif, peer, msg)
-
-    def send_notif_async(self, peer: str, msg: bytes) -> Future[None]:
-        return self._thread.submit(self._send_notif, peer, msg)
 
     def _send_notif(self, peer: str, msg: bytes) -> None:
         if peer not in self._remotes:
