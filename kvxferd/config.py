@@ -2,13 +2,16 @@
 
 Every key has its default and meaning next to its field; ``docs/config.md`` is the reference
 (a test checks the two agree). Environment variables are read here and nowhere else:
-``KVXFERD_<SECTION>_<KEY>`` (e.g. ``KVXFERD_SERVER_LISTEN``, ``KVXFERD_AUTH_TOKEN``). Flags
-arrive as ``section.key=value`` overrides. Errors name the key and say how to fix it.
+``KVXFERD_<SECTION>_<KEY>`` (e.g. ``KVXFERD_SERVER_LISTEN``, ``KVXFERD_AUTH_TOKEN``); any
+other ``KVXFERD_*`` variable is refused (naming the closest key) unless it is one of
+:data:`NON_CONFIG_ENV`. Flags arrive as ``section.key=value`` overrides. Errors name the key and
+say how to fix it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import ipaddress
 import os
 import tomllib
@@ -18,6 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from kvxferd.errors import ConfigError
+from kvxferd.netpolicy import PeerAllowList
+
+DOCS = "docs/config.md"
 
 
 @dataclass(frozen=True)
@@ -27,11 +33,14 @@ class ServerConfig:
     advertise: str = ""
     """Address peers and schedulers use to reach this daemon; default: the bound address."""
     engine_socket: str = ""
-    """Unix socket path for the Engine service; empty disables it."""
+    """Unix socket path for the Engine service (created mode 0660); empty disables it."""
     metrics_listen: str = "127.0.0.1:9400"
     """HTTP address for /metrics (Prometheus) and /healthz; empty disables it."""
+    metrics_allow_remote: bool = False
+    """Allow a non-loopback metrics_listen (the HTTP endpoints have no authentication)."""
     allow_insecure_remote: bool = False
-    """Allow a non-loopback listen address with neither a token nor mTLS configured."""
+    """Allow a non-loopback listen address with neither a token nor mTLS configured (and a
+    non-loopback metrics_listen)."""
     drain_timeout_s: float = 10.0
     """On SIGTERM, how long in-flight transfers may finish before the daemon stops."""
     instance_id: str = ""
@@ -50,6 +59,9 @@ class AuthConfig:
     """PEM private key of tls_cert."""
     tls_ca: str = ""
     """PEM CA bundle; when set, clients must present a certificate it signed (mTLS)."""
+    allow_plaintext_token: bool = False
+    """Allow a token without TLS on a non-loopback listen address (it crosses the network in
+    clear text)."""
 
 
 @dataclass(frozen=True)
@@ -147,15 +159,30 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
 
     def resolved_token(self) -> str:
+        """The token callers must present; ``""`` when none is configured.
+
+        A configured token that resolves to nothing (an empty or whitespace-only
+        ``auth.token_file``) is an error, never "no authentication"."""
         if self.auth.token_file:
+            path = self.auth.token_file
             try:
-                return Path(self.auth.token_file).read_text().strip()
-            except OSError as exc:
+                token = Path(path).read_text().strip()
+            except (OSError, UnicodeDecodeError) as exc:
                 raise ConfigError(
-                    f"cannot read token file: {exc}",
+                    f"cannot read token file {path}: {exc}",
                     field="auth.token_file",
                     fix="point it at a readable file holding the token",
                 ) from exc
+            if not token:
+                raise ConfigError(
+                    f"token file {path} is empty (or only whitespace): the daemon would run"
+                    " without authentication",
+                    field="auth.token_file",
+                    fix="write the token into the file, or unset auth.token_file to run without"
+                    f" a token (loopback only unless server.allow_insecure_remote; {DOCS})",
+                )
+            _check_token(token, "auth.token_file")
+            return token
         return self.auth.token
 
 
@@ -170,9 +197,43 @@ SECTIONS: dict[str, type[Any]] = {
 }
 
 
+LIST_KEYS = frozenset({"peers.allow"})
+"""String keys that also accept a TOML array of strings (joined with commas)."""
+
+NON_CONFIG_ENV = frozenset({"KVXFERD_TOOLS_CACHE", "KVXFERD_NO_INSTALL"})
+"""``KVXFERD_*`` variables that are not configuration keys and are never refused: the tool
+cache and no-install switch of ``scripts/check_proto.sh``. Every other ``KVXFERD_*`` variable
+must name a key (``KVXFERD_<SECTION>_<KEY>``); docs/config.md lists these too."""
+
+
 def documented_keys() -> list[str]:
     """Every ``section.key`` the configuration accepts."""
     return [f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
+
+
+def env_var(key: str) -> str:
+    """The environment variable of ``section.key``: ``KVXFERD_SECTION_KEY``."""
+    return "KVXFERD_" + key.replace(".", "_").upper()
+
+
+def _env_overrides(environ: Mapping[str, str]) -> dict[str, str]:
+    """``section.key -> value`` from ``KVXFERD_*`` variables; a variable that is neither a
+    key nor in :data:`NON_CONFIG_ENV` is refused, naming the closest key."""
+    by_var = {env_var(k): k for k in documented_keys()}
+    out: dict[str, str] = {}
+    for var in sorted(environ):
+        if var in by_var:
+            out[by_var[var]] = environ[var]
+        elif var.upper().startswith("KVXFERD_") and var not in NON_CONFIG_ENV:
+            close = difflib.get_close_matches(var.upper(), by_var, n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]} ({by_var[close[0]]})? " if close else ""
+            raise ConfigError(
+                f"unknown environment variable {var}: no configuration key is named so",
+                field=var,
+                fix=f"{hint}rename or unset it; variables are KVXFERD_<SECTION>_<KEY> for the keys"
+                f" in {DOCS}",
+            )
+    return out
 
 
 def load_config(
@@ -201,16 +262,18 @@ def load_config(
             for k, v in table.items():
                 raw[section][k] = v
     environ = os.environ if env is None else env
-    for key in documented_keys():
+    for key, value in _env_overrides(environ).items():
         section, name = key.split(".")
-        var = f"KVXFERD_{section.upper()}_{name.upper()}"
-        if var in environ:
-            raw[section][name] = environ[var]
+        raw[section][name] = value
     for key, value in (overrides or {}).items():
         section, _, name = key.partition(".")
         if section not in SECTIONS or not name:
+            close = difflib.get_close_matches(key, documented_keys(), n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
             raise ConfigError(
-                f"unknown setting {key!r}", field=key, fix="use section.key (docs/config.md)"
+                f"unknown setting {key!r}",
+                field=key,
+                fix=f"{hint}use section.key with a key from {DOCS}",
             )
         raw[section][name] = value
     built = {s: _build(SECTIONS[s], s, raw[s]) for s in SECTIONS}
@@ -230,7 +293,17 @@ def _build(cls: type[Any], section: str, values: Mapping[str, Any]) -> Any:
                 fix=f"keys of [{section}]: {', '.join(fields)}",
             )
         default = getattr(cls(), name)
-        kwargs[name] = _convert(value, type(default), f"{section}.{name}")
+        key = f"{section}.{name}"
+        if key in LIST_KEYS and isinstance(value, list):
+            if not all(isinstance(v, str) for v in value):
+                raise ConfigError(
+                    f"{value!r} must be a string or an array of strings",
+                    field=key,
+                    fix='write e.g. ["10.0.0.0/16", "prefill-0:50051"]',
+                )
+            kwargs[name] = ",".join(value)
+            continue
+        kwargs[name] = _convert(value, type(default), key)
     return cls(**kwargs)
 
 
@@ -259,10 +332,44 @@ def _convert(value: Any, typ: type, key: str) -> Any:
 
 
 def split_hostport(addr: str, key: str) -> tuple[str, int]:
+    """``host:port`` (IPv6 as ``[addr]:port``) as (host without brackets, port 0..65535)."""
     host, sep, port = addr.rpartition(":")
-    if not sep or not port.isdigit() or not host:
-        raise ConfigError(f"{addr!r} is not host:port", field=key, fix="write e.g. 127.0.0.1:50051")
-    return host.strip("[]"), int(port)
+    if not sep or not host or not port.isascii() or not port.isdigit():
+        raise ConfigError(
+            f"{addr!r} is not host:port",
+            field=key,
+            fix="write e.g. 127.0.0.1:50051 (IPv6: [::1]:50051)",
+        )
+    if host.startswith("[") or host.endswith("]"):
+        inner = host[1:-1]
+        if not (host.startswith("[") and host.endswith("]")) or not _is_ipv6(inner):
+            raise ConfigError(
+                f"{addr!r}: brackets must hold an IPv6 address",
+                field=key,
+                fix="write e.g. [::1]:50051 or 127.0.0.1:50051",
+            )
+        host = inner
+    elif ":" in host:
+        raise ConfigError(
+            f"{addr!r}: an IPv6 address with a port must be in brackets",
+            field=key,
+            fix=f"write [{host}]:{port}",
+        )
+    if int(port) > 65535:
+        raise ConfigError(
+            f"port {port} of {addr!r} is out of range",
+            field=key,
+            fix="use a port from 1 to 65535 (0 picks a free one)",
+        )
+    return host, int(port)
+
+
+def _is_ipv6(text: str) -> bool:
+    try:
+        ipaddress.IPv6Address(text)
+    except ValueError:
+        return False
+    return True
 
 
 def is_loopback(host: str) -> bool:
@@ -274,19 +381,19 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def validate(cfg: Config) -> None:
-    host, _ = split_hostport(cfg.server.listen, "server.listen")
-    if cfg.server.metrics_listen:
-        split_hostport(cfg.server.metrics_listen, "server.metrics_listen")
-    secured = bool(cfg.auth.token or cfg.auth.token_file or cfg.auth.tls_ca)
-    if not is_loopback(host) and not secured and not cfg.server.allow_insecure_remote:
+def _check_token(token: str, key: str) -> None:
+    """A token must be usable in ``authorization: Bearer <token>`` metadata."""
+    if not all(0x21 <= ord(c) <= 0x7E for c in token):
         raise ConfigError(
-            f"listening on {host} with neither a token nor mTLS would let anyone on the"
-            " network read registered KV memory",
-            field="server.listen",
-            fix="set auth.token (or auth.token_file) or auth.tls_ca, or set"
-            " server.allow_insecure_remote = true on a trusted network",
+            "the token contains whitespace, control or non-ASCII characters, which cannot"
+            " travel in gRPC metadata",
+            field=key,
+            fix="use printable ASCII without spaces (e.g. the output of `openssl rand -hex 32`)",
         )
+
+
+def validate(cfg: Config) -> None:
+    _validate_listeners(cfg)
     if bool(cfg.auth.tls_cert) != bool(cfg.auth.tls_key):
         raise ConfigError(
             "tls_cert and tls_key must be set together", field="auth.tls_cert", fix="set both"
@@ -344,6 +451,72 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"unknown format {cfg.log.format!r}", field="log.format", fix="json or text"
         )
+    PeerAllowList.parse(cfg.peers.allow)  # raises ConfigError naming peers.allow
+    for key, v in (
+        ("peers.heartbeat_interval_ms", cfg.peers.heartbeat_interval_ms),
+        ("peers.heartbeat_timeout_ms", cfg.peers.heartbeat_timeout_ms),
+        ("peers.max_links", cfg.peers.max_links),
+    ):
+        if v <= 0:
+            raise ConfigError(f"must be positive, got {v}", field=key, fix="use a value > 0")
+    if cfg.peers.heartbeat_timeout_ms <= cfg.peers.heartbeat_interval_ms:
+        raise ConfigError(
+            f"heartbeat_timeout_ms ({cfg.peers.heartbeat_timeout_ms}) must be larger than"
+            f" heartbeat_interval_ms ({cfg.peers.heartbeat_interval_ms}), or a live reader"
+            " would time out between two heartbeats",
+            field="peers.heartbeat_timeout_ms",
+            fix="use a timeout of several intervals (defaults: 1000 and 5000)",
+        )
+
+
+def _validate_listeners(cfg: Config) -> None:
+    """Fail closed: who can reach each listener, and with which credentials."""
+    host, _ = split_hostport(cfg.server.listen, "server.listen")
+    a = cfg.auth
+    if a.token and not a.token.strip():
+        raise ConfigError(
+            "auth.token is only whitespace: the daemon would run without authentication",
+            field="auth.token",
+            fix=f"set a real token, or unset auth.token to run without one ({DOCS})",
+        )
+    if a.token:
+        _check_token(a.token, "auth.token")
+    if a.token_file and not a.token_file.strip():
+        raise ConfigError(
+            "auth.token_file is only whitespace, not a path",
+            field="auth.token_file",
+            fix="point it at a file holding the token, or unset it",
+        )
+    has_token = bool(a.token or a.token_file)
+    secured = has_token or bool(a.tls_ca)
+    remote = not is_loopback(host)
+    if remote and not secured and not cfg.server.allow_insecure_remote:
+        raise ConfigError(
+            f"listening on {host} with neither a token nor mTLS would let anyone on the"
+            " network read registered KV memory",
+            field="server.listen",
+            fix="set auth.token (or auth.token_file) or auth.tls_ca, or set"
+            f" server.allow_insecure_remote = true on a trusted network ({DOCS}, Security)",
+        )
+    if remote and has_token and not a.tls_cert and not a.allow_plaintext_token:
+        raise ConfigError(
+            f"listening on {host} without TLS would send the token in clear text: anyone who"
+            " can watch the network could replay it and read registered KV memory",
+            field="auth.token_file" if a.token_file else "auth.token",
+            fix="enable TLS (auth.tls_cert and auth.tls_key), or set"
+            f" auth.allow_plaintext_token = true on a trusted network ({DOCS}, Security)",
+        )
+    if cfg.server.metrics_listen:
+        mhost, _ = split_hostport(cfg.server.metrics_listen, "server.metrics_listen")
+        opted_in = cfg.server.metrics_allow_remote or cfg.server.allow_insecure_remote
+        if not is_loopback(mhost) and not opted_in:
+            raise ConfigError(
+                f"/metrics and /healthz on {mhost} have no authentication: anyone on the"
+                " network could read them",
+                field="server.metrics_listen",
+                fix="listen on loopback (127.0.0.1:9400), or set server.metrics_allow_remote"
+                f" = true and firewall the port to your monitoring network ({DOCS}, Security)",
+            )
 
 
 def _validate_staging(t: TransferConfig) -> None:

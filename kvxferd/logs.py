@@ -2,15 +2,42 @@
 
 Call sites pass fields as ``extra={"kv": {...}}`` (request ID, peer, sizes); the formatter
 writes them as keys. Importing kvxferd never configures logging.
+
+Values often come from callers (request and transfer IDs, peer addresses), so neither format
+lets them forge lines or fields: JSON escapes everything; text escapes control and line-break
+characters (``\n`` as ``\\n``, NUL as ``\\x00``, ...) in the message and every value, and
+quotes a value holding a space, ``=`` or ``"``. Traceback lines are indented.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 import time
 from typing import Any
+
+# C0 and C1 controls, DEL, and the Unicode line and paragraph separators.
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape_char(m: re.Match[str]) -> str:
+    c = m.group()
+    return _NAMED.get(c) or (f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}")
+
+
+def escape(text: str) -> str:
+    """``text`` with every control or line-break character written as an escape."""
+    return _UNSAFE.sub(_escape_char, text.replace("\\", "\\\\"))
+
+
+def _text_value(value: Any) -> str:
+    text = escape(str(value))
+    if not text or any(c in text for c in ' ="'):
+        return '"' + text.replace('"', '\\"') + '"'
+    return text
 
 
 class _JsonFormatter(logging.Formatter):
@@ -31,13 +58,15 @@ class _JsonFormatter(logging.Formatter):
 class _TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         kv = getattr(record, "kv", {}) or {}
-        fields = " ".join(f"{k}={v}" for k, v in kv.items())
+        fields = " ".join(f"{escape(str(k))}={_text_value(v)}" for k, v in kv.items())
         base = (
-            f"{self.formatTime(record)} {record.levelname:<7} {record.name}: {record.getMessage()}"
+            f"{self.formatTime(record)} {record.levelname:<7} {record.name}:"
+            f" {escape(record.getMessage())}"
         )
         line = f"{base} {fields}" if fields else base
         if record.exc_info:
-            line += "\n" + self.formatException(record.exc_info)
+            trace = self.formatException(record.exc_info)
+            line += "".join(f"\n    | {escape(t)}" for t in trace.splitlines())
         return line
 
 

@@ -53,10 +53,17 @@ def test_bad_values_name_the_key(overrides: dict[str, str], field: str) -> None:
 
 
 def test_remote_listen_is_allowed_with_a_token_or_explicit_opt_in() -> None:
-    load_config(None, env={}, overrides={"server.listen": "0.0.0.0:1", "auth.token": "t"})
+    remote = {"server.listen": "0.0.0.0:1"}
     load_config(
-        None, env={}, overrides={"server.listen": "0.0.0.0:1", "server.allow_insecure_remote": "1"}
+        None,
+        env={},
+        overrides={**remote, "auth.token": "t", "auth.tls_cert": "c.pem"}
+        | {"auth.tls_key": "k.pem"},
     )
+    load_config(
+        None, env={}, overrides={**remote, "auth.token": "t", "auth.allow_plaintext_token": "1"}
+    )
+    load_config(None, env={}, overrides={**remote, "server.allow_insecure_remote": "1"})
 
 
 def test_unknown_section_in_file(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ import asyncio
 
 from kvxferd.commands import Subparsers
 from kvxferd.config import load_config
+from kvxferd.errors import ConfigError
 from kvxferd.logs import setup_logging
 
 _FLAGS = {
@@ -74,12 +75,22 @@ def overrides_from(args: argparse.Namespace) -> dict[str, str]:
     if args.prefix_caching:
         out["pool.prefix_caching"] = "true"
     if args.tp:
-        rank, _, size = args.tp.partition("/")
+        rank, slash, size = args.tp.partition("/")
+        if not slash or not rank.strip() or not size.strip():
+            raise ConfigError(
+                f"--tp {args.tp!r} is not RANK/SIZE",
+                field="--tp",
+                fix="write e.g. --tp 0/2 (pool.tp_rank / pool.tp_size)",
+            )
         out["pool.tp_rank"], out["pool.tp_size"] = rank, size
     for item in args.set:
         key, eq, value = item.partition("=")
-        if not eq:
-            raise argparse.ArgumentTypeError(f"--set {item!r}: write SECTION.KEY=VALUE")
+        if not eq or not key.strip():
+            raise ConfigError(
+                f"--set {item!r} is not SECTION.KEY=VALUE",
+                field="--set",
+                fix="write e.g. --set transfer.max_inflight=64 (every key: docs/config.md)",
+            )
         out[key.strip()] = value
     return out
 

@@ -1,34 +1,48 @@
 """Wiring: build every part from one Config, serve until SIGTERM/SIGINT, drain, stop.
 
-This is the one place where parts are constructed and started. Order on start: pool, NIXL
-agent + registration, transfer engine, lease table + notification pump, daemon, gRPC servers
-(TCP for Peer + Scheduler + health + reflection; Unix socket for Engine), HTTP metrics.
+This is the one place where parts are constructed and started. Order on start: resolve the
+token and TLS files, bind every listener (gRPC TCP port for Peer + Scheduler + health +
+reflection, the Engine Unix socket, HTTP metrics) so that a port in use or a bad path is a
+one-line :class:`~kvxferd.errors.ConfigError` before any memory is allocated or registered;
+then pool, NIXL agent + registration, transfer engine, lease table + notification pump,
+daemon; then start serving. A failure part-way undoes what was built, in reverse.
 On stop: health NOT_SERVING, drain pulls up to ``server.drain_timeout_s``, stop servers,
 stop engine and pump, deregister, close the agent.
+
+Every gRPC server gets :class:`DecodeGuard`, so a request body that is not the method's
+protobuf message is INVALID_ARGUMENT (grpc's own answer would be UNKNOWN).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
+import inspect
 import json
 import logging
 import os
 import signal
 import socket
+import stat
 import threading
 import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
+import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 from grpc import aio
 from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from kvxferd.config import Config, is_loopback, split_hostport
+from kvxferd.config import DOCS, Config, is_loopback, split_hostport
 from kvxferd.daemon.attach import Attacher
 from kvxferd.daemon.core import Daemon, DaemonLimits
 from kvxferd.daemon.peers import PeerDirectory, remote_error
@@ -39,6 +53,7 @@ from kvxferd.layout.spec import KVCacheSpec, MemoryType
 from kvxferd.layout.tomlspec import load_spec
 from kvxferd.logs import kv
 from kvxferd.metrics import Metrics
+from kvxferd.netpolicy import PeerAllowList
 from kvxferd.nixl import AgentOptions, MemType, NixlAgent
 from kvxferd.peers import PeerInfo
 from kvxferd.pool import KVPool
@@ -69,12 +84,138 @@ GRPC_OPTIONS = (
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.max_send_message_length", 64 << 20),
 )
+# Servers only: without this, gRPC sets SO_REUSEPORT and a second daemon started on the same
+# port binds it too and silently takes half of the first one's connections.
+SERVER_OPTIONS = (*GRPC_OPTIONS, ("grpc.so_reuseport", 0))
+ENGINE_SOCKET_MODE = 0o660
+"""The Engine socket's mode: owner and group (the engine's user joins the group); the process
+umask can only make it stricter."""
 
 SERVICE_NAMES = (
     peer_pb2.DESCRIPTOR.services_by_name["Peer"].full_name,
     scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name,
     engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name,
 )
+
+
+class _Undecodable:
+    """What a guarded deserializer returns for a body that is not the expected message."""
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+def _guarded_deserializer(deserialize: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    owner = getattr(deserialize, "__self__", None)  # generated code passes Message.FromString
+    name = getattr(getattr(owner, "DESCRIPTOR", None), "full_name", "") or "protobuf"
+
+    def guarded(raw: bytes) -> Any:
+        try:
+            return deserialize(raw)
+        except DecodeError as exc:
+            return _Undecodable(
+                f"request body is not a valid {name} message ({exc}); send the serialized"
+                f" {name} that the method's proto declares (proto/kvxferd/v1)"
+            )
+
+    return guarded
+
+
+async def _refuse_undecodable(request: Any, context: aio.ServicerContext[Any, Any]) -> None:
+    if isinstance(request, _Undecodable):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+
+
+async def _checked_stream(
+    requests: AsyncIterator[Any], context: aio.ServicerContext[Any, Any]
+) -> AsyncIterator[Any]:
+    async for request in requests:
+        await _refuse_undecodable(request, context)
+        yield request
+
+
+def _guard_handler(handler: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHandler[Any, Any]:
+    """``handler`` with a deserializer that never raises and a behaviour that aborts with
+    INVALID_ARGUMENT on an undecodable body; unchanged when its behaviour is not async."""
+    behavior: Callable[..., Any] | None = (
+        handler.stream_stream or handler.stream_unary or handler.unary_stream or handler.unary_unary
+    )
+    if (
+        behavior is None
+        or handler.request_deserializer is None
+        or not (inspect.iscoroutinefunction(behavior) or inspect.isasyncgenfunction(behavior))
+    ):
+        return handler
+    deserializer = _guarded_deserializer(handler.request_deserializer)
+    streaming_in = handler.request_streaming
+    wrapped: Callable[..., Any]
+    if inspect.isasyncgenfunction(behavior):
+
+        async def generator(request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
+            if streaming_in:
+                request = _checked_stream(request, context)
+            else:
+                await _refuse_undecodable(request, context)
+            async for response in behavior(request, context):
+                yield response
+
+        wrapped = generator
+    else:
+
+        async def coroutine(request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
+            if streaming_in:
+                request = _checked_stream(request, context)
+            else:
+                await _refuse_undecodable(request, context)
+            return await behavior(request, context)
+
+        wrapped = coroutine
+    factory = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }[(handler.request_streaming, handler.response_streaming)]
+    return factory(
+        wrapped,
+        request_deserializer=deserializer,
+        response_serializer=handler.response_serializer,
+    )
+
+
+class DecodeGuard(aio.ServerInterceptor):  # type: ignore[type-arg]
+    """Undecodable request bodies get INVALID_ARGUMENT naming the expected message type.
+
+    gRPC answers UNKNOWN ("Unexpected error") when a deserializer raises; this interceptor
+    wraps every method's deserializer and behaviour instead (the wrapped handler is built once
+    per method). It must come first, so that it wraps what later interceptors return; calls
+    the token interceptor refuses never parse their body."""
+
+    def __init__(self) -> None:
+        self._cache: dict[
+            str, tuple[grpc.RpcMethodHandler[Any, Any], grpc.RpcMethodHandler[Any, Any]]
+        ] = {}
+
+    async def intercept_service(
+        self,
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any]]
+        ],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any]:
+        handler = await continuation(details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        method: str = details.method
+        cached = self._cache.get(method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        guarded = _guard_handler(handler)
+        if len(self._cache) < 1024:  # methods are registered ones: a few dozen
+            self._cache[method] = (handler, guarded)
+        return guarded
 
 
 def pool_spec(cfg: Config) -> KVCacheSpec:
@@ -125,7 +266,289 @@ def _agent_name(cfg: Config) -> str:
 
 
 async def start(cfg: Config, *, fill_seed: int | None = None) -> Running:
-    """Build, register and start everything; returns once every port is bound."""
+    """Bind, build, register and start everything; returns once every port serves.
+
+    Listeners are bound before any memory is allocated or registered: a port in use, a bad
+    socket path or an unreadable credential file is a ConfigError naming the key, with nothing
+    to undo. A later failure closes what was built, in reverse order, and re-raises."""
+    token = cfg.resolved_token()  # an empty token file is refused here, never "no auth"
+    allow = PeerAllowList.parse(cfg.peers.allow)
+    ccreds = channel_credentials(cfg.auth)
+    async with contextlib.AsyncExitStack() as undo:
+        listeners = await _bind(cfg, token)
+        undo.push_async_callback(listeners.close)
+        running = await _build(
+            cfg,
+            token=token,
+            allow=allow,
+            ccreds=ccreds,
+            listeners=listeners,
+            undo=undo,
+            fill_seed=fill_seed,
+        )
+        undo.pop_all()
+    return running
+
+
+@dataclass
+class Listeners:
+    """Every bound listener, not yet serving."""
+
+    server: aio.Server
+    host: str
+    port: int
+    engine_server: aio.Server | None
+    engine_socket: str
+    socket_ino: int
+    http: _MetricsServer | None
+
+    async def close(self) -> None:
+        """Undo :func:`_bind` when start-up fails: close servers, remove our Engine socket."""
+        await self.server.stop(None)
+        if self.engine_server is not None:
+            await self.engine_server.stop(None)
+        if self.http is not None:
+            self.http.server_close()
+        if self.socket_ino:
+            with contextlib.suppress(OSError):
+                if os.lstat(self.engine_socket).st_ino == self.socket_ino:
+                    os.unlink(self.engine_socket)
+
+
+async def _bind(cfg: Config, token: str) -> Listeners:
+    interceptors: list[aio.ServerInterceptor] = [DecodeGuard()]  # type: ignore[type-arg]
+    if token:
+        interceptors.append(TokenInterceptor(token))
+    creds = server_credentials(cfg.auth)  # reads the TLS files: errors name the key
+    host, port = split_hostport(cfg.server.listen, "server.listen")
+    server = aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
+    bound = _bind_grpc(
+        server, host=host, port=port, creds=creds, key="server.listen", listen=cfg.server.listen
+    )
+    engine_server, ino = None, 0
+    http = None
+    try:
+        if cfg.server.engine_socket:
+            engine_server = aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
+            ino = _bind_engine_socket(engine_server, cfg.server.engine_socket)
+        if cfg.server.metrics_listen:
+            http = _bind_http(cfg.server.metrics_listen)
+    except BaseException:
+        await server.stop(None)
+        if engine_server is not None:
+            await engine_server.stop(None)
+        raise
+    return Listeners(server, host, bound, engine_server, cfg.server.engine_socket, ino, http)
+
+
+def _hostport(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _in_use(listen: str, port: int, key: str) -> ConfigError:
+    return ConfigError(
+        f"cannot listen on {listen}: port {port} is already in use (another kvxferd?)",
+        field=key,
+        fix=f"stop the process holding it (`ss -ltnp 'sport = :{port}'` shows it) or set {key}"
+        f" to a free port ({DOCS})",
+    )
+
+
+def _probe_tcp(host: str, port: int, key: str, listen: str) -> None:
+    """Fail with a clear error if ``host:port`` cannot be bound (gRPC would only log a C-core
+    line and raise RuntimeError). Port 0 always binds."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ConfigError(
+            f"cannot listen on {listen}: host {host!r} does not resolve ({exc.strerror})",
+            field=key,
+            fix=f"use an IP address of this machine, e.g. 127.0.0.1 or 0.0.0.0 ({DOCS})",
+        ) from exc
+    for family, kind, proto, _, sockaddr in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(sockaddr)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise _in_use(listen, port, key) from exc
+                if exc.errno == errno.EACCES:
+                    raise ConfigError(
+                        f"cannot listen on {listen}: permission denied for port {port}",
+                        field=key,
+                        fix=f"use a port above 1023, or grant CAP_NET_BIND_SERVICE ({DOCS})",
+                    ) from exc
+                # EADDRNOTAVAIL and the like: gRPC binds what it can and reports the rest.
+
+
+def _bind_grpc(
+    server: aio.Server,
+    *,
+    host: str,
+    port: int,
+    creds: grpc.ServerCredentials | None,
+    key: str,
+    listen: str,
+) -> int:
+    _probe_tcp(host, port, key, listen)
+    bind = _hostport(host, port)
+    try:
+        bound = server.add_secure_port(bind, creds) if creds else server.add_insecure_port(bind)
+    except RuntimeError as exc:  # gRPC: "Failed to bind to address ..."
+        bound = 0
+        cause: BaseException | None = exc
+    else:
+        cause = None
+    if bound == 0:
+        raise ConfigError(
+            f"cannot listen on {listen}: gRPC could not bind {bind} (in use, or not an address"
+            " of this machine)",
+            field=key,
+            fix=f"pick a free port on a local address ({DOCS})",
+        ) from cause
+    return bound
+
+
+def _bind_engine_socket(server: aio.Server, path: str) -> int:
+    """Bind the Engine service on ``path`` with mode 0660; return the socket's inode.
+
+    Never removes anything but a stale socket: a non-socket at ``path`` is refused, a socket
+    someone listens on is refused, a socket nobody listens on is removed."""
+    key = "server.engine_socket"
+    _clear_stale_socket(path, key)
+    old = os.umask(0o777)
+    try:
+        os.umask(old | (0o777 & ~ENGINE_SOCKET_MODE))
+        try:
+            bound = server.add_insecure_port(f"unix:{path}")
+        except RuntimeError:
+            bound = 0
+    finally:
+        os.umask(old)
+    if bound == 0:
+        raise ConfigError(
+            f"cannot create the Engine socket {path}",
+            field=key,
+            fix=f"make sure its directory exists and is writable by this user ({DOCS})",
+        )
+    try:
+        os.chmod(path, ENGINE_SOCKET_MODE & ~old)
+        return os.lstat(path).st_ino
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot restrict the Engine socket {path} to owner and group: {exc.strerror}",
+            field=key,
+            fix=f"put the socket in a directory this user owns ({DOCS})",
+        ) from exc
+
+
+def _clear_stale_socket(path: str, key: str) -> None:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot inspect {path}: {exc.strerror}",
+            field=key,
+            fix=f"check the directory's permissions or choose another path ({DOCS})",
+        ) from exc
+    if not stat.S_ISSOCK(st.st_mode):
+        what = (
+            "a directory"
+            if stat.S_ISDIR(st.st_mode)
+            else "a symbolic link"
+            if stat.S_ISLNK(st.st_mode)
+            else "a regular file"
+            if stat.S_ISREG(st.st_mode)
+            else "not a socket"
+        )
+        raise ConfigError(
+            f"{path} exists and is {what}, not a socket; kvxferd will not remove it",
+            field=key,
+            fix=f"move or delete it yourself if it is not needed, or choose another path ({DOCS})",
+        )
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(2.0)
+    try:
+        probe.connect(path)
+    except ConnectionRefusedError:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot remove the stale socket {path}: {exc.strerror}",
+                field=key,
+                fix=f"remove it yourself, or choose another path ({DOCS})",
+            ) from exc
+        log.info("removed a stale engine socket", extra=kv(path=path))
+        return
+    except FileNotFoundError:
+        return  # removed meanwhile
+    except OSError as exc:  # no permission to connect, or a listener with a full backlog
+        raise ConfigError(
+            f"cannot tell whether another process serves {path} ({exc}); not replacing it",
+            field=key,
+            fix=f"stop the other daemon or remove the socket yourself, or choose another path"
+            f" ({DOCS})",
+        ) from exc
+    finally:
+        probe.close()
+    raise ConfigError(
+        f"another process (another kvxferd daemon?) listens on {path}",
+        field=key,
+        fix=f"stop it, or give this daemon its own server.engine_socket ({DOCS})",
+    )
+
+
+class _MetricsServer(ThreadingHTTPServer):
+    """/metrics and /healthz; bound at start-up, serving once the daemon exists."""
+
+    registry: CollectorRegistry | None = None
+    daemon: Daemon | None = None
+
+
+class _MetricsServer6(_MetricsServer):
+    address_family = socket.AF_INET6
+
+
+def _bind_http(listen: str) -> _MetricsServer:
+    key = "server.metrics_listen"
+    host, port = split_hostport(listen, key)
+    cls = _MetricsServer6 if ":" in host else _MetricsServer
+    try:
+        return cls((host, port), _MetricsHandler)
+    except socket.gaierror as exc:
+        raise ConfigError(
+            f"cannot listen on {listen}: host {host!r} does not resolve ({exc.strerror})",
+            field=key,
+            fix=f"use an IP address of this machine, e.g. 127.0.0.1 ({DOCS})",
+        ) from exc
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise _in_use(listen, port, key) from exc
+        raise ConfigError(
+            f"cannot listen on {listen}: {exc.strerror or exc}",
+            field=key,
+            fix=f"use a free port on an address of this machine ({DOCS})",
+        ) from exc
+
+
+async def _build(
+    cfg: Config,
+    *,
+    token: str,
+    allow: PeerAllowList,
+    ccreds: grpc.ChannelCredentials | None,
+    listeners: Listeners,
+    undo: contextlib.AsyncExitStack,
+    fill_seed: int | None,
+) -> Running:
     registry = CollectorRegistry()
     metrics = Metrics.create(registry)
     attached = cfg.pool.mode == "attached"
@@ -150,6 +573,7 @@ async def start(cfg: Config, *, fill_seed: int | None = None) -> Running:
         ),
     )
     agent.start()
+    undo.callback(agent.close)
     mem = MemType.DRAM
     if cfg.pool.device.startswith("cuda"):
         mem = MemType.VRAM
@@ -180,20 +604,17 @@ async def start(cfg: Config, *, fill_seed: int | None = None) -> Running:
         ),
     )
     engine.start()
+    undo.callback(engine.close)
     leases = LeaseTable(max_ttl_s=max(600.0, cfg.transfer.lease_ttl_ms / 1000))
-    pump = NotificationPump(agent, leases)
+    pump = NotificationPump(
+        agent, leases, on_result=lambda result: metrics.notifications.labels(result).inc()
+    )
     pump.start()
+    undo.callback(pump.stop)
 
-    token = cfg.resolved_token()
-    interceptors = [TokenInterceptor(token)] if token else []
-    server = aio.server(interceptors=interceptors, options=GRPC_OPTIONS)
-    creds = server_credentials(cfg.auth)
-    host, port = split_hostport(cfg.server.listen, "server.listen")
-    bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    bound = server.add_secure_port(bind, creds) if creds else server.add_insecure_port(bind)
-    if bound == 0:
-        raise ConfigError(f"cannot bind {bind}", field="server.listen", fix="pick a free port")
-    address = cfg.server.advertise or f"{host}:{bound}"
+    server = listeners.server
+    host, bound = listeners.host, listeners.port
+    address = cfg.server.advertise or _hostport(host, bound)
     metadata = agent.metadata()
     daemon = Daemon(
         pool=PoolSlot.detached(metadata) if pool is None else pool,
@@ -217,6 +638,8 @@ async def start(cfg: Config, *, fill_seed: int | None = None) -> Running:
             lease_ttl_s=cfg.transfer.lease_ttl_ms / 1000,
             max_block_ids=cfg.transfer.max_block_ids,
             peer_timeout_s=cfg.transfer.handshake_timeout_ms / 1000,
+            heartbeat_interval_s=cfg.peers.heartbeat_interval_ms / 1000,
+            heartbeat_timeout_s=cfg.peers.heartbeat_timeout_ms / 1000,
         ),
         instance_id=cfg.server.instance_id or uuid.uuid4().hex,
         call_metadata=call_metadata(token),
@@ -239,7 +662,6 @@ async def start(cfg: Config, *, fill_seed: int | None = None) -> Running:
             remote_error=remote_error,
         ),
     )
-    ccreds = channel_credentials(cfg.auth)
 
     def channel(target: str) -> aio.Channel:
         if ccreds:
@@ -253,9 +675,13 @@ async def start(cfg: Config, *, fill_seed: int | None = None) -> Running:
         metadata=call_metadata(token),
         timeout_s=cfg.transfer.handshake_timeout_ms / 1000,
         on_handshake=daemon.observe_peer,
+        allow=allow.allows if allow else None,
+        max_links=cfg.peers.max_links,
     )
     daemon.attach_peers(peers)
     await daemon.start_release_pump()
+    undo.push_async_callback(peers.close)
+    undo.push_async_callback(daemon.close)
     attacher = None
     if attached:
         attacher = Attacher(
@@ -265,6 +691,7 @@ async def start(cfg: Config, *, fill_seed: int | None = None) -> Running:
             session_grace_s=cfg.pool.session_grace_ms / 1000,
         )
         attacher.on_change(lambda: health_changed(daemon, health_servicer))
+        undo.push_async_callback(attacher.close)
 
     health_servicer = health_aio.HealthServicer()
     peer_pb2_grpc.add_PeerServicer_to_server(PeerService(daemon), server)
@@ -273,12 +700,9 @@ async def start(cfg: Config, *, fill_seed: int | None = None) -> Running:
     reflection.enable_server_reflection(
         (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    engine_server = None
-    if cfg.server.engine_socket:
-        engine_server = aio.server(interceptors=interceptors, options=GRPC_OPTIONS)
+    engine_server = listeners.engine_server
+    if engine_server is not None:
         engine_pb2_grpc.add_EngineServicer_to_server(EngineService(daemon, attacher), engine_server)
-        Path(cfg.server.engine_socket).unlink(missing_ok=True)
-        engine_server.add_insecure_port(f"unix:{cfg.server.engine_socket}")
         await engine_server.start()
     await server.start()
     for name in (*SERVICE_NAMES, ""):
@@ -286,11 +710,12 @@ async def start(cfg: Config, *, fill_seed: int | None = None) -> Running:
     if attacher is not None:
         health_changed(daemon, health_servicer)
 
-    http, metrics_address = None, ""
-    if cfg.server.metrics_listen:
-        http = _http_server(cfg.server.metrics_listen, registry, daemon)
+    http, metrics_address = listeners.http, ""
+    if http is not None:
+        http.registry, http.daemon = registry, daemon
+        threading.Thread(target=http.serve_forever, name="kvxferd-http", daemon=True).start()
         metrics_host, metrics_port = http.server_address[:2]
-        metrics_address = f"{metrics_host!s}:{metrics_port}"
+        metrics_address = _hostport(str(metrics_host), int(metrics_port))
     secured = "token" if token else ""
     if cfg.auth.tls_ca:
         secured = (secured + "+mtls").strip("+")
@@ -313,6 +738,7 @@ async def start(cfg: Config, *, fill_seed: int | None = None) -> Running:
             bytes=pool.spec.nbytes if pool is not None else 0,
             device=cfg.pool.device,
             auth=secured or "none",
+            peers_allow=str(allow) or "any",
         ),
     )
     return Running(
@@ -351,34 +777,32 @@ def health_changed(daemon: Daemon, health_servicer: health_aio.HealthServicer) -
 _background: set[asyncio.Task[None]] = set()
 
 
-def _http_server(listen: str, registry: CollectorRegistry, daemon: Daemon) -> ThreadingHTTPServer:
-    host, port = split_hostport(listen, "server.metrics_listen")
+class _MetricsHandler(BaseHTTPRequestHandler):
+    server: _MetricsServer
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            if self.path == "/metrics":
-                body, ctype, code = generate_latest(registry), CONTENT_TYPE_LATEST, 200
-            elif self.path == "/healthz":
-                ok = not daemon.draining
-                body, ctype, code = (
-                    (b"ok\n" if ok else b"draining\n"),
-                    "text/plain",
-                    200 if ok else 503,
-                )
-            else:
-                body, ctype, code = b"not found: try /metrics or /healthz\n", "text/plain", 404
-            self.send_response(code)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    def do_GET(self) -> None:
+        registry, daemon = self.server.registry, self.server.daemon
+        if registry is None or daemon is None:
+            body, ctype, code = b"starting\n", "text/plain", 503
+        elif self.path == "/metrics":
+            body, ctype, code = generate_latest(registry), CONTENT_TYPE_LATEST, 200
+        elif self.path == "/healthz":
+            ok = not daemon.draining
+            body, ctype, code = (
+                (b"ok\n" if ok else b"draining\n"),
+                "text/plain",
+                200 if ok else 503,
+            )
+        else:
+            body, ctype, code = b"not found: try /metrics or /healthz\n", "text/plain", 404
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
 
-        def log_message(self, format: str, *args: object) -> None:
-            return
-
-    srv = ThreadingHTTPServer((host, port), Handler)
-    threading.Thread(target=srv.serve_forever, name="kvxferd-http", daemon=True).start()
-    return srv
+    def log_message(self, format: str, *args: object) -> None:
+        return
 
 
 async def serve_forever(cfg: Config, *, ready_file: str = "", fill_seed: int | None = None) -> int:

@@ -27,7 +27,7 @@ class TokenInterceptor(aio.ServerInterceptor):  # type: ignore[type-arg]
     """Rejects calls without the configured bearer token with UNAUTHENTICATED."""
 
     def __init__(self, token: str) -> None:
-        if not token:
+        if not token.strip():
             raise ConfigError("empty token", field="auth.token", fix="set a non-empty token")
         self._expected = f"Bearer {token}".encode()
 
@@ -55,7 +55,10 @@ class TokenInterceptor(aio.ServerInterceptor):  # type: ignore[type-arg]
 def _denying_like(
     handler: grpc.RpcMethodHandler[Any, Any] | None, message: str
 ) -> grpc.RpcMethodHandler[Any, Any]:
-    """A handler of the same streaming shape as ``handler`` that aborts UNAUTHENTICATED."""
+    """A handler of the same response shape as ``handler`` that aborts UNAUTHENTICATED.
+
+    It takes the request body as raw bytes: nothing an unauthenticated caller sends is parsed.
+    """
 
     async def unary(request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
@@ -66,14 +69,10 @@ def _denying_like(
 
     if handler is not None and handler.response_streaming:
         return grpc.unary_stream_rpc_method_handler(
-            streaming,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
+            streaming, response_serializer=handler.response_serializer
         )
     return grpc.unary_unary_rpc_method_handler(
-        unary,
-        request_deserializer=handler.request_deserializer if handler else None,
-        response_serializer=handler.response_serializer if handler else None,
+        unary, response_serializer=handler.response_serializer if handler else None
     )
 
 
