@@ -6,24 +6,42 @@ outside the pool, and nothing not leased, is ever copied. The gather runs in a w
 (on CUDA, on a side stream with an event wait), and the slot is answered only once the bytes
 are there. A granted slot returns to the ring when the reader releases it, when the request's
 lease ends (released or expired: the reader is done or gone), or after the grant timeout.
+
+Slots are shared fairly between readers (a reader is an opaque identity string; the service
+decides what it is):
+
+* **per-reader cap**: one reader holds at most ``reader_cap`` slots at once (the documented
+  half of the ring, at least one), so it can never take the whole ring. A reader at its cap
+  waits, up to its call's deadline, for one of *its own* slots to come back; it never takes a
+  free slot another reader could use, and times out with ``ResourceExhausted`` saying so;
+* **fair order**: when no slot is free, Gathers wait in one queue per reader and freed slots
+  go round-robin over the readers that wait and are under their cap (FIFO within a reader),
+  so a reader that asks for many slots gets one per turn, like every other waiting reader.
+
+The owner side waits on the ring (shared with this daemon's own reader chunks) through at most
+one :meth:`~kvxferd.staging.ring.StagingRing.claim` at a time, made only while some waiting
+reader could take a slot. :meth:`StagingOwner.occupancy` is the cheap view for metrics.
+Event-loop only, like the ring.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from kvxferd.blocks import check_block_ids
-from kvxferd.errors import InvalidRequest, LeaseRefused, ResourceExhausted
+from kvxferd.errors import EngineDetached, InvalidRequest, LeaseRefused, ResourceExhausted
 from kvxferd.logs import kv
 from kvxferd.pool import KVPool
 from kvxferd.staging.chunks import span_offsets
 from kvxferd.staging.device import Int64Array, PoolCopier
-from kvxferd.staging.ring import StagingRing
+from kvxferd.staging.ring import StagingRing, half_cap
+from kvxferd.staging.stats import Occupancy
 from kvxferd.transfer.leases import LeaseTable, Released
 
 log = logging.getLogger(__name__)
@@ -44,12 +62,22 @@ class _Held:
     request_id: str
     reader: str
     timer: asyncio.TimerHandle
-    busy: bool = True  # the gather thread is still writing the slot
+    busy: bool = True  # the gather thread is still writing the slot (or is about to)
     revoked: bool = False  # taken back while busy: free it when the gather ends
 
 
+@dataclass(eq=False)
+class _Waiter:
+    """One Gather waiting for a slot; ``fut`` resolves with a slot already granted to it."""
+
+    request_id: str
+    reader: str
+    fut: asyncio.Future[int]
+
+
 class StagingOwner:
-    """Grants slots of ``ring`` to readers of requests held in ``leases``."""
+    """Grants slots of ``ring`` to readers of requests held in ``leases``, at most
+    ``reader_cap`` (default: half the ring) per reader, round-robin over waiting readers."""
 
     def __init__(
         self,
@@ -59,14 +87,29 @@ class StagingOwner:
         *,
         grant_timeout_s: float,
         max_block_ids: int,
+        reader_cap: int | None = None,
     ) -> None:
         self.ring = ring
         self.pool = pool
         self.leases = leases
         self.grant_timeout_s = grant_timeout_s
         self.max_block_ids = max_block_ids
+        chunks = ring.info.chunks
+        self.reader_cap = half_cap(chunks) if reader_cap is None else reader_cap
+        if not 1 <= self.reader_cap <= chunks:
+            raise InvalidRequest(
+                f"a per-reader cap of {self.reader_cap} staging slots does not fit a ring of"
+                f" {chunks}",
+                field="reader_cap",
+                fix="use a cap between 1 and the ring's slot count (default: half the ring)",
+            )
         self.copier = PoolCopier(pool)
         self._grants: dict[int, _Held] = {}
+        self._count: dict[str, int] = {}  # reader -> slots granted to it (busy ones included)
+        self._queues: dict[str, deque[_Waiter]] = {}  # reader -> its waiting Gathers, FIFO
+        self._turn: deque[str] = deque()  # readers with waiting Gathers, round-robin order
+        self._claim: asyncio.Future[int] | None = None  # our one wait on the ring
+        self._stopped = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ended: Callable[[Released], None] | None = None
 
@@ -82,20 +125,57 @@ class StagingOwner:
         self.leases.subscribe(ended)
 
     def stop(self) -> None:
-        """Stop following lease ends (the pool went away); grants still out come back to the
-        ring through their timeout or release, since the ring outlives this owner."""
+        """Stop following lease ends (the pool went away) and fail the Gathers still waiting;
+        grants still out come back to the ring through their timeout or release, since the
+        ring outlives this owner."""
         if self._ended is not None:
             self.leases.unsubscribe(self._ended)
             self._ended = None
+        self._stopped = True
+        self._cancel_claim()
+        for q in list(self._queues.values()):
+            for w in list(q):
+                self._fail(
+                    w,
+                    EngineDetached(
+                        "the engine's pool went away while this Gather waited for a staging slot",
+                        fix="hold the request again once the engine is attached, and retry",
+                    ),
+                )
 
     @property
     def granted(self) -> int:
         return len(self._grants)
 
+    def occupancy(self) -> Occupancy:
+        """Slots granted per reader, Gathers waiting per reader, free slots (a copy; cheap:
+        ``O(readers)``, no lock, no device work)."""
+        chunks = self.ring.info.chunks
+        free = self.ring.free_slots
+        granted = {r: n for r, n in self._count.items() if n > 0}
+        return Occupancy(
+            slots=chunks,
+            free=free,
+            reader_cap=self.reader_cap,
+            granted=granted,
+            waiting={r: len(q) for r, q in self._queues.items() if q},
+            local=max(0, self.ring.taken_slots - len(self._grants)),
+        )
+
+    def _lease_blocks(self, request_id: str) -> tuple[Int64Array, ...] | None:
+        """The kernel blocks held under ``request_id``, or None when it is not held."""
+        # main's table answers get(); the per-reader table (issue 11 item 1) answers blocks().
+        if hasattr(self.leases, "blocks"):
+            blocks: tuple[Int64Array, ...] | None = self.leases.blocks(request_id)  # type: ignore[attr-defined,unused-ignore]
+            return blocks
+        lease = self.leases.get(request_id)  # type: ignore[attr-defined,unused-ignore]
+        held: tuple[Int64Array, ...] | None = None if lease is None else lease.kernel_blocks
+        return held
+
     def _check(self, request_id: str, kernel_ids: Sequence[Sequence[int]]) -> list[Int64Array]:
         spec = self.pool.spec
-        lease = self.leases.get(request_id)
-        if lease is None:
+        blocks = self._lease_blocks(request_id)
+        if blocks is None:
             raise LeaseRefused(
                 f"request {request_id!r} is not held here (never held, released or expired)",
                 field="request_id",
@@ -111,7 +191,7 @@ class StagingOwner:
         for g, ids in enumerate(kernel_ids):
             where = f"kernel_block_ids.groups[{g}]"
             arr = check_block_ids(ids, spec.num_kernel_blocks(g), where, max_ids=self.max_block_ids)
-            held = lease.kernel_blocks[g] if g < len(lease.kernel_blocks) else arr[:0]
+            held = blocks[g] if g < len(blocks) else arr[:0]
             outside = arr[~np.isin(arr, held)]
             if outside.size:
                 raise LeaseRefused(
@@ -147,17 +227,8 @@ class StagingOwner:
                 field="kernel_block_ids",
                 fix="cut chunks by the chunk_bytes this daemon advertises in its handshake",
             )
-        try:
-            slot = await asyncio.wait_for(self.ring.take(), timeout=timeout_s)
-        except TimeoutError:
-            raise ResourceExhausted(
-                f"no staging slot became free within {timeout_s:.3f}s"
-                f" ({self.ring.info.chunks} slots, {self.granted} granted)",
-                fix="retry later, or raise transfer.staging_chunks on the owner",
-            ) from None
-        loop = asyncio.get_running_loop()
-        held = _Held(request_id, reader, loop.call_later(self.grant_timeout_s, self._expire, slot))
-        self._grants[slot] = held
+        slot = await self._acquire(request_id, reader, timeout_s)
+        held = self._grants[slot]
         work = asyncio.ensure_future(
             asyncio.to_thread(self.copier.gather, ids, self.ring.view(slot, total))
         )
@@ -172,7 +243,7 @@ class StagingOwner:
             self._drop(slot)
             raise
         held.busy = False
-        if held.revoked or self.leases.get(request_id) is None:
+        if held.revoked or self._lease_blocks(request_id) is None:
             self._drop(slot)
             raise LeaseRefused(
                 f"the lease of {request_id!r} ended during the gather",
@@ -191,11 +262,182 @@ class StagingOwner:
                 n += 1
         return n
 
+    def release_reader(self, reader: str) -> int:
+        """Take back every slot granted to ``reader`` and fail its waiting Gathers (the reader
+        restarted or was evicted); returns how many slots it held. A slot still being gathered
+        into returns when its gather ends."""
+        mine = [slot for slot, h in self._grants.items() if h.reader == reader]
+        for slot in mine:
+            self._reclaim(slot, "reader gone")
+        for w in list(self._queues.get(reader, ())):
+            self._fail(
+                w,
+                LeaseRefused(
+                    f"reader {reader!r} was replaced or evicted while this Gather waited",
+                    fix="handshake again and retry the pull",
+                ),
+            )
+        return len(mine)
+
+    # -- granting -------------------------------------------------------------------------------
+
+    async def _acquire(self, request_id: str, reader: str, timeout_s: float | None) -> int:
+        """A slot granted to ``reader`` (registered, busy): at once when one is free, the
+        reader is under its cap and no reader that could take it waits; else in turn."""
+        if self._stopped:
+            raise EngineDetached(
+                "this staging owner was stopped (the engine's pool went away)",
+                fix="hold the request again once the engine is attached, and retry",
+            )
+        if self._count.get(reader, 0) < self.reader_cap and self._eligible() is None:
+            slot = self.ring.try_take()
+            if slot is not None:
+                self._grant(slot, request_id, reader)
+                return slot
+        loop = asyncio.get_running_loop()
+        w = _Waiter(request_id, reader, loop.create_future())
+        q = self._queues.get(reader)
+        if q is None:
+            q = self._queues[reader] = deque()
+            self._turn.append(reader)
+        q.append(w)
+        timer = None
+        if timeout_s is not None:
+            timer = loop.call_later(max(0.0, timeout_s), self._time_out, w, timeout_s)
+        self._pump()
+        try:
+            return await w.fut
+        except asyncio.CancelledError:
+            if w.fut.done() and not w.fut.cancelled() and w.fut.exception() is None:
+                self._drop(w.fut.result())  # granted just as the caller went away
+            else:
+                self._unqueue(w)
+            raise
+        finally:
+            if timer is not None:
+                timer.cancel()
+
+    def _grant(self, slot: int, request_id: str, reader: str) -> None:
+        assert self._loop is None or self._loop is asyncio.get_running_loop()
+        timer = asyncio.get_running_loop().call_later(self.grant_timeout_s, self._expire, slot)
+        self._grants[slot] = _Held(request_id, reader, timer)
+        self._count[reader] = self._count.get(reader, 0) + 1
+
+    def _eligible(self) -> str | None:
+        """The first reader in turn that waits and is under its cap."""
+        for reader in self._turn:
+            if self._count.get(reader, 0) < self.reader_cap:
+                return reader
+        return None
+
+    def _next_waiter(self) -> _Waiter | None:
+        """Pop the waiter served next (round-robin over eligible readers, FIFO within one);
+        its reader moves to the back of the turn."""
+        for reader in list(self._turn):
+            if self._count.get(reader, 0) >= self.reader_cap:
+                continue
+            q = self._queues[reader]
+            while q and q[0].fut.done():  # cancelled; its coroutine unqueues it soon
+                q.popleft()
+            self._turn.remove(reader)
+            if not q:
+                del self._queues[reader]
+                continue
+            w = q.popleft()
+            if q:
+                self._turn.append(reader)
+            else:
+                del self._queues[reader]
+            return w
+        return None
+
+    def _unqueue(self, w: _Waiter) -> None:
+        q = self._queues.get(w.reader)
+        if q is not None and w in q:
+            q.remove(w)
+            if not q:
+                del self._queues[w.reader]
+                self._turn.remove(w.reader)
+        self._pump()
+
+    def _fail(self, w: _Waiter, err: BaseException) -> None:
+        if w.fut.done():
+            return
+        self._unqueue(w)
+        w.fut.set_exception(err)
+
+    def _pump(self) -> None:
+        """Hold one claim on the ring exactly while some waiting reader could take a slot."""
+        want = not self._stopped and self._eligible() is not None
+        if want and self._claim is None:
+            claim = self.ring.claim()
+            self._claim = claim
+            claim.add_done_callback(self._claimed)
+        elif not want:
+            self._cancel_claim()
+
+    def _cancel_claim(self) -> None:
+        claim = self._claim
+        if claim is not None and not claim.done():
+            self._claim = None
+            claim.cancel()
+
+    def _claimed(self, claim: asyncio.Future[int]) -> None:
+        if claim.cancelled():
+            if claim is self._claim:
+                self._claim = None
+                self._pump()
+            return
+        slot = claim.result()
+        if claim is self._claim:
+            self._claim = None
+        w = None if self._stopped else self._next_waiter()
+        if w is None:
+            self.ring.give(slot)  # nobody can take it any more: to the next ring waiter
+        else:
+            self._grant(slot, w.request_id, w.reader)
+            w.fut.set_result(slot)
+        self._pump()
+
+    def _time_out(self, w: _Waiter, timeout_s: float) -> None:
+        self._fail(w, self._exhausted(w.reader, timeout_s))
+
+    def _exhausted(self, reader: str, timeout_s: float) -> ResourceExhausted:
+        chunks = self.ring.info.chunks
+        held = self._count.get(reader, 0)
+        if held >= self.reader_cap:
+            return ResourceExhausted(
+                f"reader {reader!r} holds {held} staging slot(s) here, its cap ({self.reader_cap}"
+                f" of the ring's {chunks}: one reader may hold at most half), and none of them"
+                f" was released within {timeout_s:.3f}s; a reader at its cap waits for its own"
+                " slots and never takes other readers'",
+                fix="release each slot as soon as it is read (ReleaseStaging, or the next"
+                " Gather's release_slots) before gathering more, or read with fewer chunks in"
+                " flight; for more per reader raise transfer.staging_chunks on the owner",
+            )
+        occ = self.occupancy()
+        return ResourceExhausted(
+            f"no staging slot became free within {timeout_s:.3f}s: all {chunks} are in use"
+            f" ({occ.granted_total} granted to {len(occ.granted)} reader(s), {occ.local} used by"
+            f" this daemon's own pulls; {occ.waiting_total} Gather(s) waiting; reader"
+            f" {reader!r} holds {held} of its cap {self.reader_cap})",
+            fix="retry later or with a longer deadline, or raise transfer.staging_chunks on"
+            " the owner",
+        )
+
+    # -- taking slots back ----------------------------------------------------------------------
+
     def _drop(self, slot: int) -> None:
         h = self._grants.pop(slot, None)
         if h is not None:
             h.timer.cancel()
+            n = self._count.get(h.reader, 0) - 1
+            if n > 0:
+                self._count[h.reader] = n
+            else:
+                self._count.pop(h.reader, None)
             self.ring.give(slot)
+            self._pump()  # the reader may be under its cap again
 
     def _reclaim(self, slot: int, why: str) -> None:
         h = self._grants.get(slot)
@@ -214,6 +456,17 @@ class StagingOwner:
         self._reclaim(slot, f"grant timeout {self.grant_timeout_s}s")
 
     def _lease_ended(self, request_id: str) -> None:
+        for q in list(self._queues.values()):
+            for w in [w for w in q if w.request_id == request_id]:
+                self._fail(
+                    w,
+                    LeaseRefused(
+                        f"the lease of {request_id!r} ended while this Gather waited for a"
+                        " staging slot",
+                        field="request_id",
+                        fix="hold the request again and retry the pull",
+                    ),
+                )
         for slot, h in list(self._grants.items()):
             if h.request_id == request_id:
                 self._reclaim(slot, "lease ended")
