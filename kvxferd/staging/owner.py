@@ -46,6 +46,11 @@ from kvxferd.transfer.leases import LeaseTable, Released
 
 log = logging.getLogger(__name__)
 
+# A Gather that cannot get a slot gives up this much before its caller's deadline (a tenth of
+# the time, at most this), so the caller reads why (ResourceExhausted and its fix), not a bare
+# DEADLINE_EXCEEDED from its own side.
+REPLY_MARGIN_S = 0.2
+
 
 @dataclass(frozen=True)
 class Grant:
@@ -212,7 +217,8 @@ class StagingOwner:
         release: Sequence[int] = (),
         timeout_s: float | None = None,
     ) -> Grant:
-        """Check, wait for a slot (up to ``timeout_s``), gather, answer the slot."""
+        """Check, wait for a slot (up to ``timeout_s``, less a reply margin), gather, answer
+        the slot. ``reader`` is an opaque identity: caps and turns are per distinct string."""
         self.release(request_id, reader, release)
         ids = self._check(request_id, kernel_ids)
         _, total = span_offsets([int(a.size) for a in ids], self.copier.row_bytes)
@@ -303,7 +309,8 @@ class StagingOwner:
         q.append(w)
         timer = None
         if timeout_s is not None:
-            timer = loop.call_later(max(0.0, timeout_s), self._time_out, w, timeout_s)
+            wait_s = max(0.0, timeout_s - min(REPLY_MARGIN_S, timeout_s / 10))
+            timer = loop.call_later(wait_s, self._time_out, w, wait_s)
         self._pump()
         try:
             return await w.fut
