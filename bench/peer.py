@@ -86,9 +86,10 @@ def _owner_main(spec: OwnerSpec, conn: Connection) -> None:
                 rid, readers, ttl = args
                 leases.hold(rid, [np.arange(4)], readers=readers, ttl_s=ttl)
                 conn.send(None)
-            elif cmd == "confirm":
-                leases.confirm_and_extend(args[0])
-                conn.send(None)
+            elif cmd == "confirm":  # (request ID, reader key): the reader's ticket
+                conn.send(leases.confirm(args[0], args[1], 10.0).ticket)
+            elif cmd == "stray":
+                conn.send(leases.stray_notifications)
             elif cmd == "notify":
                 agent.send_notif(args[0], args[1])
                 conn.send(None)

@@ -33,6 +33,7 @@ class Metrics:
     handshakes: Counter
     leases_active: Gauge
     lease_releases: Counter
+    notifications: Counter
     rpc_errors: Counter
     registered_bytes: Gauge
     pool_generation: Gauge
@@ -114,6 +115,13 @@ class Metrics:
                 "kvxferd_lease_releases",
                 "Held requests released, by reason.",
                 ["reason"],
+                registry=r,
+            ),
+            notifications=Counter(
+                "kvxferd_notifications",
+                "READ_DONE notifications received, by result: counted (a confirmed reader's"
+                " ticket), stray (no share of that ticket is reading: ignored), undecodable.",
+                ["result"],
                 registry=r,
             ),
             rpc_errors=Counter(

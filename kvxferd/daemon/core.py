@@ -31,6 +31,7 @@ from kvxferd.daemon.peers import (
     remote_error,
 )
 from kvxferd.daemon.pulls import PullBook, PullRecord, PullState
+from kvxferd.daemon.sessions import PeerSession, Sessions, UnknownSession
 from kvxferd.daemon.slot import PoolSlot
 from kvxferd.errors import (
     AlreadyExists,
@@ -60,9 +61,9 @@ from kvxferd.transfer import (
     TransferStatus,
     notify,
 )
-from kvxferd.transfer.leases import Lease
+from kvxferd.transfer.leases import Lease, LeaseView
 from kvxferd.transfer.strategy import Strategy
-from kvxferd.v1 import peer_pb2, spec_pb2
+from kvxferd.v1 import common_pb2, peer_pb2, spec_pb2
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,7 @@ class DaemonLimits:
     peer_timeout_s: float = 5.0
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 5.0
+    max_deadline_s: float = 600.0  # the longest lease an owner grants (LeaseTable.max_ttl_s)
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,18 @@ class PullRequest:
     local_ids: tuple[Int64Array, ...]
     deadline_s: float
     notify: bool = True
+    fingerprint: bytes = b""  # identifies the request for idempotent retries
+
+
+@dataclass
+class _Share:
+    """This reader's share of an owner's lease, for one pull."""
+
+    ticket: int  # 0: never confirmed
+    valid_until: float  # monotonic; the owner may reuse the blocks after it
+    address: str
+    done: bool = False
+    lost: bool = False
 
 
 @dataclass(frozen=True)
@@ -156,8 +170,18 @@ class Daemon:
         self.pulls = PullBook()
         self.peers: PeerDirectory | None = None
         self.draining = False
+        self.sessions = Sessions(
+            liveness_s=limits.heartbeat_timeout_s,
+            reading=leases.reading,
+            on_retire=self._retire_session,
+        )
         self._held: dict[str, HeldRequest] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._confirming: dict[str, asyncio.Future[_Share]] = {}
+        self._shares: dict[str, _Share] = {}
+        self._posted: set[str] = set()  # pulls whose READ was posted (may write local blocks)
+        self._cancel_requested: set[str] = set()
+        self._heartbeats: dict[str, asyncio.Task[None]] = {}
         self._release_watchers: list[tuple[frozenset[str], asyncio.Queue[Release]]] = []
 
     # -- the pool (fixed, or attached by an engine: kvxferd.daemon.slot) ---------------------
@@ -270,6 +294,7 @@ class Daemon:
         readers: int,
         ttl_s: float | None,
     ) -> HeldRequest:
+        notify.check_request_id(request_id)  # every reader's notification must carry it
         spec = self.pool.spec
         if len(logical_ids) != len(spec.groups):
             raise InvalidRequest(
@@ -301,19 +326,82 @@ class Daemon:
 
     def held(self, request_id: str) -> HeldRequest:
         h = self._held.get(request_id)
-        if h is None:
+        if h is None or request_id not in self.leases:
+            reason = self.leases.ended(request_id)
+            if reason is None:
+                raise NotFound(
+                    f"request {request_id!r} is not held here (never held, or released long ago)",
+                    field="request_id",
+                    fix="the prefill engine must Hold the request before the decode side pulls it",
+                )
             raise LeaseRefused(
-                f"request {request_id!r} is not held here (never held, released or expired)",
+                f"request {request_id!r} is no longer held ({reason.value}); its blocks may be"
+                " reused",
                 field="request_id",
-                fix="the prefill engine must Hold the request before the decode side pulls it",
+                fix="do not read: re-run the prefill (or hold with a longer TTL)",
             )
         return h
 
-    def confirm_lease(self, request_id: str, extend_s: float | None) -> HeldRequest:
+    # Every reader call below names the caller by its handshake session (kvxferd.daemon.sessions),
+    # never by a field of the request.
+
+    def accept_handshake(self, remote: RemoteDescription, who: str) -> PeerSession:
+        """A peer handshook: give it a session. Its NIXL metadata is not loaded here: an owner
+        only answers READs and receives notifications, and a reader loads what it reads from
+        when it handshakes itself (so a handshake never disturbs this daemon's own pulls)."""
+        return self.sessions.open(
+            remote.agent_name, remote.instance_id, remote.daemon_id, remote.address or who
+        )
+
+    def _share_s(self, requested_s: float) -> float:
+        """A reader's share lasts what it asked, capped by the heartbeat timeout (heartbeats
+        renew it), so a reader that dies frees its blocks within that timeout."""
+        cap = self.limits.heartbeat_timeout_s
+        return cap if requested_s <= 0 else min(requested_s, cap)
+
+    def confirm_lease(
+        self, session: PeerSession, request_id: str, extend_s: float
+    ) -> tuple[HeldRequest, LeaseView]:
         self.slot.current()  # EngineDetached: say why, rather than "not held"
-        h = self.held(request_id)
-        lease = self.leases.confirm_and_extend(request_id, extend_s or None)
-        return HeldRequest(h.request_id, h.logical_ids, lease)
+        view = self.leases.confirm(request_id, session.reader, self._share_s(extend_s))
+        return self.held(request_id), view
+
+    def extend_lease(
+        self, session: PeerSession, request_id: str, extend_s: float
+    ) -> tuple[HeldRequest, LeaseView]:
+        if extend_s <= 0:
+            raise InvalidRequest(
+                "extend_ms must be > 0", field="extend_ms", fix="send how long to extend, in ms"
+            )
+        view = self.leases.extend(request_id, session.reader, self._share_s(extend_s))
+        return self.held(request_id), view
+
+    def release_lease(
+        self, session: PeerSession, request_id: str, *, done: bool
+    ) -> tuple[HeldRequest, LeaseView, bool]:
+        held = self.held(request_id)
+        view, released = self.leases.finish(request_id, session.reader, done=done)
+        return held, view, released
+
+    def heartbeat(
+        self, session: PeerSession, request_ids: Sequence[str], renew_s: float
+    ) -> tuple[list[str], float]:
+        """Renew the caller's shares; returns the lost request IDs and how long each renewed
+        share now lasts (renew_ms is clamped to the heartbeat timeout, never refused)."""
+        granted = self._share_s(renew_s) if renew_s > 0 else 0.0
+        return self.leases.renew(session.reader, request_ids, granted), granted
+
+    def _retire_session(self, session: PeerSession) -> None:
+        """A reader restarted or was evicted: its shares lapse now, its staging slots return."""
+        n = self.leases.reader_gone(session.reader)
+        owner = self.staging.owner if self.staging else None
+        if owner is not None:
+            owner.release_reader(session.reader)
+        if n:
+            log.warning(
+                "reader replaced while reading; its shares lapsed",
+                extra=kv(agent=session.agent_name, instance=session.instance_id, shares=n),
+            )
 
     def held_request_ids(self) -> list[str]:
         return list(self._held)
@@ -328,12 +416,23 @@ class Daemon:
 
     # -- reader side (decode) ---------------------------------------------------------------
 
-    async def start_pull(self, req: PullRequest) -> PullRecord:
+    async def start_pull(self, req: PullRequest) -> tuple[PullRecord, bool]:
         """Validate, handshake (cached), plan, then run the pull in the background.
 
         Errors a caller can fix (bad IDs, incompatible or unreachable peer, full queue) are
         raised here, before a transfer exists; later failures end in the pull's status.
+        Idempotent on ``transfer_id``: the same request again returns the existing pull and
+        ``False``; a different request under the same ID is refused.
         """
+        existing = self.pulls.find(req.transfer_id)
+        if existing is not None:
+            if existing.fingerprint != req.fingerprint:
+                raise AlreadyExists(
+                    f"transfer {req.transfer_id!r} already exists for a different request",
+                    field="transfer_id",
+                    fix="use a new transfer_id, or leave it empty to get a generated one",
+                )
+            return existing, False
         if self.draining:
             raise PeerUnavailable(
                 "this daemon is shutting down and takes no new pulls",
@@ -341,17 +440,17 @@ class Daemon:
             )
         if not req.request_id:
             raise InvalidRequest("request_id is empty", field="request_id")
+        notify.check_request_id(req.request_id)
         if not req.peer_address:
             raise InvalidRequest(
                 "peer_address is empty", field="peer_address", fix="pass HoldResponse.peer_address"
             )
-        if req.deadline_s <= 0:
-            raise InvalidRequest(f"deadline {req.deadline_s}s is not positive", field="deadline_ms")
-        if req.transfer_id in self.pulls:
-            raise AlreadyExists(
-                f"transfer {req.transfer_id!r} already exists",
-                field="transfer_id",
-                fix="use a new transfer_id, or leave it empty to get a generated one",
+        if not 0 < req.deadline_s <= self.limits.max_deadline_s:
+            raise InvalidRequest(
+                f"deadline {req.deadline_s:g}s is outside (0, {self.limits.max_deadline_s:g}]",
+                field="deadline_ms",
+                fix=f"ask for at most {int(self.limits.max_deadline_s * 1000)} ms (the longest"
+                " lease an owner grants), or 0 for transfer.default_deadline_ms",
             )
         if self.pulls.num_active >= self.limits.max_inflight:
             raise ResourceExhausted(
@@ -359,7 +458,8 @@ class Daemon:
                 fix="retry later or raise transfer.max_inflight",
             )
         assert self.peers is not None, "attach_peers() before start_pull()"
-        link = await self.peers.ready(req.peer_address)
+        deadline = time.monotonic() + req.deadline_s  # the handshake is charged to it
+        link = await asyncio.wait_for(self.peers.ready(req.peer_address), timeout=req.deadline_s)
         remote = link.remote
         assert remote is not None
         plan = plan_pull(
@@ -395,6 +495,9 @@ class Daemon:
                     chunks=len(decision.chunks),
                 ),
             )
+        existing = self.pulls.find(req.transfer_id)  # a twin raced us through the handshake
+        if existing is not None:
+            return await self.start_pull(req)
         rec = self.pulls.add(
             PullRecord(
                 transfer_id=req.transfer_id,
@@ -402,24 +505,28 @@ class Daemon:
                 peer_address=req.peer_address,
                 nbytes=part.nbytes,
                 naive_descriptors=part.naive_descriptors,
-                deadline_ns=time.time_ns() + int(req.deadline_s * 1e9),
+                deadline_ns=time.time_ns() + int((deadline - time.monotonic()) * 1e9),
                 strategy=decision.choice.strategy.value if decision else "DIRECT",
                 strategy_reason=decision.choice.reason if decision else "staging not configured",
+                fingerprint=req.fingerprint,
             )
         )
         self.metrics.inflight_transfers.inc()
         staged = decision if decision and decision.choice.strategy is Strategy.STAGED else None
+        link.active += 1
+        self._ensure_heartbeat(link)
         self._spawn(
             self._run_pull(
                 req,
                 link,
                 part,
                 plan.local_kernel_blocks,
+                deadline=deadline,
                 staged=staged,
                 remote_blocks=plan.remote_kernel_blocks,
             )
         )
-        return rec
+        return rec, True
 
     async def _run_pull(
         self,
@@ -428,23 +535,45 @@ class Daemon:
         plan: TransferPlan,
         local_blocks: tuple[Int64Array, ...],
         *,
+        deadline: float,
         staged: Decision | None = None,
         remote_blocks: tuple[Int64Array, ...] = (),
     ) -> None:
         tid = req.transfer_id
         t0 = time.monotonic()
-        deadline = t0 + req.deadline_s
-        remote = link.remote
-        assert remote is not None
+        share: _Share | None = None
         try:
             self.pulls.update(tid, state=PullState.CONFIRMING, started_ns=time.time_ns())
-            await asyncio.wait_for(
-                self._confirm(link, req), timeout=max(1e-3, deadline - time.monotonic())
-            )
-            if self.pulls.get(tid).state.terminal:
-                return  # cancelled while confirming: nothing was posted, nothing written
+            confirming = asyncio.ensure_future(self._confirm(link, req, deadline))
+            self._confirming[tid] = confirming
+            try:
+                share = await asyncio.wait_for(
+                    confirming, timeout=max(1e-3, deadline - time.monotonic())
+                )
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise  # the daemon is stopping
+                share = None  # CancelTransfer stopped the confirmation: nothing was posted
+            finally:
+                self._confirming.pop(tid, None)
+            self._shares[tid] = share if share is not None else _Share(0, 0.0, link.address)
+            # The one decision point: no await between this check and the post, so a cancel
+            # either lands before (nothing is read) or after (the READ is cancelled and every
+            # local block it may have written is listed).
+            if share is None or tid in self._cancel_requested:
+                self.pulls.update(
+                    tid,
+                    state=PullState.CANCELLED,
+                    error=Cancelled(
+                        f"transfer {tid} cancelled by a caller before its READ was posted;"
+                        " no local block was written"
+                    ),
+                )
+                return
+            self._posted.add(tid)
             self.pulls.update(tid, state=PullState.TRANSFERRING)
-            note = notify.encode(req.request_id) if req.notify else b""
+            note = notify.encode(req.request_id, share.ticket) if req.notify else b""
             if staged is not None:
                 job = self._staged_job(
                     req,
@@ -453,25 +582,39 @@ class Daemon:
                     local_blocks=local_blocks,
                     remote_blocks=remote_blocks,
                     deadline=deadline,
+                    notif=note,
                 )
                 result = await self._staged_pull(job, plan)
             else:
                 xfer = self.engine.submit(
                     tid,
-                    remote.agent_name,
+                    link.remote.agent_name if link.remote else "",
                     plan,
                     notif=note,
                     timeout_s=max(1e-3, deadline - time.monotonic()),
                 )
                 result = await xfer.wait()
             state = _TERMINAL[result.status]
+            error = result.error or (
+                None if state is PullState.DONE else KvxferdError(result.reason)
+            )
+            invalid = result.invalid_blocks
+            if state is PullState.DONE and (share.lost or time.monotonic() > share.valid_until):
+                state, invalid = PullState.FAILED, local_blocks
+                error = LeaseRefused(
+                    f"the lease share on {req.peer_address} lapsed or was lost before the READ"
+                    " completed, so the owner may have reused the blocks",
+                    field="request_id",
+                    fix="pull again after re-running the prefill; check the peers' heartbeats"
+                    " (peers.heartbeat_timeout_ms) and load",
+                )
+            share.done = state is PullState.DONE
             self.pulls.update(
                 tid,
                 state=state,
                 posted_descriptors=result.descriptors,
-                error=result.error
-                or (None if state is PullState.DONE else KvxferdError(result.reason)),
-                invalid_local_blocks=result.invalid_blocks,
+                error=error,
+                invalid_local_blocks=invalid if state is not PullState.DONE else (),
             )
             if isinstance(result.error, PeerUnavailable) and self.peers is not None:
                 await self.peers.invalidate(req.peer_address, str(result.error))
@@ -484,24 +627,34 @@ class Daemon:
                     f"confirming the lease with {req.peer_address} outlasted the deadline",
                     fix="raise deadline_ms or check the peer's health",
                 ),
-                invalid_local_blocks=local_blocks,
+                invalid_local_blocks=local_blocks if tid in self._posted else (),
             )
         except KvxferdError as err:
             if isinstance(err, PeerUnavailable) and self.peers is not None:
                 await self.peers.invalidate(req.peer_address, str(err))
                 self._peer_gauge()
             self.pulls.update(
-                tid, state=PullState.FAILED, error=err, invalid_local_blocks=local_blocks
+                tid,
+                state=PullState.FAILED,
+                error=err,
+                invalid_local_blocks=local_blocks if tid in self._posted else (),
             )
         except asyncio.CancelledError:
             self.pulls.update(
                 tid,
                 state=PullState.CANCELLED,
                 error=Cancelled("the daemon stopped before the pull finished"),
-                invalid_local_blocks=local_blocks,
+                invalid_local_blocks=local_blocks if tid in self._posted else (),
             )
             raise
         finally:
+            link.active -= 1
+            self._cancel_requested.discard(tid)
+            self._posted.discard(tid)
+            held = self._shares.pop(tid, None)
+            if held is not None and held.ticket and (not held.done or not req.notify):
+                # Give our share back (or report it read when no notification carried that).
+                self._spawn(self._release_share(link, req.request_id, done=held.done))
             rec = self.pulls.get(tid)
             self._account(rec, time.monotonic() - t0)
 
@@ -514,8 +667,10 @@ class Daemon:
         local_blocks: tuple[Int64Array, ...],
         remote_blocks: tuple[Int64Array, ...],
         deadline: float,
+        notif: bytes,
     ) -> StagedJob:
         assert link.remote is not None and link.remote.staging is not None
+        assert self.peers is not None
         return StagedJob(
             transfer_id=req.transfer_id,
             request_id=req.request_id,
@@ -528,7 +683,8 @@ class Daemon:
             remote_ids=remote_blocks,
             chunks=staged.chunks,
             deadline=deadline,
-            notif=notify.encode(req.request_id) if req.notify else b"",
+            notif=notif,
+            metadata=self.peers.metadata(link),
         )
 
     async def _staged_pull(self, job: StagedJob, plan: TransferPlan) -> TransferResult:
@@ -538,36 +694,143 @@ class Daemon:
         finally:
             self.pulls.update(job.transfer_id, stage_times=job.times)
 
-    async def _confirm(self, link: PeerLink, req: PullRequest) -> None:
-        assert link.remote is not None
-        try:
-            resp = await link.stub.ConfirmLease(
-                peer_pb2.ConfirmLeaseRequest(
-                    request_id=req.request_id,
-                    reader_id=self.agent_name,
-                    extend_ms=int(max(1.0, req.deadline_s) * 1000),
-                ),
-                timeout=self.limits.peer_timeout_s,
-                metadata=self.call_metadata,
-            )
-        except aio.AioRpcError as exc:
-            raise remote_error(
-                exc, f"confirming the lease of {req.request_id!r}", link.address
-            ) from exc
-        if self.peers is not None:
-            # The owner re-registered (its engine re-attached): its regions moved.
-            await self.peers.refresh(link, resp.lease.registration_generation)
+    async def _confirm(self, link: PeerLink, req: PullRequest, deadline: float) -> _Share:
+        """Confirm our share of the lease. A peer that restarted (it no longer knows our
+        session, or answers with another instance) is handshaken again first: its metadata
+        changed, and reading with the old would fail or read the wrong memory."""
+        assert self.peers is not None
+        for attempt in (1, 2):
+            remote = link.remote
+            assert remote is not None
+            left = deadline - time.monotonic()
+            sent = time.monotonic()
+            try:
+                resp = await link.stub.ConfirmLease(
+                    peer_pb2.ConfirmLeaseRequest(
+                        request_id=req.request_id,
+                        reader_id=self.agent_name,
+                        extend_ms=int(min(max(1.0, left), self.limits.max_deadline_s) * 1000),
+                    ),
+                    timeout=max(1e-3, min(self.limits.peer_timeout_s, left)),
+                    metadata=self.peers.metadata(link),
+                )
+            except aio.AioRpcError as exc:
+                err = remote_error(exc, f"confirming the lease of {req.request_id!r}", link.address)
+                if isinstance(err, UnknownSession) and attempt == 1:
+                    await self._rehandshake(link, "the peer no longer knows our session")
+                    continue
+                raise err from exc
+            if resp.instance_id and resp.instance_id != remote.instance_id:
+                if attempt == 1:
+                    await self._rehandshake(link, f"the peer is now instance {resp.instance_id}")
+                    continue
+                raise PeerUnavailable(
+                    f"peer {link.address} changed instance while we confirmed",
+                    field="peer_address",
+                    fix="retry the pull",
+                )
+            break
+        share = _Share(resp.ticket, sent + resp.lease.remaining_ms / 1000, link.address)
+        # The owner re-registered (its engine re-attached): its regions moved.
+        await self.peers.refresh(link, resp.lease.registration_generation)
         held = resp.lease.block_ids.groups
         for g, ids in enumerate(req.remote_ids):
             have = np.asarray(held[g].ids if g < len(held) else [], dtype=np.int64)
             missing = np.setdiff1d(ids, have)
             if missing.size:
+                self._spawn(self._release_share(link, req.request_id, done=False))
                 raise LeaseRefused(
                     f"remote block IDs {missing[:8].tolist()} of group {g} are not held under"
                     f" request {req.request_id!r} on {link.address}",
                     field=f"remote_block_ids.groups[{g}]",
                     fix="pass exactly the remote_block_ids that Hold returned",
                 )
+        return share
+
+    async def _rehandshake(self, link: PeerLink, why: str) -> None:
+        assert self.peers is not None
+        log.info("peer restarted; handshaking again", extra=kv(peer=link.address, why=why))
+        await self.peers.invalidate(link.address, why, LinkState.STALE)
+        await self.peers.ready(link.address)
+        self._peer_gauge()
+
+    async def _release_share(self, link: PeerLink, request_id: str, *, done: bool) -> None:
+        """Best effort: tell the owner our share ended (it would lapse anyway)."""
+        assert self.peers is not None
+        try:
+            await link.stub.ReleaseLease(
+                peer_pb2.ReleaseLeaseRequest(
+                    request_id=request_id,
+                    reader_id=self.agent_name,
+                    reason=common_pb2.RELEASE_REASON_DONE
+                    if done
+                    else common_pb2.RELEASE_REASON_CANCELLED,
+                ),
+                timeout=self.limits.peer_timeout_s,
+                metadata=self.peers.metadata(link),
+            )
+        except aio.AioRpcError as exc:
+            log.info(
+                "releasing a lease share failed (it lapses on the owner)",
+                extra=kv(peer=link.address, request_id=request_id, error=exc.code().name),
+            )
+
+    # -- heartbeats (reader side) ---------------------------------------------------------
+
+    def _ensure_heartbeat(self, link: PeerLink) -> None:
+        task = self._heartbeats.get(link.address)
+        if task is None or task.done():
+            self._heartbeats[link.address] = asyncio.get_running_loop().create_task(
+                self._heartbeat_loop(link)
+            )
+
+    async def _heartbeat_loop(self, link: PeerLink) -> None:
+        """While pulls from ``link`` are in flight, renew their shares and watch for a restart
+        or a lost lease; a pull whose share is lost is cancelled (its blocks may be reused)."""
+        assert self.peers is not None
+        interval = self.limits.heartbeat_interval_s
+        while link.active > 0:
+            await asyncio.sleep(interval)
+            mine = {
+                tid: sh
+                for tid, sh in self._shares.items()
+                if sh.address == link.address and sh.ticket and not sh.done
+            }
+            if not mine or link.remote is None:
+                continue
+            rids = {self.pulls.get(tid).request_id: tid for tid in mine}
+            sent = time.monotonic()
+            try:
+                resp = await self.peers.heartbeat(
+                    link,
+                    list(rids),
+                    int(self.limits.heartbeat_timeout_s * 1000),
+                    max(interval, 1e-3),
+                )
+            except KvxferdError as err:
+                log.info("heartbeat failed", extra=kv(peer=link.address, error=str(err)))
+                continue
+            lost = set(resp.lost_request_ids)
+            if resp.instance_id != link.remote.instance_id:
+                lost = set(rids)
+                await self.peers.invalidate(
+                    link.address, f"peer restarted (instance {resp.instance_id})", LinkState.STALE
+                )
+                self._peer_gauge()
+            for rid, tid in rids.items():
+                share = mine[tid]
+                if rid in lost:
+                    share.lost = True
+                    await self._abort_read(tid, "the owner no longer holds our share of the lease")
+                elif resp.renewed_ms:
+                    share.valid_until = max(share.valid_until, sent + resp.renewed_ms / 1000)
+
+    async def _abort_read(self, tid: str, why: str) -> None:
+        log.warning("lease share lost; cancelling the read", extra=kv(transfer_id=tid, why=why))
+        reader = self.staging.reader if self.staging else None
+        if reader is not None and reader.cancel(tid):
+            return
+        await asyncio.wrap_future(self.engine.cancel(tid))
 
     def _account(self, rec: PullRecord, seconds: float) -> None:
         m = self.metrics
@@ -599,30 +862,38 @@ class Daemon:
         )
 
     async def cancel(self, transfer_id: str) -> PullRecord:
+        """Cancel a pull. Before its READ is posted, nothing is read (CANCELLED, no block
+        listed); after, the READ is cancelled and the pull ends CANCELLED listing every local
+        block it may have written, or DONE if the READ completed first."""
         rec = self.pulls.get(transfer_id)
         if rec.state.terminal:
             return rec
-        reader = self.staging.reader if self.staging else None
-        if reader is not None and reader.cancel(transfer_id):
-            return await self.pulls.wait_terminal(transfer_id)
-        fut = self.engine.cancel(transfer_id)
-        cancelled = await asyncio.wrap_future(fut)
-        if not cancelled:
-            # Not posted yet (still confirming): end it here; the task sees a terminal state.
-            return self.pulls.update(
-                transfer_id,
-                state=PullState.CANCELLED,
-                error=Cancelled(f"transfer {transfer_id} cancelled by a caller"),
-            )
+        self._cancel_requested.add(transfer_id)
+        if transfer_id in self._posted:
+            reader = self.staging.reader if self.staging else None
+            if reader is None or not reader.cancel(transfer_id):
+                await asyncio.wrap_future(self.engine.cancel(transfer_id))
+        else:
+            confirming = self._confirming.get(transfer_id)
+            if confirming is not None:
+                confirming.cancel()
         return await self.pulls.wait_terminal(transfer_id)
 
     async def watch(self, transfer_ids: frozenset[str]) -> AsyncIterator[PullRecord]:
+        """Every change of the named pulls (all pulls when empty), after a snapshot of their
+        current state; with names, the stream ends once every named pull is terminal."""
         for tid in transfer_ids:
             self.pulls.get(tid)  # NotFound for unknown IDs, before streaming
         q = self.pulls.watch(transfer_ids)
+        pending = set(transfer_ids)
         try:
             while True:
-                yield await q.get()
+                rec = await q.get()
+                yield rec
+                if transfer_ids and rec.state.terminal:
+                    pending.discard(rec.transfer_id)
+                    if not pending:
+                        return
         finally:
             self.pulls.unwatch(q)
 
@@ -673,6 +944,8 @@ class Daemon:
         return len(pending)
 
     async def close(self) -> None:
+        for hb in self._heartbeats.values():
+            hb.cancel()
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -4,6 +4,13 @@ A :class:`PeerLink` is made once per peer address and reused for every pull; the
 (gRPC ``Peer.Handshake``) runs once per peer incarnation and registration generation, and
 everything per peer (NIXL metadata, region table, spec, TP) is loaded then, never per request.
 A refused or failed handshake is a typed error on the pull that needed it.
+
+NIXL peers are keyed by identity, not by address: the agent name and the instance ID learned
+in the handshake. Two addresses of one instance share its loaded metadata (the second
+handshake loads nothing and cancels nothing); a different instance claiming a loaded agent
+name is refused while the loaded instance still answers heartbeats at its own address, and
+replaces it (cancelling the dead instance's pulls) once it does not. The directory is bounded
+(``max_links``): links with no pull in flight are evicted, unreachable ones first.
 """
 
 from __future__ import annotations
@@ -20,13 +27,17 @@ import grpc
 import numpy as np
 from grpc import aio
 
+from kvxferd.daemon.sessions import SESSION_METADATA, UNKNOWN_SESSION_TRAILER, UnknownSession
 from kvxferd.errors import (
     IncompatiblePeer,
+    InvalidRequest,
     KvxferdError,
     LeaseRefused,
     Mismatch,
+    NotFound,
     PeerUnavailable,
     PermissionDenied,
+    ResourceExhausted,
     Unauthenticated,
 )
 from kvxferd.logs import kv
@@ -45,6 +56,7 @@ class LinkState(enum.Enum):
     READY = "READY"
     REFUSED = "REFUSED"
     UNREACHABLE = "UNREACHABLE"
+    STALE = "STALE"  # the peer restarted or re-registered; the next pull handshakes again
 
 
 @dataclass(frozen=True)
@@ -192,6 +204,18 @@ def remote_error(exc: aio.AioRpcError, what: str, address: str) -> KvxferdError:
         return LeaseRefused(
             f"peer {address} refused {what}: {detail}", fix="hold the request again"
         )
+    if code == grpc.StatusCode.UNAUTHENTICATED and _session_unknown(exc):
+        return UnknownSession(
+            f"peer {address} does not know our session ({what}): it restarted",
+            field="peer_address",
+            fix="handshake again (done automatically for pulls)",
+        )
+    if code == grpc.StatusCode.NOT_FOUND:
+        return NotFound(f"peer {address} refused {what}: {detail}", fix="hold the request first")
+    if code == grpc.StatusCode.PERMISSION_DENIED:
+        return PermissionDenied(f"peer {address} refused {what}: {detail}")
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidRequest(f"peer {address} refused {what}: {detail}")
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return Unauthenticated(
             f"peer {address} rejected our credentials for {what}: {detail}",
@@ -202,6 +226,12 @@ def remote_error(exc: aio.AioRpcError, what: str, address: str) -> KvxferdError:
         field="peer_address",
         fix="check that the peer daemon runs and is reachable at that address",
     )
+
+
+def _session_unknown(exc: aio.AioRpcError) -> bool:
+    key, value = UNKNOWN_SESSION_TRAILER
+    trailer: Any = exc.trailing_metadata() or ()
+    return any(tuple(item) == (key, value) for item in trailer)
 
 
 @dataclass
@@ -216,6 +246,13 @@ class PeerLink:
     last_error: str = ""
     last_handshake_ns: int = 0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    session: str = ""  # hex token from the handshake; sent as kvxferd-session metadata
+    active: int = 0  # pulls in flight through this link (the reader keeps it)
+    last_used: float = 0.0
+
+    @property
+    def usable(self) -> bool:
+        return self.state is LinkState.READY and self.remote is not None
 
 
 class PeerDirectory:
@@ -242,17 +279,47 @@ class PeerDirectory:
         self._metadata = metadata
         self._timeout_s = timeout_s
         self._links: dict[str, PeerLink] = {}
+        self._agents: dict[str, tuple[RemoteDescription, str]] = {}  # name -> (loaded, address)
+        self._closing: set[asyncio.Future[None]] = set()
 
     def links(self) -> list[PeerLink]:
         return list(self._links.values())
 
+    def metadata(self, link: PeerLink) -> tuple[tuple[str, str], ...]:
+        """Call metadata for Peer calls on ``link``: credentials plus its session."""
+        return (*self._metadata, (SESSION_METADATA, link.session))
+
     def _link(self, address: str) -> PeerLink:
         link = self._links.get(address)
         if link is None:
+            self._make_room()
             channel = self._channel_factory(address)
             link = PeerLink(address, channel, peer_pb2_grpc.PeerStub(channel))
             self._links[address] = link
+        link.last_used = time.monotonic()
         return link
+
+    def _make_room(self) -> None:
+        """Keep at most ``max_links``: evict idle links, unreachable and refused ones first,
+        then the least recently used."""
+        if len(self._links) < self._max_links:
+            return
+        idle = [x for x in self._links.values() if x.active == 0 and not x.lock.locked()]
+        idle.sort(key=lambda x: (x.state is LinkState.READY, x.last_used))
+        for link in idle[: len(self._links) - self._max_links + 1]:
+            self._drop(link)
+        if len(self._links) >= self._max_links:
+            raise ResourceExhausted(
+                f"{len(self._links)} peer links are in use (peers.max_links)",
+                field="peer_address",
+                fix="raise peers.max_links, or wait for pulls to finish",
+            )
+
+    def _drop(self, link: PeerLink) -> None:
+        self._links.pop(link.address, None)
+        self._closing.add(asyncio.ensure_future(link.channel.close(None)))
+        self._closing = {t for t in self._closing if not t.done()}
+        log.info("peer link evicted", extra=kv(peer=link.address, state=link.state.value))
 
     async def ready(self, address: str) -> PeerLink:
         """The peer at ``address``, handshaking first if it has not been (or was lost)."""
@@ -263,10 +330,10 @@ class PeerDirectory:
                 fix="add the address (or its CIDR) to peers.allow, or pull from an allowed peer",
             )
         link = self._link(address)
-        if link.state is LinkState.READY and link.remote is not None:
+        if link.usable:
             return link
         async with link.lock:
-            if link.state is LinkState.READY and link.remote is not None:
+            if link.usable:
                 return link
             try:
                 await self._handshake(link)
@@ -304,12 +371,74 @@ class PeerDirectory:
                 fix="start the pull again: it is planned against the new layout",
             )
 
-    async def invalidate(self, address: str, reason: str) -> None:
+    async def invalidate(
+        self, address: str, reason: str, state: LinkState = LinkState.UNREACHABLE
+    ) -> None:
         """Forget the handshake (peer restarted or died); the next pull handshakes again."""
         link = self._links.get(address)
-        if link is not None:
-            link.state = LinkState.UNREACHABLE
+        if link is not None and link.state is not LinkState.HANDSHAKING:
+            link.state = state
             link.last_error = reason
+
+    async def heartbeat(
+        self, link: PeerLink, renew: list[str], renew_ms: int, timeout_s: float
+    ) -> peer_pb2.HeartbeatResponse:
+        """One Heartbeat on ``link`` (renewing this reader's shares of ``renew``)."""
+        me = self._me()
+        try:
+            return await link.stub.Heartbeat(
+                peer_pb2.HeartbeatRequest(
+                    daemon_id=me.daemon_id,
+                    instance_id=me.instance_id,
+                    registration_generation=me.generation,
+                    renew_request_ids=renew,
+                    renew_ms=renew_ms,
+                ),
+                timeout=timeout_s,
+                metadata=self.metadata(link),
+            )
+        except aio.AioRpcError as exc:
+            raise remote_error(exc, "heartbeat", link.address) from exc
+
+    async def _alive(self, address: str, instance_id: str) -> bool:
+        """Does the instance loaded from ``address`` still answer there as itself?"""
+        link = self._links.get(address)
+        if link is None or not link.session:
+            return False
+        try:
+            resp = await self.heartbeat(link, [], 0, min(self._timeout_s, 2.0))
+        except KvxferdError:
+            return False
+        return resp.instance_id == instance_id
+
+    async def _load(self, link: PeerLink, remote: RemoteDescription) -> None:
+        """Load ``remote`` into the transfer engine, keyed by its identity (see the module doc)."""
+        known = self._agents.get(remote.agent_name)
+        if known is not None:
+            loaded, where = known
+            if loaded.instance_id == remote.instance_id:
+                if loaded.agent_metadata == remote.agent_metadata:
+                    return  # the same instance again (another address, or a re-handshake)
+            elif where != link.address and await self._alive(where, loaded.instance_id):
+                raise IncompatiblePeer(
+                    [
+                        Mismatch(
+                            "NIXL agent name",
+                            f"{remote.agent_name!r} loaded from instance {loaded.instance_id}"
+                            f" at {where}, which is alive",
+                            f"instance {remote.instance_id} at {link.address}",
+                            "every daemon needs its own nixl.agent_name",
+                        )
+                    ],
+                    peer=link.address,
+                )
+            for other in self._links.values():
+                same = other.remote is not None and other.remote.agent_name == remote.agent_name
+                if other is not link and same:
+                    other.state = LinkState.STALE
+                    other.last_error = f"instance {remote.instance_id} replaced it"
+        self._connect(remote)
+        self._agents[remote.agent_name] = (remote, link.address)
 
     async def _handshake(self, link: PeerLink) -> None:
         me = self._me()
@@ -326,7 +455,8 @@ class PeerDirectory:
             remote = decode_envelope(
                 resp.protocol_version, resp.compat_digest, resp.payload, me, link.address
             )
-            self._connect(remote)
+            link.session = resp.session.hex()
+            await self._load(link, remote)
         except aio.AioRpcError as exc:
             err = remote_error(exc, "handshake", link.address)
             link.state = (
@@ -358,3 +488,4 @@ class PeerDirectory:
         for link in self._links.values():
             await link.channel.close(None)
         self._links.clear()
+        await asyncio.gather(*self._closing, return_exceptions=True)

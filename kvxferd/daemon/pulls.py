@@ -58,6 +58,7 @@ class PullRecord:
     revision: int = 0
     strategy_reason: str = ""
     stage_times: StageTimes | None = None
+    fingerprint: bytes = b""  # the StartPull request it was made from (idempotent retries)
 
 
 class PullBook:
@@ -79,6 +80,9 @@ class PullBook:
         self._done_events[rec.transfer_id] = asyncio.Event()
         self._publish(rec)
         return rec
+
+    def find(self, transfer_id: str) -> PullRecord | None:
+        return self._pulls.get(transfer_id)
 
     def get(self, transfer_id: str) -> PullRecord:
         rec = self._pulls.get(transfer_id)
@@ -121,10 +125,10 @@ class PullBook:
 
     def watch(self, transfer_ids: frozenset[str]) -> asyncio.Queue[PullRecord]:
         """A queue of every future change to ``transfer_ids`` (all pulls when empty), primed
-        with the current snapshot of the named ones."""
+        with the current snapshot of those pulls (every known pull when empty)."""
         q: asyncio.Queue[PullRecord] = asyncio.Queue()
         self._watchers.append((transfer_ids, q))
-        for tid in transfer_ids:
+        for tid in transfer_ids or list(self._pulls):
             rec = self._pulls.get(tid)
             if rec is not None:
                 q.put_nowait(rec)

@@ -8,6 +8,7 @@ else into INTERNAL (logged with its traceback); the daemon keeps serving either 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 import uuid
@@ -21,6 +22,12 @@ from kvxferd.daemon.attach import Attacher
 from kvxferd.daemon.core import Daemon, HeldRequest, PullRequest, Release
 from kvxferd.daemon.peers import LinkState, decode_envelope
 from kvxferd.daemon.pulls import PullRecord, PullState
+from kvxferd.daemon.sessions import (
+    SESSION_METADATA,
+    UNKNOWN_SESSION_TRAILER,
+    PeerSession,
+    UnknownSession,
+)
 from kvxferd.errors import InvalidRequest, KvxferdError
 from kvxferd.logs import kv
 from kvxferd.service.attaching import attach_request_from_proto, pool_info
@@ -28,6 +35,7 @@ from kvxferd.service.convert import group_ids_from_proto, group_ids_to_proto
 from kvxferd.service.staging import gather, release_staging, stage_times_to_proto
 from kvxferd.service.status import message_for, status_for
 from kvxferd.transfer import ReleaseReason
+from kvxferd.transfer.leases import LeaseView
 from kvxferd.v1 import (
     common_pb2,
     engine_pb2,
@@ -79,6 +87,8 @@ async def _rpc(daemon: Daemon, method: str, context: Ctx, call: Callable[[], Awa
         code = status_for(err)
         daemon.metrics.rpc_errors.labels(method, code.name).inc()
         log.info("rpc refused", extra=kv(method=method, code=code.name, error=str(err)))
+        if isinstance(err, UnknownSession):
+            context.set_trailing_metadata((UNKNOWN_SESSION_TRAILER,))
         await context.abort(code, message_for(err))
     except (aio.AbortError, asyncio.CancelledError):
         raise
@@ -118,8 +128,19 @@ def status_to_proto(rec: PullRecord) -> scheduler_pb2.TransferStatus:
 
 
 class PeerService(peer_pb2_grpc.PeerServicer):
+    """Every call but Handshake acts for the caller's handshake session (its
+    ``kvxferd-session`` metadata), never for a reader named in the request."""
+
     def __init__(self, daemon: Daemon) -> None:
         self.d = daemon
+
+    def _session(self, context: Ctx) -> PeerSession:
+        token = ""
+        for item in context.invocation_metadata() or ():
+            key, value = item
+            if key == SESSION_METADATA:
+                token = value if isinstance(value, str) else ""
+        return self.d.sessions.get(token)
 
     async def Handshake(
         self, request: peer_pb2.HandshakeRequest, context: Ctx
@@ -131,31 +152,36 @@ class PeerService(peer_pb2_grpc.PeerServicer):
                 remote = decode_envelope(
                     request.protocol_version, request.compat_digest, request.payload, me, who
                 )
+                session = self.d.accept_handshake(remote, who)
             except KvxferdError:
                 self.d.metrics.handshakes.labels("server", "refused").inc()
                 raise
-            self.d.connect_remote(remote)
             self.d.metrics.handshakes.labels("server", "ok").inc()
-            log.info("handshake accepted", extra=kv(peer=who, agent=remote.agent_name))
+            log.info(
+                "handshake accepted",
+                extra=kv(peer=who, agent=remote.agent_name, instance=remote.instance_id),
+            )
             version, digest, payload = me.envelope()
             return peer_pb2.HandshakeResponse(
-                protocol_version=version, compat_digest=digest, payload=payload
+                protocol_version=version,
+                compat_digest=digest,
+                payload=payload,
+                session=bytes.fromhex(session.token),
             )
 
         return await _rpc(self.d, "Handshake", context, call)
 
-    def _lease(self, held: HeldRequest) -> peer_pb2.Lease:
-        lease = held.lease
-        remaining = max(0.0, lease.expires_at - time.monotonic())
+    def _lease(self, held: HeldRequest, view: LeaseView, active: bool = True) -> peer_pb2.Lease:
+        remaining = max(0.0, view.expires_at - time.monotonic()) if active else 0.0
         return peer_pb2.Lease(
             request_id=held.request_id,
-            state=peer_pb2.LEASE_STATE_ACTIVE,
+            state=peer_pb2.LEASE_STATE_ACTIVE if active else peer_pb2.LEASE_STATE_RELEASED,
             expires_unix_ns=time.time_ns() + int(remaining * 1e9),
             remaining_ms=int(remaining * 1000),
             block_ids=group_ids_to_proto(list(held.logical_ids)),
-            readers_expected=lease.readers,
-            readers_confirmed=lease.confirmations,
-            readers_done=len(lease.done_readers),
+            readers_expected=view.readers,
+            readers_confirmed=view.confirmations,
+            readers_done=view.readers_done,
             registration_generation=self.d.generation,
         )
 
@@ -163,8 +189,11 @@ class PeerService(peer_pb2_grpc.PeerServicer):
         self, request: peer_pb2.ConfirmLeaseRequest, context: Ctx
     ) -> peer_pb2.ConfirmLeaseResponse:
         async def call() -> peer_pb2.ConfirmLeaseResponse:
-            held = self.d.confirm_lease(request.request_id, request.extend_ms / 1000 or None)
-            return peer_pb2.ConfirmLeaseResponse(lease=self._lease(held))
+            session = self._session(context)
+            held, view = self.d.confirm_lease(session, request.request_id, request.extend_ms / 1000)
+            return peer_pb2.ConfirmLeaseResponse(
+                lease=self._lease(held, view), ticket=view.ticket, instance_id=self.d.instance_id
+            )
 
         return await _rpc(self.d, "ConfirmLease", context, call)
 
@@ -172,8 +201,9 @@ class PeerService(peer_pb2_grpc.PeerServicer):
         self, request: peer_pb2.ExtendLeaseRequest, context: Ctx
     ) -> peer_pb2.ExtendLeaseResponse:
         async def call() -> peer_pb2.ExtendLeaseResponse:
-            held = self.d.confirm_lease(request.request_id, request.extend_ms / 1000 or None)
-            return peer_pb2.ExtendLeaseResponse(lease=self._lease(held))
+            session = self._session(context)
+            held, view = self.d.extend_lease(session, request.request_id, request.extend_ms / 1000)
+            return peer_pb2.ExtendLeaseResponse(lease=self._lease(held, view))
 
         return await _rpc(self.d, "ExtendLease", context, call)
 
@@ -181,11 +211,20 @@ class PeerService(peer_pb2_grpc.PeerServicer):
         self, request: peer_pb2.ReleaseLeaseRequest, context: Ctx
     ) -> peer_pb2.ReleaseLeaseResponse:
         async def call() -> peer_pb2.ReleaseLeaseResponse:
-            held = self.d.held(request.request_id)
-            msg = self._lease(held)
-            self.d.leases.cancel(request.request_id)
-            msg.state = peer_pb2.LEASE_STATE_RELEASED
-            return peer_pb2.ReleaseLeaseResponse(lease=msg)
+            session = self._session(context)
+            if request.reason not in (
+                common_pb2.RELEASE_REASON_DONE,
+                common_pb2.RELEASE_REASON_CANCELLED,
+            ):
+                raise InvalidRequest(
+                    f"release reason {request.reason} is not DONE or CANCELLED",
+                    field="reason",
+                    fix="a reader releases its share as DONE (it read) or CANCELLED (gave up)",
+                )
+            held, view, released = self.d.release_lease(
+                session, request.request_id, done=request.reason == common_pb2.RELEASE_REASON_DONE
+            )
+            return peer_pb2.ReleaseLeaseResponse(lease=self._lease(held, view, active=not released))
 
         return await _rpc(self.d, "ReleaseLease", context, call)
 
@@ -193,17 +232,16 @@ class PeerService(peer_pb2_grpc.PeerServicer):
         self, request: peer_pb2.HeartbeatRequest, context: Ctx
     ) -> peer_pb2.HeartbeatResponse:
         async def call() -> peer_pb2.HeartbeatResponse:
-            lost = []
-            for rid in request.renew_request_ids:
-                try:
-                    self.d.confirm_lease(rid, request.renew_ms / 1000 or None)
-                except KvxferdError:
-                    lost.append(rid)
+            session = self._session(context)
+            lost, granted_s = self.d.heartbeat(
+                session, list(request.renew_request_ids), request.renew_ms / 1000
+            )
             return peer_pb2.HeartbeatResponse(
                 instance_id=self.d.instance_id,
                 registration_generation=self.d.generation,
                 lost_request_ids=lost,
                 server_time_unix_ns=time.time_ns(),
+                renewed_ms=int(granted_s * 1000),
             )
 
         return await _rpc(self.d, "Heartbeat", context, call)
@@ -211,16 +249,19 @@ class PeerService(peer_pb2_grpc.PeerServicer):
     async def Gather(
         self, request: peer_pb2.GatherRequest, context: Ctx
     ) -> peer_pb2.GatherResponse:
-        return await _rpc(
-            self.d, "Gather", context, lambda: gather(self.d, request, context.time_remaining())
-        )
+        async def call() -> peer_pb2.GatherResponse:
+            reader = self._session(context).reader
+            return await gather(self.d, request, context.time_remaining(), reader)
+
+        return await _rpc(self.d, "Gather", context, call)
 
     async def ReleaseStaging(
         self, request: peer_pb2.ReleaseStagingRequest, context: Ctx
     ) -> peer_pb2.ReleaseStagingResponse:
-        return await _rpc(
-            self.d, "ReleaseStaging", context, lambda: release_staging(self.d, request)
-        )
+        async def call() -> peer_pb2.ReleaseStagingResponse:
+            return await release_staging(self.d, request, self._session(context).reader)
+
+        return await _rpc(self.d, "ReleaseStaging", context, call)
 
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
@@ -232,7 +273,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     ) -> scheduler_pb2.StartPullResponse:
         async def call() -> scheduler_pb2.StartPullResponse:
             deadline_ms = request.deadline_ms or int(self.d.limits.default_deadline_s * 1000)
+            fingerprint = hashlib.blake2b(
+                request.SerializeToString(deterministic=True), digest_size=16
+            ).digest()
             req = PullRequest(
+                fingerprint=fingerprint,
                 transfer_id=request.transfer_id or uuid.uuid4().hex,
                 request_id=request.request_id,
                 peer_address=request.peer_address,
@@ -241,8 +286,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 deadline_s=deadline_ms / 1000,
                 notify=not request.options.skip_notify,
             )
-            rec = await self.d.start_pull(req)
-            return scheduler_pb2.StartPullResponse(status=status_to_proto(rec), created=True)
+            rec, created = await self.d.start_pull(req)
+            return scheduler_pb2.StartPullResponse(status=status_to_proto(rec), created=created)
 
         return await _rpc(self.d, "StartPull", context, call)
 

@@ -26,14 +26,13 @@ def _owner(daemon: Daemon) -> StagingOwner:
 
 
 async def gather(
-    daemon: Daemon, req: peer_pb2.GatherRequest, time_left: float | None
+    daemon: Daemon, req: peer_pb2.GatherRequest, time_left: float | None, reader: str
 ) -> peer_pb2.GatherResponse:
-    if not req.reader_id:
-        raise InvalidRequest("reader_id is empty", field="reader_id", fix="send your daemon_id")
+    """Gather for ``reader`` (the caller's handshake session, not ``req.reader_id``)."""
     owner = _owner(daemon)
     grant = await owner.gather(
         req.request_id,
-        req.reader_id,
+        reader,
         [list(g.ids) for g in req.kernel_block_ids.groups],
         release=list(req.release_slots),
         timeout_s=time_left,
@@ -47,9 +46,9 @@ async def gather(
 
 
 async def release_staging(
-    daemon: Daemon, req: peer_pb2.ReleaseStagingRequest
+    daemon: Daemon, req: peer_pb2.ReleaseStagingRequest, reader: str
 ) -> peer_pb2.ReleaseStagingResponse:
-    n = _owner(daemon).release(req.request_id, req.reader_id, list(req.slots))
+    n = _owner(daemon).release(req.request_id, reader, list(req.slots))
     return peer_pb2.ReleaseStagingResponse(released=n)
 
 

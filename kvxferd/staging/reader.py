@@ -63,6 +63,7 @@ class StagedJob:
     owner_free: list[int] = field(default_factory=list)  # read, not yet given back
     owner_held: set[int] = field(default_factory=set)  # granted to us, not yet given back
     gathers_left: int = 0
+    metadata: tuple[tuple[str, str], ...] = ()  # the link's credentials and peer session
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
@@ -232,7 +233,7 @@ class StagedReader:
                     release_slots=release,
                 ),
                 timeout=max(1e-3, job.remaining()),
-                metadata=self.call_metadata,
+                metadata=job.metadata or self.call_metadata,
             )
         except aio.AioRpcError as exc:
             job.owner_free.extend(release)  # unknown whether they were freed: try again later
@@ -293,7 +294,7 @@ class StagedReader:
                     request_id=job.request_id, reader_id=job.reader_id, slots=slots
                 ),
                 timeout=5.0,
-                metadata=self.call_metadata,
+                metadata=job.metadata or self.call_metadata,
             )
         except aio.AioRpcError as exc:
             # The owner takes the slots back when the lease ends or the grant times out.

@@ -1,30 +1,43 @@
-"""Owner-side (prefill) lease table: blocks held for readers until read, released, or expired.
+"""Owner-side (prefill) lease table: blocks held for readers, released per reader.
 
 Pure and clock-injected: no NIXL, no asyncio. A lease holds a request's kernel block IDs per KV
-group for ``readers`` expected readers. A reader calls :meth:`LeaseTable.confirm_and_extend`
-before its READ; a refusal (:class:`LeaseRefused`) means the blocks may already be reused and
-nothing may be read. Each reader's completion notification is counted once (by reader name);
-the last one releases the lease. :meth:`LeaseTable.reap` releases expired leases by a full scan.
-Every release is reported once to the ``on_release`` callbacks with its reason.
+group for ``readers`` expected readers. Each reader that is about to READ confirms the lease
+(:meth:`LeaseTable.confirm`) and gets a *share*: its own expiry and a random ticket. From then
+on only that reader can end its share, by the NIXL notification carrying its ticket
+(:meth:`LeaseTable.notified`) or by :meth:`LeaseTable.finish` under its own identity; a share
+that is not renewed lapses at its own expiry.
 
-Thread-safe: the NIXL thread counts notifications while the service loop holds and confirms.
-Callbacks run with no lock held, on the thread that caused the release.
+The blocks go back to the engine (one :class:`Released` to the ``on_release`` callbacks) only
+when no share is still reading, and then when
+
+* every expected reader ended its share (``DONE`` if all read, else ``CANCELLED``),
+* the owner cancelled the lease (:meth:`LeaseTable.cancel`; no new confirmations meanwhile), or
+* the TTL passed (``EXPIRED``).
+
+An engine that detached (``ENGINE_DETACHED``) ends the lease at once: its memory is gone.
+
+A reader's identity is whatever key the caller passes (the daemon passes the authenticated
+peer session, never a field of the request). Thread-safe: the NIXL thread reports
+notifications while the service loop holds and confirms; callbacks run with no lock held, on
+the thread that caused the release.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+import secrets
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
 
-from kvxferd.errors import AlreadyExists, InvalidRequest, LeaseRefused
+from kvxferd.errors import AlreadyExists, InvalidRequest, LeaseRefused, NotFound, PermissionDenied
+from kvxferd.logs import kv
 
 log = logging.getLogger(__name__)
 
@@ -35,19 +48,60 @@ Clock = Callable[[], float]
 class ReleaseReason(enum.Enum):
     DONE = "DONE"  # every expected reader reported completion
     EXPIRED = "EXPIRED"  # the TTL passed first
-    CANCELLED = "CANCELLED"  # the engine or an operator gave the blocks up
+    CANCELLED = "CANCELLED"  # the engine, an operator or every reader gave the blocks up
     ENGINE_DETACHED = "ENGINE_DETACHED"  # the engine detached or died; the pool is gone
 
 
-@dataclass(frozen=True)
+class ShareState(enum.Enum):
+    READING = "READING"  # confirmed; the reader may be reading now
+    DONE = "DONE"  # the reader finished reading
+    GAVE_UP = "GAVE_UP"  # the reader let go without (completely) reading
+    LAPSED = "LAPSED"  # the reader went silent past its share's expiry (or restarted)
+
+
+@dataclass
+class Share:
+    """One confirmed reader's part of a lease."""
+
+    reader: str
+    ticket: int
+    expires_at: float
+    state: ShareState = ShareState.READING
+
+
+@dataclass
 class Lease:
     request_id: str
     kernel_blocks: tuple[Int64Array, ...]
     readers: int
     expires_at: float
     ttl_s: float
-    done_readers: frozenset[str] = frozenset()
-    confirmations: int = 0
+    shares: dict[str, Share] = field(default_factory=dict)
+    cancelled: ReleaseReason | None = None
+
+    @property
+    def confirmations(self) -> int:
+        return len(self.shares)
+
+    @property
+    def readers_done(self) -> int:
+        return sum(1 for s in self.shares.values() if s.state is ShareState.DONE)
+
+    @property
+    def reading(self) -> int:
+        return sum(1 for s in self.shares.values() if s.state is ShareState.READING)
+
+
+@dataclass(frozen=True)
+class LeaseView:
+    """A snapshot of a lease for one reader (what the Peer service answers)."""
+
+    request_id: str
+    readers: int
+    confirmations: int
+    readers_done: int
+    expires_at: float  # the lease's, or the reader's share's when it has one
+    ticket: int = 0
 
 
 @dataclass(frozen=True)
@@ -75,12 +129,13 @@ class LeaseTable:
         remember_released: int = 4096,
     ) -> None:
         self._clock = clock
-        self._max_ttl_s = max_ttl_s
+        self.max_ttl_s = max_ttl_s
         self._leases: dict[str, Lease] = {}
         self._ended: OrderedDict[str, ReleaseReason] = OrderedDict()
         self._remember = remember_released
         self._lock = threading.Lock()
         self._callbacks: list[ReleaseCallback] = []
+        self.stray_notifications = 0
 
     def subscribe(self, callback: ReleaseCallback) -> None:
         self._callbacks.append(callback)
@@ -91,15 +146,19 @@ class LeaseTable:
     def __len__(self) -> int:
         return len(self._leases)
 
-    def get(self, request_id: str) -> Lease | None:
-        return self._leases.get(request_id)
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._leases
 
-    def _ttl(self, ttl_s: float) -> float:
-        if not 0 < ttl_s <= self._max_ttl_s:
-            raise InvalidRequest(
-                f"lease TTL {ttl_s}s is outside (0, {self._max_ttl_s}]", field="ttl_s"
-            )
+    def reading_shares(self) -> int:
+        with self._lock:
+            return sum(lease.reading for lease in self._leases.values())
+
+    def _ttl(self, ttl_s: float, what: str = "lease TTL", key: str = "ttl_s") -> float:
+        if not 0 < ttl_s <= self.max_ttl_s:
+            raise InvalidRequest(f"{what} {ttl_s}s is outside (0, {self.max_ttl_s}]", field=key)
         return ttl_s
+
+    # -- owner ------------------------------------------------------------------------------
 
     def hold(
         self,
@@ -124,86 +183,244 @@ class LeaseTable:
             lease = Lease(request_id, blocks, readers, self._clock() + ttl, ttl)
             self._leases[request_id] = lease
             self._ended.pop(request_id, None)
-        log.info(
-            "event=lease_held request=%s readers=%d ttl_s=%.3f groups=%d blocks=%d",
-            request_id,
-            readers,
-            ttl,
-            len(blocks),
-            sum(b.size for b in blocks),
-        )
         return lease
 
-    def confirm_and_extend(self, request_id: str, ttl_s: float | None = None) -> Lease:
-        """A reader is about to read: refuse if the lease is gone, else push its expiry out."""
-        expired: Released | None = None
+    def cancel(self, request_id: str, reason: ReleaseReason = ReleaseReason.CANCELLED) -> bool:
+        """The owner gives the blocks up. Returns whether they were released now; otherwise they
+        are released when the last reader still reading ends (or its share lapses).
+        ``ENGINE_DETACHED`` releases at once (the memory is gone)."""
         with self._lock:
             lease = self._leases.get(request_id)
-            now = self._clock()
-            if lease is not None and now >= lease.expires_at:
-                expired = self._end(lease, ReleaseReason.EXPIRED)
-                lease = None
+            if lease is None:
+                raise self._missing(request_id)
+            lease.cancelled = lease.cancelled or reason
+            if reason is ReleaseReason.ENGINE_DETACHED:
+                for s in lease.shares.values():
+                    if s.state is ShareState.READING:
+                        s.state = ShareState.LAPSED
+            rel = self._settle(lease, self._clock())
+        self._notify([rel] if rel else [])
+        return rel is not None
+
+    # -- readers ----------------------------------------------------------------------------
+
+    def confirm(self, request_id: str, reader: str, extend_s: float) -> LeaseView:
+        """``reader`` is about to read: give it a share (or renew the one it has) that expires
+        ``extend_s`` from now. Refused when the lease is gone, cancelled, or every expected
+        reader already has a share."""
+        extend = self._ttl(extend_s, "share extension", "extend_ms")
+        now = self._clock()
+        with self._lock:
+            lease, rel = self._live(request_id, now)
             if lease is not None:
-                ttl = lease.ttl_s if ttl_s is None else self._ttl(ttl_s)
-                lease = replace(
-                    lease,
-                    expires_at=max(lease.expires_at, now + ttl),
-                    confirmations=lease.confirmations + 1,
-                )
-                self._leases[request_id] = lease
-            reason = self._ended.get(request_id)
-        if expired is not None:
-            self._notify([expired])
+                share = lease.shares.get(reader)
+                if share is not None and share.state is not ShareState.READING:
+                    raise LeaseRefused(
+                        f"this reader already ended its share of {request_id!r}"
+                        f" ({share.state.value})",
+                        field="request_id",
+                        fix="a reader confirms a lease once per read; hold the request again",
+                    )
+                if share is None:
+                    if lease.cancelled is not None:
+                        raise LeaseRefused(
+                            f"the owner cancelled the lease of {request_id!r}"
+                            f" ({lease.cancelled.value}); its blocks are about to be reused",
+                            field="request_id",
+                            fix="do not read: re-run the prefill",
+                        )
+                    if len(lease.shares) >= lease.readers:
+                        raise LeaseRefused(
+                            f"the lease of {request_id!r} was held for {lease.readers}"
+                            " reader(s) and all of them have confirmed",
+                            field="request_id",
+                            fix="hold the request with readers = the number of decode ranks"
+                            " that read it",
+                        )
+                    share = Share(reader, _ticket(), now + extend)
+                    lease.shares[reader] = share
+                else:
+                    share.expires_at = max(share.expires_at, now + extend)
+                view = _view(lease, share)
+        self._notify([rel] if rel else [])
         if lease is None:
-            why = f"was released ({reason.value})" if reason else "is unknown"
-            raise LeaseRefused(
-                f"lease for request {request_id!r} {why}; its blocks may be reused",
-                field="request_id",
-                fix="do not read: re-run the prefill (or hold with a longer TTL)",
-            )
-        return lease
+            raise self._missing(request_id)
+        return view
 
-    def complete(self, request_id: str, reader: str) -> Released | None:
-        """Count ``reader``'s completion; returns the release when it was the last one."""
-        done: Released | None = None
+    def extend(self, request_id: str, reader: str, extend_s: float) -> LeaseView:
+        """Push ``reader``'s own share out; only a reader still reading may."""
+        extend = self._ttl(extend_s, "extension", "extend_ms")
+        now = self._clock()
+        with self._lock:
+            lease, rel = self._live(request_id, now)
+            share = None if lease is None else self._own_share(lease, reader)
+            if lease is not None and share is not None:
+                share.expires_at = max(share.expires_at, now + extend)
+                view = _view(lease, share)
+        self._notify([rel] if rel else [])
+        if lease is None or share is None:
+            raise self._missing(request_id)
+        return view
+
+    def finish(self, request_id: str, reader: str, *, done: bool) -> tuple[LeaseView, bool]:
+        """``reader`` ends its own share: read (``done``) or gave up. Returns the lease as it
+        is now and whether the blocks were released by this."""
+        now = self._clock()
+        with self._lock:
+            lease, rel = self._live(request_id, now)
+            share = None if lease is None else self._own_share(lease, reader)
+            if lease is not None and share is not None:
+                share.state = ShareState.DONE if done else ShareState.GAVE_UP
+                view = _view(lease, share)
+                rel = self._settle(lease, now)
+        self._notify([rel] if rel else [])
+        if lease is None or share is None:
+            raise self._missing(request_id)
+        return view, rel is not None
+
+    def notified(self, request_id: str, ticket: int) -> bool:
+        """A READ_DONE notification: counts only with the ticket of a share still reading.
+        Anything else (unknown request, wrong or spent ticket) is stray: ignored and counted."""
+        now = self._clock()
         with self._lock:
             lease = self._leases.get(request_id)
-            if lease is None:
-                log.info("event=lease_late_completion request=%s reader=%s", request_id, reader)
-                return None
-            if reader in lease.done_readers:
-                log.warning(
-                    "event=lease_duplicate_completion request=%s reader=%s", request_id, reader
+            share = None
+            if lease is not None and ticket:
+                share = next(
+                    (
+                        s
+                        for s in lease.shares.values()
+                        if s.ticket == ticket and s.state is ShareState.READING
+                    ),
+                    None,
                 )
-                return None
-            lease = replace(lease, done_readers=lease.done_readers | {reader})
-            self._leases[request_id] = lease
-            if len(lease.done_readers) >= lease.readers:
-                done = self._end(lease, ReleaseReason.DONE)
-        if done is not None:
-            self._notify([done])
-        return done
+            if lease is None or share is None:
+                self.stray_notifications += 1
+                return False
+            share.state = ShareState.DONE
+            rel = self._settle(lease, now)
+        self._notify([rel] if rel else [])
+        return True
 
-    def cancel(self, request_id: str, reason: ReleaseReason = ReleaseReason.CANCELLED) -> Released:
+    def renew(self, reader: str, request_ids: Iterable[str], extend_s: float) -> list[str]:
+        """Heartbeat: renew ``reader``'s shares of ``request_ids``; returns those it has no
+        share still reading in (released, expired, unknown, or never confirmed by it)."""
+        now = self._clock()
+        lost: list[str] = []
+        released: list[Released] = []
         with self._lock:
-            lease = self._leases.get(request_id)
-            if lease is None:
-                raise LeaseRefused(f"no lease for request {request_id!r}", field="request_id")
-            rel = self._end(lease, reason)
-        self._notify([rel])
-        return rel
+            for rid in request_ids:
+                lease, rel = self._live(rid, now)
+                if rel:
+                    released.append(rel)
+                share = lease.shares.get(reader) if lease is not None else None
+                if share is None or share.state is not ShareState.READING:
+                    lost.append(rid)
+                elif extend_s > 0:
+                    share.expires_at = max(share.expires_at, now + extend_s)
+        self._notify(released)
+        return lost
+
+    def reader_gone(self, reader: str) -> int:
+        """``reader`` restarted or was replaced: every share it was reading lapses now."""
+        now = self._clock()
+        released: list[Released] = []
+        n = 0
+        with self._lock:
+            for lease in list(self._leases.values()):
+                share = lease.shares.get(reader)
+                if share is not None and share.state is ShareState.READING:
+                    share.state = ShareState.LAPSED
+                    n += 1
+                    rel = self._settle(lease, now)
+                    if rel:
+                        released.append(rel)
+        self._notify(released)
+        return n
+
+    def reading(self, reader: str) -> int:
+        """How many shares ``reader`` is reading now."""
+        with self._lock:
+            return sum(
+                1
+                for lease in self._leases.values()
+                if (s := lease.shares.get(reader)) is not None and s.state is ShareState.READING
+            )
 
     def reap(self) -> list[Released]:
-        """Release every lease whose TTL has passed (a full scan)."""
+        """Lapse shares past their expiry and release the leases that can end (a full scan)."""
+        now = self._clock()
         with self._lock:
-            now = self._clock()
             out = [
-                self._end(lease, ReleaseReason.EXPIRED)
-                for lease in list(self._leases.values())
-                if now >= lease.expires_at
+                rel for lease in list(self._leases.values()) if (rel := self._settle(lease, now))
             ]
         self._notify(out)
         return out
+
+    def ended(self, request_id: str) -> ReleaseReason | None:
+        return self._ended.get(request_id)
+
+    def get(self, request_id: str) -> Lease | None:
+        return self._leases.get(request_id)
+
+    # -- internals (lock held) --------------------------------------------------------------
+
+    def _live(self, request_id: str, now: float) -> tuple[Lease | None, Released | None]:
+        lease = self._leases.get(request_id)
+        if lease is None:
+            return None, None
+        rel = self._settle(lease, now)
+        return (None, rel) if rel else (lease, None)
+
+    def _own_share(self, lease: Lease, reader: str) -> Share | None:
+        share = lease.shares.get(reader)
+        if share is None:
+            raise PermissionDenied(
+                f"this caller has not confirmed the lease of {lease.request_id!r}",
+                field="request_id",
+                fix="only a reader that confirmed a lease (ConfirmLease) may extend or release"
+                " its own share",
+            )
+        if share.state is not ShareState.READING:
+            raise LeaseRefused(
+                f"this reader's share of {lease.request_id!r} already ended ({share.state.value})",
+                field="request_id",
+                fix="do not read: hold the request again",
+            )
+        return share
+
+    def _settle(self, lease: Lease, now: float) -> Released | None:
+        for s in lease.shares.values():
+            if s.state is ShareState.READING and now >= s.expires_at:
+                s.state = ShareState.LAPSED
+                log.warning(
+                    "lease share lapsed", extra=kv(request_id=lease.request_id, reader=s.reader)
+                )
+        if lease.reading:
+            return None
+        if lease.cancelled is not None:
+            return self._end(lease, lease.cancelled)
+        if len(lease.shares) >= lease.readers:
+            all_read = all(s.state is ShareState.DONE for s in lease.shares.values())
+            return self._end(lease, ReleaseReason.DONE if all_read else ReleaseReason.CANCELLED)
+        if now >= lease.expires_at:
+            return self._end(lease, ReleaseReason.EXPIRED)
+        return None
+
+    def _missing(self, request_id: str) -> LeaseRefused | NotFound:
+        reason = self._ended.get(request_id)
+        if reason is None:
+            return NotFound(
+                f"request {request_id!r} is not held here (never held, or released long ago)",
+                field="request_id",
+                fix="the prefill engine must Hold the request before the decode side reads it",
+            )
+        return LeaseRefused(
+            f"lease for request {request_id!r} was released ({reason.value}); its blocks may"
+            " be reused",
+            field="request_id",
+            fix="do not read: re-run the prefill (or hold with a longer TTL)",
+        )
 
     def _end(self, lease: Lease, reason: ReleaseReason) -> Released:
         del self._leases[lease.request_id]
@@ -211,20 +428,30 @@ class LeaseTable:
         while len(self._ended) > self._remember:
             self._ended.popitem(last=False)
         return Released(
-            lease.request_id, reason, lease.kernel_blocks, len(lease.done_readers), lease.readers
+            lease.request_id, reason, lease.kernel_blocks, lease.readers_done, lease.readers
         )
 
     def _notify(self, released: list[Released]) -> None:
         for rel in released:
-            log.info(
-                "event=lease_released request=%s reason=%s readers_done=%d/%d",
-                rel.request_id,
-                rel.reason.value,
-                rel.readers_done,
-                rel.readers,
-            )
             for cb in self._callbacks:
                 try:
                     cb(rel)
                 except Exception:
-                    log.exception("event=lease_callback_error request=%s", rel.request_id)
+                    log.exception(
+                        "lease release callback failed", extra=kv(request_id=rel.request_id)
+                    )
+
+
+def _ticket() -> int:
+    return secrets.randbits(63) | 1
+
+
+def _view(lease: Lease, share: Share | None) -> LeaseView:
+    return LeaseView(
+        request_id=lease.request_id,
+        readers=lease.readers,
+        confirmations=lease.confirmations,
+        readers_done=lease.readers_done,
+        expires_at=share.expires_at if share else lease.expires_at,
+        ticket=share.ticket if share else 0,
+    )

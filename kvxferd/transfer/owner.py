@@ -1,10 +1,12 @@
 """Owner side glue: NIXL notifications -> lease table, periodic reaping, release feed.
 
 :class:`NotificationPump` runs as a poller on the NIXL thread: it drains the agent's
-notifications, decodes each (:mod:`kvxferd.transfer.notify`), counts it against the lease table
-by sender agent name, and reaps expired leases every ``reap_interval_s``. Undecodable messages
-are logged and dropped. :class:`ReleaseFeed` turns the table's release callbacks into an async
-iterator for the service layer.
+notifications, decodes each (:mod:`kvxferd.transfer.notify`), hands it to the lease table,
+which counts it only when it carries the ticket of a reader still reading (the sender's agent
+name is logged, never trusted), and reaps expired shares and leases every ``reap_interval_s``.
+Undecodable and stray messages are dropped and reported to ``on_result``
+(``counted``/``stray``/``undecodable``) for the metrics. :class:`ReleaseFeed` turns the
+table's release callbacks into an async iterator for the service layer.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from kvxferd.errors import KvxferdError
+from kvxferd.logs import kv
 from kvxferd.nixl import NixlAgent
 from kvxferd.transfer import notify
 from kvxferd.transfer.leases import LeaseTable, Released
@@ -32,7 +35,9 @@ class NotificationPump:
         *,
         reap_interval_s: float = 0.1,
         clock: Callable[[], float] = time.monotonic,
+        on_result: Callable[[str], None] | None = None,
     ) -> None:
+        self.on_result = on_result
         self._agent = agent
         self._leases = leases
         self._reap_interval_s = reap_interval_s
@@ -59,17 +64,31 @@ class NotificationPump:
                     note = notify.decode(msg)
                 except KvxferdError as err:
                     self.dropped += 1
+                    self._report("undecodable")
                     log.warning(
-                        "event=notif_dropped sender=%s bytes=%d error=%s", sender, len(msg), err
+                        "notification dropped",
+                        extra=kv(sender=sender, bytes=len(msg), error=str(err)),
                     )
                     continue
                 if note.kind is notify.NotifKind.READ_DONE:
-                    self._leases.complete(note.request_id, sender)
+                    if self._leases.notified(note.request_id, note.ticket):
+                        self._report("counted")
+                    else:
+                        self.dropped += 1
+                        self._report("stray")
+                        log.warning(
+                            "stray notification ignored",
+                            extra=kv(sender=sender, request_id=note.request_id),
+                        )
         now = self._clock()
         if now >= self._next_reap:
             self._leases.reap()
             self._next_reap = now + self._reap_interval_s
         return None
+
+    def _report(self, result: str) -> None:
+        if self.on_result is not None:
+            self.on_result(result)
 
 
 class ReleaseFeed:

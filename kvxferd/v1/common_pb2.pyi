@@ -93,6 +93,10 @@ class _ErrorKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorKind.V
     """TransportError."""
     ERROR_KIND_ENGINE_DETACHED: _ErrorKind.ValueType  # 15
     """EngineDetached: the daemon's engine detached or died; a re-attach is awaited."""
+    ERROR_KIND_PERMISSION_DENIED: _ErrorKind.ValueType  # 16
+    """PermissionDenied: the caller may not do this (not a reader of the lease; address not
+    in peers.allow).
+    """
 
 class ErrorKind(_ErrorKind, metaclass=_ErrorKindEnumTypeWrapper):
     """The kind of a kvxferd error: one value per class in kvxferd/errors.py (most specific class)."""
@@ -129,6 +133,10 @@ ERROR_KIND_TRANSPORT: ErrorKind.ValueType  # 14
 """TransportError."""
 ERROR_KIND_ENGINE_DETACHED: ErrorKind.ValueType  # 15
 """EngineDetached: the daemon's engine detached or died; a re-attach is awaited."""
+ERROR_KIND_PERMISSION_DENIED: ErrorKind.ValueType  # 16
+"""PermissionDenied: the caller may not do this (not a reader of the lease; address not
+in peers.allow).
+"""
 Global___ErrorKind: _TypeAlias = ErrorKind  # noqa: Y015
 
 @_typing.final

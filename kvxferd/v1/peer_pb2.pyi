@@ -124,22 +124,31 @@ class HandshakeResponse(_message.Message):
     PROTOCOL_VERSION_FIELD_NUMBER: _builtins.int
     COMPAT_DIGEST_FIELD_NUMBER: _builtins.int
     PAYLOAD_FIELD_NUMBER: _builtins.int
+    SESSION_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.int
     """The server's protocol version."""
     compat_digest: _builtins.bytes
     """The server's compatibility digest, raw bytes."""
     payload: _builtins.bytes
     """The server's serialized HandshakePayload."""
+    session: _builtins.bytes
+    """A secret naming the caller as it handshook (its NIXL agent name and instance ID). The caller
+    sends it as "kvxferd-session" metadata (hex) on every other Peer call: that session, never a
+    field of a request, is who the caller is for leases and staging slots. It is valid until
+    the caller handshakes again or this server restarts (calls then fail with UNAUTHENTICATED:
+    handshake again).
+    """
     def __init__(
         self,
         *,
         protocol_version: _builtins.int = ...,
         compat_digest: _builtins.bytes = ...,
         payload: _builtins.bytes = ...,
+        session: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compat_digest", b"compat_digest", "payload", b"payload", "protocol_version", b"protocol_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compat_digest", b"compat_digest", "payload", b"payload", "protocol_version", b"protocol_version", "session", b"session"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -268,7 +277,7 @@ class GatherRequest(_message.Message):
     request_id: _builtins.str
     """The held request (its lease must be active)."""
     reader_id: _builtins.str
-    """The reader's daemon_id (slots are granted to it)."""
+    """Informational only: slots are granted to the caller's handshake session."""
     @_builtins.property
     def kernel_block_ids(self) -> _common_pb2.GroupBlockIds:
         """Kernel block IDs per group, in the order rows are wanted: group 0's rows come first in the
@@ -341,7 +350,7 @@ class ReleaseStagingRequest(_message.Message):
     request_id: _builtins.str
     """The request the slots were granted for."""
     reader_id: _builtins.str
-    """The reader's daemon_id."""
+    """Informational only: the reader is the caller's handshake session."""
     @_builtins.property
     def slots(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Slot indices to free; slots not granted to this reader for this request are ignored."""
@@ -453,9 +462,11 @@ class ConfirmLeaseRequest(_message.Message):
     request_id: _builtins.str
     """The held request to read."""
     reader_id: _builtins.str
-    """Who reads: the reader's daemon_id (one confirmation per reader)."""
+    """Informational only: the reader is the caller's handshake session (one share per session)."""
     extend_ms: _builtins.int
-    """Extend the lease to at least now + extend_ms, ms; 0 leaves the expiry unchanged."""
+    """The reader's share lasts until now + extend_ms (capped by the owner's heartbeat timeout;
+    heartbeats renew it); 0 takes that cap.
+    """
     def __init__(
         self,
         *,
@@ -478,18 +489,30 @@ class ConfirmLeaseResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     LEASE_FIELD_NUMBER: _builtins.int
+    TICKET_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    ticket: _builtins.int
+    """The caller's share of the lease: the READ_DONE notification must carry it, or it is ignored."""
+    instance_id: _builtins.str
+    """The owner's instance_id: if it is not the one the caller handshook with, the owner restarted
+    and the caller must handshake again before reading.
+    """
     @_builtins.property
     def lease(self) -> Global___Lease:
-        """The lease after confirmation; state is ACTIVE on success."""
+        """The lease after confirmation; state is ACTIVE on success. remaining_ms is the caller's own
+        share's.
+        """
 
     def __init__(
         self,
         *,
         lease: Global___Lease | None = ...,
+        ticket: _builtins.int = ...,
+        instance_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance_id", b"instance_id", "lease", b"lease", "ticket", b"ticket"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -507,9 +530,9 @@ class ExtendLeaseRequest(_message.Message):
     request_id: _builtins.str
     """The held request."""
     reader_id: _builtins.str
-    """The confirming reader's daemon_id."""
+    """Informational only: the reader is the caller's handshake session."""
     extend_ms: _builtins.int
-    """Extend the lease to at least now + extend_ms, ms; must be > 0."""
+    """Extend the caller's share to at least now + extend_ms, ms; must be > 0."""
     def __init__(
         self,
         *,
@@ -561,7 +584,7 @@ class ReleaseLeaseRequest(_message.Message):
     request_id: _builtins.str
     """The held request."""
     reader_id: _builtins.str
-    """The reader's daemon_id."""
+    """Informational only: the reader is the caller's handshake session; only its own share ends."""
     reason: _common_pb2.ReleaseReason.ValueType
     """DONE if the read completed (as the NIXL notification says), CANCELLED if the reader gave up."""
     def __init__(
@@ -621,7 +644,9 @@ class HeartbeatRequest(_message.Message):
     registration_generation: _builtins.int
     """The caller's registration generation (a change means re-handshake)."""
     renew_ms: _builtins.int
-    """Renew each of them to at least now + renew_ms, ms; 0 renews nothing."""
+    """Renew each of the caller's shares to at least now + renew_ms, ms (capped by the owner's
+    heartbeat timeout); 0 renews nothing.
+    """
     @_builtins.property
     def renew_request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Leases the caller is waiting on and wants renewed."""
@@ -653,12 +678,17 @@ class HeartbeatResponse(_message.Message):
     REGISTRATION_GENERATION_FIELD_NUMBER: _builtins.int
     LOST_REQUEST_IDS_FIELD_NUMBER: _builtins.int
     SERVER_TIME_UNIX_NS_FIELD_NUMBER: _builtins.int
+    RENEWED_MS_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     """The server's instance_id: differs from the handshake's if the server restarted."""
     registration_generation: _builtins.int
     """The server's registration generation: differs from the handshake's if it re-registered."""
     server_time_unix_ns: _builtins.int
     """Server's clock at reply, unix time in ns (for skew estimates in logs)."""
+    renewed_ms: _builtins.int
+    """How long each renewed share now lasts from the moment of the reply, ms (renew_ms clamped
+    to the server's heartbeat timeout); 0 when nothing was renewed.
+    """
     @_builtins.property
     def lost_request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Of renew_request_ids, those no longer held (released, expired or unknown): their reads fail."""
@@ -670,10 +700,11 @@ class HeartbeatResponse(_message.Message):
         registration_generation: _builtins.int = ...,
         lost_request_ids: _abc.Iterable[_builtins.str] | None = ...,
         server_time_unix_ns: _builtins.int = ...,
+        renewed_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance_id", b"instance_id", "lost_request_ids", b"lost_request_ids", "registration_generation", b"registration_generation", "server_time_unix_ns", b"server_time_unix_ns"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance_id", b"instance_id", "lost_request_ids", b"lost_request_ids", "registration_generation", b"registration_generation", "renewed_ms", b"renewed_ms", "server_time_unix_ns", b"server_time_unix_ns"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

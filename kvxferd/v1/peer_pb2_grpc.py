@@ -90,29 +90,37 @@ class PeerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ConfirmLease(self, request, context):
-        """A reader confirms it is about to read a held request and extends the lease. Fails with
-        FAILED_PRECONDITION (LeaseRefused) if the blocks are no longer held, NOT_FOUND if never held.
+        """A reader confirms it is about to read a held request and gets its own share of the lease.
+        Fails with FAILED_PRECONDITION (LeaseRefused) if the blocks are no longer held or every
+        expected reader already confirmed, NOT_FOUND if never held. Every Peer call but Handshake
+        needs the "kvxferd-session" metadata the handshake returned (UNAUTHENTICATED without it).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ExtendLease(self, request, context):
-        """Push a confirmed lease's expiry further out while a read is in flight.
+        """Push the caller's confirmed share further out while a read is in flight. NOT_FOUND for an
+        unknown request, PERMISSION_DENIED if the caller never confirmed it, INVALID_ARGUMENT for
+        extend_ms = 0.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ReleaseLease(self, request, context):
-        """A reader lets go of a lease: done (same effect as the NIXL notification) or giving up.
+        """A reader lets go of its own share: done (same effect as the NIXL notification) or giving
+        up. The blocks are released once no confirmed reader is still reading and every expected
+        reader ended (or the lease expired). PERMISSION_DENIED if the caller never confirmed it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Heartbeat(self, request, context):
-        """Liveness and restart detection; also renews the caller's leases in bulk.
+        """Liveness and restart detection; also renews the caller's shares in bulk. A reader with
+        reads in flight sends one every peers.heartbeat_interval_ms; an owner that hears nothing
+        for peers.heartbeat_timeout_ms lets that reader's shares lapse.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

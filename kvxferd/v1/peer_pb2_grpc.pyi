@@ -43,15 +43,26 @@ class PeerStub:
     response.
     """
     ConfirmLease: _grpc.UnaryUnaryMultiCallable[_peer_pb2.ConfirmLeaseRequest, _peer_pb2.ConfirmLeaseResponse]
-    """A reader confirms it is about to read a held request and extends the lease. Fails with
-    FAILED_PRECONDITION (LeaseRefused) if the blocks are no longer held, NOT_FOUND if never held.
+    """A reader confirms it is about to read a held request and gets its own share of the lease.
+    Fails with FAILED_PRECONDITION (LeaseRefused) if the blocks are no longer held or every
+    expected reader already confirmed, NOT_FOUND if never held. Every Peer call but Handshake
+    needs the "kvxferd-session" metadata the handshake returned (UNAUTHENTICATED without it).
     """
     ExtendLease: _grpc.UnaryUnaryMultiCallable[_peer_pb2.ExtendLeaseRequest, _peer_pb2.ExtendLeaseResponse]
-    """Push a confirmed lease's expiry further out while a read is in flight."""
+    """Push the caller's confirmed share further out while a read is in flight. NOT_FOUND for an
+    unknown request, PERMISSION_DENIED if the caller never confirmed it, INVALID_ARGUMENT for
+    extend_ms = 0.
+    """
     ReleaseLease: _grpc.UnaryUnaryMultiCallable[_peer_pb2.ReleaseLeaseRequest, _peer_pb2.ReleaseLeaseResponse]
-    """A reader lets go of a lease: done (same effect as the NIXL notification) or giving up."""
+    """A reader lets go of its own share: done (same effect as the NIXL notification) or giving
+    up. The blocks are released once no confirmed reader is still reading and every expected
+    reader ended (or the lease expired). PERMISSION_DENIED if the caller never confirmed it.
+    """
     Heartbeat: _grpc.UnaryUnaryMultiCallable[_peer_pb2.HeartbeatRequest, _peer_pb2.HeartbeatResponse]
-    """Liveness and restart detection; also renews the caller's leases in bulk."""
+    """Liveness and restart detection; also renews the caller's shares in bulk. A reader with
+    reads in flight sends one every peers.heartbeat_interval_ms; an owner that hears nothing
+    for peers.heartbeat_timeout_ms lets that reader's shares lapse.
+    """
     Gather: _grpc.UnaryUnaryMultiCallable[_peer_pb2.GatherRequest, _peer_pb2.GatherResponse]
     """STAGED pulls: gather some of a held request's kernel blocks into a free slot of this
     daemon's staging ring and answer once the bytes are there (the reader then READs the slot
@@ -78,15 +89,26 @@ class PeerAsyncStub(PeerStub):
     response.
     """
     ConfirmLease: _aio.UnaryUnaryMultiCallable[_peer_pb2.ConfirmLeaseRequest, _peer_pb2.ConfirmLeaseResponse]  # type: ignore[assignment]
-    """A reader confirms it is about to read a held request and extends the lease. Fails with
-    FAILED_PRECONDITION (LeaseRefused) if the blocks are no longer held, NOT_FOUND if never held.
+    """A reader confirms it is about to read a held request and gets its own share of the lease.
+    Fails with FAILED_PRECONDITION (LeaseRefused) if the blocks are no longer held or every
+    expected reader already confirmed, NOT_FOUND if never held. Every Peer call but Handshake
+    needs the "kvxferd-session" metadata the handshake returned (UNAUTHENTICATED without it).
     """
     ExtendLease: _aio.UnaryUnaryMultiCallable[_peer_pb2.ExtendLeaseRequest, _peer_pb2.ExtendLeaseResponse]  # type: ignore[assignment]
-    """Push a confirmed lease's expiry further out while a read is in flight."""
+    """Push the caller's confirmed share further out while a read is in flight. NOT_FOUND for an
+    unknown request, PERMISSION_DENIED if the caller never confirmed it, INVALID_ARGUMENT for
+    extend_ms = 0.
+    """
     ReleaseLease: _aio.UnaryUnaryMultiCallable[_peer_pb2.ReleaseLeaseRequest, _peer_pb2.ReleaseLeaseResponse]  # type: ignore[assignment]
-    """A reader lets go of a lease: done (same effect as the NIXL notification) or giving up."""
+    """A reader lets go of its own share: done (same effect as the NIXL notification) or giving
+    up. The blocks are released once no confirmed reader is still reading and every expected
+    reader ended (or the lease expired). PERMISSION_DENIED if the caller never confirmed it.
+    """
     Heartbeat: _aio.UnaryUnaryMultiCallable[_peer_pb2.HeartbeatRequest, _peer_pb2.HeartbeatResponse]  # type: ignore[assignment]
-    """Liveness and restart detection; also renews the caller's leases in bulk."""
+    """Liveness and restart detection; also renews the caller's shares in bulk. A reader with
+    reads in flight sends one every peers.heartbeat_interval_ms; an owner that hears nothing
+    for peers.heartbeat_timeout_ms lets that reader's shares lapse.
+    """
     Gather: _aio.UnaryUnaryMultiCallable[_peer_pb2.GatherRequest, _peer_pb2.GatherResponse]  # type: ignore[assignment]
     """STAGED pulls: gather some of a held request's kernel blocks into a free slot of this
     daemon's staging ring and answer once the bytes are there (the reader then READs the slot
@@ -122,8 +144,10 @@ class PeerServicer(metaclass=_abc_1.ABCMeta):
         request: _peer_pb2.ConfirmLeaseRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_peer_pb2.ConfirmLeaseResponse, _abc.Awaitable[_peer_pb2.ConfirmLeaseResponse]]:
-        """A reader confirms it is about to read a held request and extends the lease. Fails with
-        FAILED_PRECONDITION (LeaseRefused) if the blocks are no longer held, NOT_FOUND if never held.
+        """A reader confirms it is about to read a held request and gets its own share of the lease.
+        Fails with FAILED_PRECONDITION (LeaseRefused) if the blocks are no longer held or every
+        expected reader already confirmed, NOT_FOUND if never held. Every Peer call but Handshake
+        needs the "kvxferd-session" metadata the handshake returned (UNAUTHENTICATED without it).
         """
 
     @_abc_1.abstractmethod
@@ -132,7 +156,10 @@ class PeerServicer(metaclass=_abc_1.ABCMeta):
         request: _peer_pb2.ExtendLeaseRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_peer_pb2.ExtendLeaseResponse, _abc.Awaitable[_peer_pb2.ExtendLeaseResponse]]:
-        """Push a confirmed lease's expiry further out while a read is in flight."""
+        """Push the caller's confirmed share further out while a read is in flight. NOT_FOUND for an
+        unknown request, PERMISSION_DENIED if the caller never confirmed it, INVALID_ARGUMENT for
+        extend_ms = 0.
+        """
 
     @_abc_1.abstractmethod
     def ReleaseLease(
@@ -140,7 +167,10 @@ class PeerServicer(metaclass=_abc_1.ABCMeta):
         request: _peer_pb2.ReleaseLeaseRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_peer_pb2.ReleaseLeaseResponse, _abc.Awaitable[_peer_pb2.ReleaseLeaseResponse]]:
-        """A reader lets go of a lease: done (same effect as the NIXL notification) or giving up."""
+        """A reader lets go of its own share: done (same effect as the NIXL notification) or giving
+        up. The blocks are released once no confirmed reader is still reading and every expected
+        reader ended (or the lease expired). PERMISSION_DENIED if the caller never confirmed it.
+        """
 
     @_abc_1.abstractmethod
     def Heartbeat(
@@ -148,7 +178,10 @@ class PeerServicer(metaclass=_abc_1.ABCMeta):
         request: _peer_pb2.HeartbeatRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_peer_pb2.HeartbeatResponse, _abc.Awaitable[_peer_pb2.HeartbeatResponse]]:
-        """Liveness and restart detection; also renews the caller's leases in bulk."""
+        """Liveness and restart detection; also renews the caller's shares in bulk. A reader with
+        reads in flight sends one every peers.heartbeat_interval_ms; an owner that hears nothing
+        for peers.heartbeat_timeout_ms lets that reader's shares lapse.
+        """
 
     @_abc_1.abstractmethod
     def Gather(

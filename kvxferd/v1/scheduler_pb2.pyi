@@ -92,34 +92,6 @@ TRANSFER_STRATEGY_STAGED: TransferStrategy.ValueType  # 2
 """Read into a staging buffer, then gathered/scattered or permuted into place by kernels."""
 Global___TransferStrategy: _TypeAlias = TransferStrategy  # noqa: Y015
 
-class _Priority:
-    ValueType = _typing.NewType("ValueType", _builtins.int)
-    V: _TypeAlias = ValueType  # noqa: Y015
-
-class _PriorityEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Priority.ValueType], _builtins.type):
-    DESCRIPTOR: _descriptor.EnumDescriptor
-    PRIORITY_UNSPECIFIED: _Priority.ValueType  # 0
-    """Not set: treated as PRIORITY_NORMAL."""
-    PRIORITY_LOW: _Priority.ValueType  # 1
-    """Background (e.g. warm-up, rebalancing)."""
-    PRIORITY_NORMAL: _Priority.ValueType  # 2
-    """Normal request traffic."""
-    PRIORITY_HIGH: _Priority.ValueType  # 3
-    """Latency-critical."""
-
-class Priority(_Priority, metaclass=_PriorityEnumTypeWrapper):
-    """Scheduling priority of a pull."""
-
-PRIORITY_UNSPECIFIED: Priority.ValueType  # 0
-"""Not set: treated as PRIORITY_NORMAL."""
-PRIORITY_LOW: Priority.ValueType  # 1
-"""Background (e.g. warm-up, rebalancing)."""
-PRIORITY_NORMAL: Priority.ValueType  # 2
-"""Normal request traffic."""
-PRIORITY_HIGH: Priority.ValueType  # 3
-"""Latency-critical."""
-Global___Priority: _TypeAlias = Priority  # noqa: Y015
-
 class _HandshakeState:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -191,26 +163,16 @@ class PullOptions(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     SKIP_NOTIFY_FIELD_NUMBER: _builtins.int
-    PRIORITY_FIELD_NUMBER: _builtins.int
-    PREFIX_HIT_TOKENS_FIELD_NUMBER: _builtins.int
     skip_notify: _builtins.bool
     """Do not send the NIXL completion notification (the caller releases the lease itself)."""
-    priority: Global___Priority.ValueType
-    """Scheduling priority."""
-    prefix_hit_tokens: _builtins.int
-    """Tokens of the prompt the decode side already has from its prefix cache; 0 if none or
-    unknown. Trimming is derived from the list lengths; when set, it is checked against them.
-    """
     def __init__(
         self,
         *,
         skip_notify: _builtins.bool = ...,
-        priority: Global___Priority.ValueType = ...,
-        prefix_hit_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["prefix_hit_tokens", b"prefix_hit_tokens", "priority", b"priority", "skip_notify", b"skip_notify"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["skip_notify", b"skip_notify"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -32,12 +32,14 @@ def extra(
     ds.stop()
 
 
-def start_pull(target: str, held: engine_pb2.HoldResponse, **kw: object) -> None:
-    async def go() -> None:
+def start_pull(
+    target: str, held: engine_pb2.HoldResponse, **kw: object
+) -> scheduler_pb2.StartPullResponse:
+    async def go() -> scheduler_pb2.StartPullResponse:
         stub = scheduler_pb2_grpc.SchedulerStub(
             aio.insecure_channel(target, options=(("grpc.max_send_message_length", 64 << 20),))
         )
-        await stub.StartPull(
+        return await stub.StartPull(
             scheduler_pb2.StartPullRequest(
                 request_id=held.request_id,
                 peer_address=held.peer_address,
@@ -46,7 +48,7 @@ def start_pull(target: str, held: engine_pb2.HoldResponse, **kw: object) -> None
             )
         )
 
-    asyncio.run(go())
+    return asyncio.run(go())
 
 
 def held_for(pair: tuple[Daemon, Daemon], rid: str, ids: list[int]) -> engine_pb2.HoldResponse:
@@ -125,13 +127,19 @@ def test_unknown_peer_is_unavailable(pair: tuple[Daemon, Daemon]) -> None:
     )
 
 
-def test_duplicate_transfer_id(pair: tuple[Daemon, Daemon]) -> None:
+def test_start_pull_is_idempotent_on_transfer_id(pair: tuple[Daemon, Daemon]) -> None:
+    """scheduler.proto: an identical retry returns the existing transfer (created = false); the
+    same ID for a different request is ALREADY_EXISTS."""
     held = held_for(pair, "dup-transfer", [3])
-    start_pull(pair[1].grpc, held, local_block_ids=ids([3]), transfer_id="t-dup")
+    first = start_pull(pair[1].grpc, held, local_block_ids=ids([3]), transfer_id="t-dup")
+    assert first.created and first.status.transfer_id == "t-dup"
+    again = start_pull(pair[1].grpc, held, local_block_ids=ids([3]), transfer_id="t-dup")
+    assert not again.created and again.status.transfer_id == "t-dup"
+    assert again.status.request_id == first.status.request_id
     expect(
         C.ALREADY_EXISTS,
         "transfer_id",
-        lambda: start_pull(pair[1].grpc, held, local_block_ids=ids([3]), transfer_id="t-dup"),
+        lambda: start_pull(pair[1].grpc, held, local_block_ids=ids([4]), transfer_id="t-dup"),
     )
 
 

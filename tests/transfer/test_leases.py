@@ -1,11 +1,13 @@
-"""Lease table with an injected clock: no NIXL, no sleeping."""
+"""Lease table with an injected clock: per-reader shares, no NIXL, no sleeping."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from kvxferd.errors import AlreadyExists, InvalidRequest, LeaseRefused
+from kvxferd.errors import AlreadyExists, InvalidRequest, LeaseRefused, NotFound, PermissionDenied
 from kvxferd.transfer.leases import LeaseTable, Released, ReleaseReason
 
 
@@ -33,16 +35,94 @@ def table(clock: Clock) -> tuple[LeaseTable, list[Released]]:
 def test_last_of_two_readers_releases_once(table: tuple[LeaseTable, list[Released]]) -> None:
     t, seen = table
     t.hold("r", [np.array([3, 4]), np.array([9])], readers=2, ttl_s=5)
-    t.confirm_and_extend("r")
-    assert t.complete("r", "dec-a") is None
-    assert t.complete("r", "dec-a") is None  # a duplicate from the same reader counts once
+    a = t.confirm("r", "dec-a", 5).ticket
+    assert t.notified("r", a)
+    assert not t.notified("r", a)  # a replay counts once (and is stray)
     assert seen == []
-    rel = t.complete("r", "dec-b")
-    assert rel is not None and rel.reason is ReleaseReason.DONE and rel.readers_done == 2
-    assert [s.request_id for s in seen] == ["r"]
+    b = t.confirm("r", "dec-b", 5).ticket
+    assert a != b and t.notified("r", b)
+    [rel] = seen
+    assert rel.reason is ReleaseReason.DONE and rel.readers_done == 2
     assert rel.kernel_blocks[0].tolist() == [3, 4] and rel.kernel_blocks[1].tolist() == [9]
-    assert t.complete("r", "dec-c") is None  # late: nothing more is released
-    assert len(seen) == 1 and len(t) == 0
+    assert not t.notified("r", b)  # late: nothing more is released
+    assert len(seen) == 1 and len(t) == 0 and t.stray_notifications == 2
+
+
+def test_third_party_cannot_end_a_readers_share(table: tuple[LeaseTable, list[Released]]) -> None:
+    """The freed-block read of issue 11: a party that never confirmed releases the lease while
+    reader A is mid-READ. Now it is refused and the blocks stay held for A."""
+    t, seen = table
+    t.hold("r", [np.arange(4)], readers=2, ttl_s=30)
+    t.confirm("r", "reader-a", 10)
+    with pytest.raises(PermissionDenied, match="not confirmed"):
+        t.finish("r", "third-party", done=False)
+    with pytest.raises(PermissionDenied):
+        t.extend("r", "third-party", 10)
+    assert not t.notified("r", 12345)  # a guessed ticket
+    assert seen == [] and "r" in t
+
+
+def test_a_reader_giving_up_waits_for_the_reader_still_reading(
+    table: tuple[LeaseTable, list[Released]],
+) -> None:
+    t, seen = table
+    t.hold("r", [np.arange(4)], readers=2, ttl_s=30)
+    a = t.confirm("r", "reader-a", 10).ticket
+    t.confirm("r", "reader-b", 10)
+    _, released = t.finish("r", "reader-b", done=False)
+    assert not released and seen == []
+    assert t.notified("r", a)
+    [rel] = seen
+    assert rel.reason is ReleaseReason.CANCELLED and rel.readers_done == 1
+
+
+def test_owner_cancel_waits_for_confirmed_readers(
+    clock: Clock, table: tuple[LeaseTable, list[Released]]
+) -> None:
+    t, seen = table
+    t.hold("r", [np.arange(4)], readers=1, ttl_s=30)
+    t.confirm("r", "reader-a", 2)
+    assert t.cancel("r") is False  # a reader is reading: not yet
+    with pytest.raises(LeaseRefused, match="cancelled"):
+        t.confirm("r", "reader-b", 2)
+    assert seen == []
+    clock.now += 2.0  # the reader's own share lapses
+    t.reap()
+    assert [(s.request_id, s.reason) for s in seen] == [("r", ReleaseReason.CANCELLED)]
+
+
+def test_engine_detach_releases_at_once(table: tuple[LeaseTable, list[Released]]) -> None:
+    t, seen = table
+    t.hold("r", [np.arange(4)], readers=1, ttl_s=30)
+    t.confirm("r", "reader-a", 10)
+    assert t.cancel("r", ReleaseReason.ENGINE_DETACHED) is True
+    assert [s.reason for s in seen] == [ReleaseReason.ENGINE_DETACHED]
+
+
+def test_share_lapses_at_its_own_expiry_and_renewal_keeps_it(
+    clock: Clock, table: tuple[LeaseTable, list[Released]]
+) -> None:
+    t, seen = table
+    t.hold("r", [np.arange(2)], readers=1, ttl_s=60)
+    t.confirm("r", "reader-a", 5)
+    clock.now += 4
+    assert t.renew("reader-a", ["r"], 5) == []
+    clock.now += 4
+    t.reap()
+    assert seen == []  # renewed at +4 to +9
+    clock.now += 2
+    t.reap()  # a reader killed mid-pull: released within its share, not the 60 s TTL
+    assert [(s.request_id, s.reason) for s in seen] == [("r", ReleaseReason.CANCELLED)]
+    assert t.renew("reader-a", ["r", "other"], 5) == ["r", "other"]
+
+
+def test_reader_gone_lapses_its_shares(table: tuple[LeaseTable, list[Released]]) -> None:
+    t, seen = table
+    t.hold("r", [np.arange(2)], readers=1, ttl_s=60)
+    t.confirm("r", "reader-a", 5)
+    assert t.reading("reader-a") == 1
+    assert t.reader_gone("reader-a") == 1
+    assert [s.reason for s in seen] == [ReleaseReason.CANCELLED]
 
 
 def test_confirm_after_expiry_is_refused_and_reported(
@@ -52,64 +132,111 @@ def test_confirm_after_expiry_is_refused_and_reported(
     t.hold("r", [np.arange(2)], readers=1, ttl_s=1.0)
     clock.now += 1.0
     with pytest.raises(LeaseRefused, match="EXPIRED"):
-        t.confirm_and_extend("r")
+        t.confirm("r", "a", 1)
     assert [(s.request_id, s.reason) for s in seen] == [("r", ReleaseReason.EXPIRED)]
     with pytest.raises(LeaseRefused):
-        t.confirm_and_extend("r")
+        t.confirm("r", "a", 1)
     assert len(seen) == 1
 
 
-def test_confirm_extends(clock: Clock, table: tuple[LeaseTable, list[Released]]) -> None:
+def test_more_readers_than_expected_are_refused(table: tuple[LeaseTable, list[Released]]) -> None:
     t, _ = table
-    t.hold("r", [np.arange(2)], readers=1, ttl_s=1.0)
-    clock.now += 0.9
-    lease = t.confirm_and_extend("r", ttl_s=2.0)
-    assert lease.expires_at == pytest.approx(clock.now + 2.0)
-    clock.now += 1.5
-    assert t.reap() == []
-    clock.now += 0.6
-    assert [r.reason for r in t.reap()] == [ReleaseReason.EXPIRED]
+    t.hold("r", [np.arange(2)], readers=1, ttl_s=10)
+    first = t.confirm("r", "a", 2)
+    assert t.confirm("r", "a", 3).ticket == first.ticket  # the same reader renews its share
+    with pytest.raises(LeaseRefused, match="1 reader"):
+        t.confirm("r", "b", 2)
 
 
-def test_unknown_and_released_are_refused(table: tuple[LeaseTable, list[Released]]) -> None:
+def test_unknown_is_not_found_and_released_is_refused(
+    table: tuple[LeaseTable, list[Released]],
+) -> None:
     t, _ = table
-    with pytest.raises(LeaseRefused, match="unknown"):
-        t.confirm_and_extend("nope")
-    t.hold("r", [np.arange(2)], readers=1, ttl_s=1.0)
-    assert t.cancel("r").reason is ReleaseReason.CANCELLED
+    with pytest.raises(NotFound):
+        t.confirm("nope", "a", 1)
+    t.hold("r", [np.arange(2)], readers=1, ttl_s=5)
+    t.cancel("r")
     with pytest.raises(LeaseRefused, match="CANCELLED"):
-        t.confirm_and_extend("r")
+        t.confirm("r", "a", 1)
 
 
-def test_reap_scans_everything(clock: Clock, table: tuple[LeaseTable, list[Released]]) -> None:
-    t, seen = table
-    for i in range(10):
-        t.hold(f"r{i}", [np.arange(1)], readers=1, ttl_s=1.0 + i)
-    clock.now += 5.5
-    assert sorted(r.request_id for r in t.reap()) == [f"r{i}" for i in range(5)]
-    assert len(t) == 5 and len(seen) == 5
-
-
-def test_bad_holds(table: tuple[LeaseTable, list[Released]]) -> None:
+def test_bad_holds_are_refused(table: tuple[LeaseTable, list[Released]]) -> None:
     t, _ = table
-    t.hold("r", [np.arange(1)], readers=1, ttl_s=1)
+    with pytest.raises(InvalidRequest):
+        t.hold("", [np.arange(2)], readers=1, ttl_s=5)
+    with pytest.raises(InvalidRequest):
+        t.hold("r", [np.arange(2)], readers=0, ttl_s=5)
+    with pytest.raises(InvalidRequest):
+        t.hold("r", [np.arange(2)], readers=1, ttl_s=0)
+    t.hold("r", [np.arange(2)], readers=1, ttl_s=5)
     with pytest.raises(AlreadyExists):
-        t.hold("r", [np.arange(1)], readers=1, ttl_s=1)
+        t.hold("r", [np.arange(2)], readers=1, ttl_s=5)
     with pytest.raises(InvalidRequest):
-        t.hold("x", [np.arange(1)], readers=0, ttl_s=1)
-    with pytest.raises(InvalidRequest):
-        t.hold("x", [np.arange(1)], readers=1, ttl_s=0)
-    with pytest.raises(InvalidRequest):
-        t.hold("", [np.arange(1)], readers=1, ttl_s=1)
+        t.confirm("r", "a", 0)
 
 
-def test_callback_errors_do_not_break_the_table(clock: Clock) -> None:
-    t = LeaseTable(clock=clock)
+def test_callback_errors_do_not_break_the_table(table: tuple[LeaseTable, list[Released]]) -> None:
+    t, seen = table
 
     def boom(_: Released) -> None:
         raise RuntimeError("callback bug")
 
     t.subscribe(boom)
-    t.hold("r", [np.arange(1)], readers=1, ttl_s=1)
-    assert t.complete("r", "a") is not None
-    assert len(t) == 0
+    t.hold("r", [np.arange(2)], readers=1, ttl_s=5)
+    assert t.notified("r", t.confirm("r", "a", 1).ticket)
+    assert len(seen) == 1 and len(t) == 0
+
+
+_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["confirm", "notify", "finish", "renew", "advance", "cancel", "forge"]),
+        st.sampled_from(["a", "b", "c"]),
+        st.floats(0.1, 3.0),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(readers=st.integers(1, 3), ops=_OPS)
+def test_blocks_are_never_released_while_a_share_is_reading(
+    readers: int, ops: list[tuple[str, str, float]]
+) -> None:
+    """Whatever readers, third parties, the owner and time do, the lease ends at most once
+    and never while a confirmed reader's share is valid and unfinished."""
+    clock = Clock()
+    t = LeaseTable(clock=clock)
+    seen: list[Released] = []
+    reading: dict[str, tuple[int, float]] = {}  # reader -> (ticket, expiry) while reading
+
+    def check(_: Released) -> None:
+        live = [r for r, (_, exp) in reading.items() if exp > clock.now]
+        assert not live, f"released while {live} still reading"
+
+    t.subscribe(check)
+    t.subscribe(seen.append)
+    t.hold("r", [np.arange(4)], readers=readers, ttl_s=10)
+    for op, who, x in ops:
+        try:
+            if op == "confirm":
+                v = t.confirm("r", who, x)
+                reading[who] = (v.ticket, v.expires_at)
+            elif op == "notify" and who in reading:
+                t.notified("r", reading.pop(who)[0])
+            elif op == "finish":
+                t.finish("r", who, done=x > 1)
+                reading.pop(who, None)
+            elif op == "renew":
+                if not t.renew(who, ["r"], x) and who in reading:
+                    reading[who] = (reading[who][0], max(reading[who][1], clock.now + x))
+            elif op == "advance":
+                clock.now += x
+                reading = {r: v for r, v in reading.items() if v[1] > clock.now}
+                t.reap()
+            elif op == "cancel":
+                t.cancel("r")
+            elif op == "forge":
+                assert not t.notified("r", int(x * 1000))
+        except (LeaseRefused, NotFound, PermissionDenied):
+            pass
+    assert len(seen) <= 1

@@ -10,14 +10,21 @@ from kvxferd.errors import InvalidRequest
 from kvxferd.transfer import notify
 
 
-@given(st.text(min_size=1, max_size=200).filter(lambda s: 0 < len(s.encode()) <= 1024))
-def test_round_trip(rid: str) -> None:
-    note = notify.decode(notify.encode(rid))
+@given(
+    st.text(min_size=1, max_size=200).filter(lambda s: 0 < len(s.encode()) <= 1024),
+    st.integers(1, 2**64 - 1),
+)
+def test_round_trip(rid: str, ticket: int) -> None:
+    note = notify.decode(notify.encode(rid, ticket))
     assert note.request_id == rid and note.kind is notify.NotifKind.READ_DONE
+    assert note.ticket == ticket
 
 
 def test_layout_is_fixed() -> None:
-    assert notify.encode("r1") == b"KVXN\x01\x01\x00\x02r1"
+    assert notify.encode("r1", 5) == b"KVXN\x02\x01\x00\x02" + b"\x00" * 7 + b"\x05r1"
+
+
+T = b"\x00" * 7 + b"\x05"
 
 
 @pytest.mark.parametrize(
@@ -25,12 +32,12 @@ def test_layout_is_fixed() -> None:
     [
         b"",
         b"hi",
-        b"XXXX\x01\x01\x00\x02r1",
-        b"KVXN\x02\x01\x00\x02r1",
-        b"KVXN\x01\x09\x00\x02r1",
-        b"KVXN\x01\x01\x00\x03r1",
-        b"KVXN\x01\x01\x00\x00",
-        b"KVXN\x01\x01\x00\x02\xff\xfe",
+        b"XXXX\x02\x01\x00\x02" + T + b"r1",
+        b"KVXN\x01\x01\x00\x02" + T + b"r1",  # version 1 (no ticket) is not spoken any more
+        b"KVXN\x02\x09\x00\x02" + T + b"r1",
+        b"KVXN\x02\x01\x00\x03" + T + b"r1",
+        b"KVXN\x02\x01\x00\x00" + T,
+        b"KVXN\x02\x01\x00\x02" + T + b"\xff\xfe",
     ],
 )
 def test_malformed_is_rejected(msg: bytes) -> None:
@@ -38,8 +45,10 @@ def test_malformed_is_rejected(msg: bytes) -> None:
         notify.decode(msg)
 
 
-def test_bad_request_ids_are_rejected() -> None:
+def test_bad_request_ids_and_tickets_are_rejected() -> None:
     with pytest.raises(InvalidRequest):
-        notify.encode("")
+        notify.encode("", 1)
+    with pytest.raises(InvalidRequest, match="1024"):
+        notify.encode("x" * 1025, 1)
     with pytest.raises(InvalidRequest):
-        notify.encode("x" * 1025)
+        notify.encode("r", 0)

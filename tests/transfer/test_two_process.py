@@ -63,9 +63,10 @@ def test_fragmented_read_moves_exact_bytes(owner: OwnerProcess, reader: Reader) 
 
 def test_empty_plan_is_done_and_still_notifies(owner: OwnerProcess, reader: Reader) -> None:
     owner.call("hold", "empty-1", 1, 10.0)
+    ticket = owner.call("confirm", "empty-1", "reader-a")
     before = len(owner.call("released"))
     res = reader.engine.submit(
-        "empty", owner.name, TransferPlan(()), notif=notify.encode("empty-1")
+        "empty", owner.name, TransferPlan(()), notif=notify.encode("empty-1", ticket)
     ).result(5)
     assert res.status is TransferStatus.DONE and res.nbytes == 0
     rel = owner.wait_released(before + 1)
@@ -78,13 +79,16 @@ def test_two_readers_release_the_lease_once(owner: OwnerProcess, reader: Reader)
         second.connect(owner)
         owner.call("hold", "two-1", 2, 10.0)
         plan = plan_from_blocks(np.arange(4), np.arange(4), num_regions=2, block_len=BLOCK)
-        owner.call("confirm", "two-1")
-        r1 = reader.engine.submit("two-a", owner.name, plan, notif=notify.encode("two-1"))
+        t1 = owner.call("confirm", "two-1", "reader-a")
+        note1 = notify.encode("two-1", t1)
+        r1 = reader.engine.submit("two-a", owner.name, plan, notif=note1)
         assert r1.result(10).status is TransferStatus.DONE
+        # The same notification again (a replay) counts once.
+        reader.engine.submit("two-a2", owner.name, TransferPlan(()), notif=note1).result(5)
         time.sleep(0.1)
         assert not [x for x in owner.call("released") if x[0] == "two-1"]
-        owner.call("confirm", "two-1")
-        r2 = second.engine.submit("two-b", owner.name, plan, notif=notify.encode("two-1"))
+        t2 = owner.call("confirm", "two-1", "reader-b")
+        r2 = second.engine.submit("two-b", owner.name, plan, notif=notify.encode("two-1", t2))
         assert r2.result(10).status is TransferStatus.DONE
         owner.wait_released(1_000, timeout_s=0.5)  # let any duplicate arrive
         assert [x for x in owner.call("released") if x[0] == "two-1"] == [("two-1", "DONE", 2)]
@@ -92,11 +96,37 @@ def test_two_readers_release_the_lease_once(owner: OwnerProcess, reader: Reader)
         close_reader(second)
 
 
+def test_forged_notifications_never_release_a_lease(owner: OwnerProcess, reader: Reader) -> None:
+    """A peer that never confirmed (or guesses a ticket) sends READ_DONE over real NIXL: the
+    lease stays held for the reader that did confirm, and each forgery is counted as stray."""
+    owner.call("hold", "forge-1", 1, 10.0)
+    ticket = owner.call("confirm", "forge-1", "reader-a")
+    stray = owner.call("stray")
+    for i, forged in enumerate((1, ticket ^ 0x10, 2**63 - 1)):
+        done = reader.engine.submit(
+            f"forge-{i}", owner.name, TransferPlan(()), notif=notify.encode("forge-1", forged)
+        ).result(5)
+        assert done.status is TransferStatus.DONE
+    deadline = time.monotonic() + 5
+    while owner.call("stray") < stray + 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert owner.call("stray") == stray + 3
+    assert not [x for x in owner.call("released") if x[0] == "forge-1"]
+    reader.engine.submit(
+        "forge-ok", owner.name, TransferPlan(()), notif=notify.encode("forge-1", ticket)
+    ).result(5)
+    deadline = time.monotonic() + 5
+    while not [x for x in owner.call("released") if x[0] == "forge-1"]:
+        assert time.monotonic() < deadline, "the confirmed reader's notification was ignored"
+        time.sleep(0.02)
+    assert [x for x in owner.call("released") if x[0] == "forge-1"] == [("forge-1", "DONE", 1)]
+
+
 def test_lease_expiring_before_confirm_is_refused(owner: OwnerProcess) -> None:
     owner.call("hold", "exp-1", 1, 0.2)
     time.sleep(0.3)
     with pytest.raises(LeaseRefused):
-        owner.call("confirm", "exp-1")
+        owner.call("confirm", "exp-1", "reader-a")
     assert ("exp-1", "EXPIRED", 0) in owner.call("released")
 
 
