@@ -148,6 +148,11 @@ def decode_envelope(
             ],
             peer=who,
         )
+    if not payload:
+        raise IncompatiblePeer(
+            [Mismatch("handshake payload", "a HandshakePayload", "empty", "check the peer build")],
+            peer=who,
+        )
     msg = peer_pb2.HandshakePayload()
     try:
         msg.ParseFromString(payload)
@@ -156,6 +161,7 @@ def decode_envelope(
             [Mismatch("handshake payload", "kvxferd.v1", "undecodable", "check the peer build")],
             peer=who,
         ) from exc
+    _check_registrations(msg)
     remote = RemoteDescription(
         info=PeerInfo(
             spec=spec_from_proto(msg.spec, "payload.spec"),
@@ -193,6 +199,29 @@ def decode_envelope(
             peer=who,
         )
     return remote
+
+
+_INT64_MAX = (1 << 63) - 1
+
+
+def _check_registrations(msg: peer_pb2.HandshakePayload) -> None:
+    """Addresses and sizes are uint64 on the wire but int64 in the region tables: refuse what
+    does not fit instead of failing inside numpy."""
+    for i, r in enumerate(msg.registrations):
+        for name in ("base_address", "nbytes"):
+            if getattr(r, name) > _INT64_MAX:
+                raise InvalidRequest(
+                    f"registrations[{i}].{name} = {getattr(r, name)} is not below 2^63",
+                    field=f"payload.registrations[{i}].{name}",
+                    fix="send the region's real address and size",
+                )
+    ring = msg.staging
+    if max(ring.base_address, ring.chunk_bytes) > _INT64_MAX:
+        raise InvalidRequest(
+            "the staging ring's address or size is not below 2^63",
+            field="payload.staging",
+            fix="send the ring's real address and size",
+        )
 
 
 def remote_error(exc: aio.AioRpcError, what: str, address: str) -> KvxferdError:

@@ -297,10 +297,13 @@ class NixlAgent:
             loaded = agent.add_remote_agent(metadata)
         except Exception as exc:
             raise map_nixl_error(exc, op="add remote agent", peer=name) from exc
-        loaded_name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        try:
+            loaded_name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        except UnicodeDecodeError:
+            loaded_name = repr(loaded)
         if loaded_name != name:
             try:
-                agent.remove_remote_agent(loaded_name)
+                agent.remove_remote_agent(loaded)
             except Exception:
                 log.exception("event=nixl_remove_mismatched_failed agent=%s", self.name)
             raise PeerUnavailable(

@@ -7,7 +7,7 @@ as :mod:`kvxferd.errors` and mapped to status codes by the servicers' one table.
 from __future__ import annotations
 
 from kvxferd.daemon.core import Daemon
-from kvxferd.errors import InvalidRequest
+from kvxferd.errors import InvalidRequest, PermissionDenied
 from kvxferd.staging.owner import StagingOwner
 from kvxferd.staging.stats import StageTimes
 from kvxferd.v1 import peer_pb2, scheduler_pb2
@@ -28,8 +28,15 @@ def _owner(daemon: Daemon) -> StagingOwner:
 async def gather(
     daemon: Daemon, req: peer_pb2.GatherRequest, time_left: float | None, reader: str
 ) -> peer_pb2.GatherResponse:
-    """Gather for ``reader`` (the caller's handshake session, not ``req.reader_id``)."""
+    """Gather for ``reader`` (the caller's handshake session, not ``req.reader_id``): only a
+    reader that confirmed the lease and is still reading it may take staging slots."""
     owner = _owner(daemon)
+    if daemon.leases.is_reading(req.request_id, reader) is False:
+        raise PermissionDenied(
+            f"this caller has no share of the lease of {req.request_id!r} that it is reading",
+            field="request_id",
+            fix="ConfirmLease before Gather; a share that ended cannot gather",
+        )
     grant = await owner.gather(
         req.request_id,
         reader,

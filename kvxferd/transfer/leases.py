@@ -338,6 +338,16 @@ class LeaseTable:
         self._notify(released)
         return n
 
+    def is_reading(self, request_id: str, reader: str) -> bool | None:
+        """Whether ``reader`` has a share of ``request_id`` it is reading; None when the lease
+        is not held (any more)."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is None:
+                return None
+            share = lease.shares.get(reader)
+            return share is not None and share.state is ShareState.READING
+
     def reading(self, reader: str) -> int:
         """How many shares ``reader`` is reading now."""
         with self._lock:

@@ -24,6 +24,7 @@ from kvxferd.v1 import (
     scheduler_pb2_grpc,
 )
 from tests.service.conftest import Daemon, Daemons, launch
+from tests.service.raw_peer import RawPeer, handshake
 
 TERMINAL = {
     scheduler_pb2.TRANSFER_STATE_DONE,
@@ -180,8 +181,10 @@ def test_gather_refuses_ids_outside_the_lease_and_the_pool(dense: Daemons) -> No
     async def go() -> None:
         c = Client(dense["prefill"], dense["staged"])
         await c.hold("gather-guard", [[1, 2, 3]])
+        rp = await handshake(dense["prefill"].grpc, "dense:num_blocks=64", agent="guard")
+        other = await handshake(dense["prefill"].grpc, "dense:num_blocks=64", agent="other")
 
-        async def gather(rid: str, ids: list[int]) -> grpc.StatusCode:
+        async def gather(rid: str, ids: list[int], who: RawPeer = rp) -> grpc.StatusCode:
             with pytest.raises(aio.AioRpcError) as ei:
                 await c.peer.Gather(
                     peer_pb2.GatherRequest(
@@ -192,11 +195,19 @@ def test_gather_refuses_ids_outside_the_lease_and_the_pool(dense: Daemons) -> No
                         ),
                     ),
                     timeout=5,
+                    metadata=who.md,
                 )
             details = ei.value.details() or ""
             assert "fix:" in details, details
             return ei.value.code()
 
+        # Without a session, or before confirming the lease, nothing is gathered.
+        assert (
+            await gather("gather-guard", [1], RawPeer(rp.stub)) == grpc.StatusCode.UNAUTHENTICATED
+        )
+        assert await gather("gather-guard", [1]) == grpc.StatusCode.PERMISSION_DENIED
+        await rp.confirm("gather-guard")
+        assert await gather("gather-guard", [1], other) == grpc.StatusCode.PERMISSION_DENIED
         assert await gather("gather-guard", [1, 9]) == grpc.StatusCode.FAILED_PRECONDITION
         assert await gather("gather-guard", [1, 64]) == grpc.StatusCode.INVALID_ARGUMENT
         assert await gather("gather-guard", [-1]) == grpc.StatusCode.INVALID_ARGUMENT
@@ -209,12 +220,22 @@ def test_gather_refuses_ids_outside_the_lease_and_the_pool(dense: Daemons) -> No
                 kernel_block_ids=common_pb2.GroupBlockIds(groups=[common_pb2.BlockIds(ids=[2])]),
             ),
             timeout=5,
+            metadata=rp.md,
         )
         assert resp.nbytes == ROW
+        # Another session cannot give the slot back; its own reader can.
+        stolen = await c.peer.ReleaseStaging(
+            peer_pb2.ReleaseStagingRequest(
+                request_id="gather-guard", reader_id="guard", slots=[resp.slot]
+            ),
+            metadata=other.md,
+        )
+        assert stolen.released == 0
         rel = await c.peer.ReleaseStaging(
             peer_pb2.ReleaseStagingRequest(
                 request_id="gather-guard", reader_id="r", slots=[resp.slot]
-            )
+            ),
+            metadata=rp.md,
         )
         assert rel.released == 1
         # Still serving: a pull afterwards completes.
@@ -227,9 +248,11 @@ def test_gather_refuses_ids_outside_the_lease_and_the_pool(dense: Daemons) -> No
 def test_owner_reclaims_slots_when_the_lease_ends(dense: Daemons) -> None:
     async def go() -> None:
         c = Client(dense["prefill"], dense["staged"])
+        rp = await handshake(dense["prefill"].grpc, "dense:num_blocks=64", agent="dies")
         for i in range(3):  # more gathers than the owner's 2 slots: each lease end frees one
             rid = f"abandoned-{i}"
             await c.hold(rid, [[30 + i]])
+            await rp.confirm(rid)
             await c.peer.Gather(
                 peer_pb2.GatherRequest(
                     request_id=rid,
@@ -239,12 +262,9 @@ def test_owner_reclaims_slots_when_the_lease_ends(dense: Daemons) -> None:
                     ),
                 ),
                 timeout=5,
+                metadata=rp.md,
             )
-            await c.peer.ReleaseLease(
-                peer_pb2.ReleaseLeaseRequest(
-                    request_id=rid, reader_id="dies", reason=common_pb2.RELEASE_REASON_CANCELLED
-                )
-            )
+            await rp.release(rid)
 
     run(go())
 
