@@ -200,10 +200,18 @@ SECTIONS: dict[str, type[Any]] = {
 LIST_KEYS = frozenset({"peers.allow"})
 """String keys that also accept a TOML array of strings (joined with commas)."""
 
-NON_CONFIG_ENV = frozenset({"KVXFERD_TOOLS_CACHE", "KVXFERD_NO_INSTALL"})
-"""``KVXFERD_*`` variables that are not configuration keys and are never refused: the tool
-cache and no-install switch of ``scripts/check_proto.sh``. Every other ``KVXFERD_*`` variable
-must name a key (``KVXFERD_<SECTION>_<KEY>``); docs/config.md lists these too."""
+NON_CONFIG_ENV = frozenset(
+    {
+        "KVXFERD_TOOLS_CACHE",  # scripts/check_proto.sh: where pinned generators are installed
+        "KVXFERD_NO_INSTALL",  # scripts/check_proto.sh: never install a missing tool
+        "KVXFERD_FUZZ_SECONDS",  # tests/fuzz: how long the RPC fuzz suite runs
+        "KVXFERD_FUZZ_REPORT",  # tests/fuzz: where the fuzz suite writes its JSON counts
+    }
+)
+"""``KVXFERD_*`` variables that are not configuration keys and are never refused (tool and
+test knobs; daemons started by a test run inherit them). Every other ``KVXFERD_*`` variable
+must name a key (``KVXFERD_<SECTION>_<KEY>``). docs/config.md lists these too, and
+tests/test_config.py checks that the repository uses no other."""
 
 
 def documented_keys() -> list[str]:

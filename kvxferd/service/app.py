@@ -88,8 +88,9 @@ GRPC_OPTIONS = (
 # port binds it too and silently takes half of the first one's connections.
 SERVER_OPTIONS = (*GRPC_OPTIONS, ("grpc.so_reuseport", 0))
 ENGINE_SOCKET_MODE = 0o660
-"""The Engine socket's mode: owner and group (the engine's user joins the group); the process
-umask can only make it stricter."""
+"""The Engine socket's mode, whatever the umask: owner and group (the engine's user joins the
+daemon's group); connecting needs write permission, so others cannot. The socket's directory
+can restrict it further."""
 
 SERVICE_NAMES = (
     peer_pb2.DESCRIPTOR.services_by_name["Peer"].full_name,
@@ -415,6 +416,9 @@ def _bind_grpc(
 def _bind_engine_socket(server: aio.Server, path: str) -> int:
     """Bind the Engine service on ``path`` with mode 0660; return the socket's inode.
 
+    The socket is created under a umask that keeps others out (no window where it is wider),
+    then set to exactly :data:`ENGINE_SOCKET_MODE`.
+
     Never removes anything but a stale socket: a non-socket at ``path`` is refused, a socket
     someone listens on is refused, a socket nobody listens on is removed."""
     key = "server.engine_socket"
@@ -435,7 +439,7 @@ def _bind_engine_socket(server: aio.Server, path: str) -> int:
             fix=f"make sure its directory exists and is writable by this user ({DOCS})",
         )
     try:
-        os.chmod(path, ENGINE_SOCKET_MODE & ~old)
+        os.chmod(path, ENGINE_SOCKET_MODE)
         return os.lstat(path).st_ino
     except OSError as exc:
         raise ConfigError(

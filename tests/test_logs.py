@@ -1,0 +1,75 @@
+"""Text logs: caller-controlled values cannot forge lines or fields."""
+
+from __future__ import annotations
+
+import io
+import logging
+import re
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvxferd.logs import _TextFormatter, escape, kv
+
+
+def render(msg: str, **fields: object) -> str:
+    record = logging.LogRecord("kvxferd.t", logging.INFO, __file__, 1, msg, None, None)
+    record.kv = fields
+    return _TextFormatter().format(record)
+
+
+@given(st.text(), st.text())
+def test_one_event_is_one_line(msg: str, value: str) -> None:
+    line = render(msg, request_id=value)
+    assert len(line.splitlines()) == 1 and "\x00" not in line
+
+
+def unescape(text: str) -> str:
+    named = {"n": "\n", "r": "\r", "t": "\t", "\\": "\\"}
+
+    def one(m: re.Match[str]) -> str:
+        e = m.group(1)
+        return named.get(e) or chr(int(e[1:], 16))
+
+    return re.sub(r"\\(x[0-9a-f]{2}|u[0-9a-f]{4}|[nrt\\])", one, text)
+
+
+@given(st.text())
+def test_escape_is_unambiguous(text: str) -> None:
+    escaped = escape(text)
+    assert unescape(escaped) == text
+    assert not any(c in escaped for c in "\n\r\x00\x85\u2028\u2029")
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [
+        ("a\nb", "a\\nb"),
+        ("nul\x00", "nul\\x00"),
+        ("x y=z", '"x y=z"'),
+        ('q"', '"q\\""'),
+        ("", '""'),
+        ("line\u2028sep", "line\\u2028sep"),
+    ],
+)
+def test_values_are_escaped_and_quoted(value: str, shown: str) -> None:
+    assert render("held", request_id=value).endswith(f" request_id={shown}")
+
+
+def test_traceback_lines_are_indented() -> None:
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(_TextFormatter())
+    log = logging.getLogger("kvxferd.test_logs")
+    log.addHandler(handler)
+    log.propagate = False
+    try:
+        raise ValueError("boom\nINJECTED")
+    except ValueError:
+        log.exception("failed", extra=kv(request_id="r"))
+    finally:
+        log.removeHandler(handler)
+    lines = stream.getvalue().splitlines()
+    assert lines[0].endswith("failed request_id=r")
+    assert all(line.startswith("    | ") for line in lines[1:]), lines
