@@ -325,7 +325,6 @@ class StagingOwner:
                 timer.cancel()
 
     def _grant(self, slot: int, request_id: str, reader: str) -> None:
-        assert self._loop is None or self._loop is asyncio.get_running_loop()
         timer = asyncio.get_running_loop().call_later(self.grant_timeout_s, self._expire, slot)
         self._grants[slot] = _Held(request_id, reader, timer)
         self._count[reader] = self._count.get(reader, 0) + 1
