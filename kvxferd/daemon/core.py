@@ -573,7 +573,10 @@ class Daemon:
                 return
             self._posted.add(tid)
             self.pulls.update(tid, state=PullState.TRANSFERRING)
-            note = notify.encode(req.request_id, share.ticket) if req.notify else b""
+            # The READ carries no notification: the owner hears DONE only once this reader saw
+            # its READ complete (after the pull is DONE, in the finally below), so a READ that
+            # a cancel cuts short is never counted as read.
+            note = b""
             if staged is not None:
                 job = self._staged_job(
                     req,
@@ -652,8 +655,9 @@ class Daemon:
             self._cancel_requested.discard(tid)
             self._posted.discard(tid)
             held = self._shares.pop(tid, None)
-            if held is not None and held.ticket and (not held.done or not req.notify):
-                # Give our share back (or report it read when no notification carried that).
+            if held is not None and held.ticket and held.done and req.notify:
+                self._spawn(self._notify_done(link, req.request_id, held.ticket))
+            elif held is not None and held.ticket:
                 self._spawn(self._release_share(link, req.request_id, done=held.done))
             rec = self.pulls.get(tid)
             self._account(rec, time.monotonic() - t0)
@@ -753,6 +757,16 @@ class Daemon:
         await self.peers.invalidate(link.address, why, LinkState.STALE)
         await self.peers.ready(link.address)
         self._peer_gauge()
+
+    async def _notify_done(self, link: PeerLink, request_id: str, ticket: int) -> None:
+        """Tell the owner we read (the NIXL notification with our ticket; the RPC if NIXL
+        cannot deliver it)."""
+        agent = link.remote.agent_name if link.remote else ""
+        try:
+            await asyncio.wrap_future(self.engine.notify(agent, notify.encode(request_id, ticket)))
+        except KvxferdError as err:
+            log.info("notification failed; releasing by RPC", extra=kv(error=str(err)))
+            await self._release_share(link, request_id, done=True)
 
     async def _release_share(self, link: PeerLink, request_id: str, *, done: bool) -> None:
         """Best effort: tell the owner our share ended (it would lapse anyway)."""

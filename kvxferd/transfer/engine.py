@@ -295,6 +295,10 @@ class TransferEngine:
     ) -> TransferResult:
         return await self.submit(transfer_id, peer, plan, notif=notif, timeout_s=timeout_s).wait()
 
+    def notify(self, peer: str, msg: bytes) -> Future[None]:
+        """Send ``msg`` to ``peer`` as a NIXL notification, on the NIXL thread."""
+        return self._agent.submit(self._agent.send_notif, peer, msg)
+
     def get(self, transfer_id: str) -> Transfer | None:
         with self._lock:
             return self._transfers.get(transfer_id)
