@@ -19,7 +19,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[w.World]:
         world.learn()
         yield world
     finally:
-        world.caller.close()
+        world.close()
         ds.stop()
 
 

@@ -16,6 +16,7 @@ import re
 import threading
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,8 +118,18 @@ def describe_body(rpc_id: str, body: bytes) -> str:
     except Exception:
         return f"undecodable {raw}"
     text = text_format.MessageToString(msg, as_one_line=True, print_unknown_fields=True)
-    if len(text) > 600:
-        text = text[:600] + "..."
+    for f in rpc.input.fields:
+        nested = NESTED.get(f.full_name)
+        if nested is not None and getattr(msg, f.name):
+            inner = nested()
+            try:
+                inner.ParseFromString(getattr(msg, f.name))
+            except Exception:
+                continue
+            shown = text_format.MessageToString(inner, as_one_line=True)
+            text += f" ({f.name} decodes as {inner.DESCRIPTOR.name}{{{shown}}})"
+    if len(text) > 1500:
+        text = text[:1500] + "..."
     return f"{rpc.input.name}{{{text}}} = {raw}"
 
 
@@ -137,31 +148,40 @@ class Stats:
     raw: Counter[str] = field(default_factory=Counter)  # rpc id -> raw-body calls
     codes: dict[str, Counter[str]] = field(default_factory=lambda: defaultdict(Counter))
     seconds: Counter[str] = field(default_factory=Counter)
-    failures: dict[tuple[str, str, str], Failure] = field(default_factory=dict)
+    failures: dict[tuple[str, str, str, str], Failure] = field(default_factory=dict)
     started: float = field(default_factory=time.monotonic)
 
-    def record(self, rpc: Rpc, kind: str, target: str, body: bytes, out: Outcome) -> None:
+    def record(self, rpc: Rpc, kind: str, target: str, body: bytes, out: Outcome) -> bool:
+        """Count one call; True when it was bad and of a kind not seen before."""
         self.calls[rpc.id] += 1
         if kind == "raw":
             self.raw[rpc.id] += 1
         self.codes[rpc.id][out.code] += 1
         if out.code in BAD_CODES:
-            self.fail(rpc.id, kind, target, out.code, out.details, body)
+            return self.fail(rpc.id, kind, target, out.code, out.details, body)
+        return False
 
     def fail(  # noqa: PLR0917
         self, rpc: str, kind: str, target: str, code: str, details: str, body: bytes
-    ) -> None:
-        key = (rpc, code, _shape(details))
+    ) -> bool:
+        key = (rpc, kind, code, _shape(details))
         old = self.failures.get(key)
         if old is None:
             self.failures[key] = Failure(rpc, target, code, details, body, kind)
-            return
+            return True
         old.count += 1
         if len(body) < len(old.body):
-            old.target, old.details, old.body, old.kind = target, details, body, kind
+            old.target, old.details, old.body = target, details, body
+        return False
 
-    def failures_of(self, rpc_id: str) -> list[Failure]:
-        return [f for f in self.failures.values() if f.rpc == rpc_id]
+    def shrunk(self, rpc: str, kind: str, code: str, details: str, body: bytes) -> None:
+        """Replace the repro of a failure with a smaller request that fails the same way."""
+        f = self.failures.get((rpc, kind, code, _shape(details)))
+        if f is not None and len(body) < len(f.body):
+            f.body = body
+
+    def failures_of(self, rpc_id: str, kind: str) -> list[Failure]:
+        return [f for f in self.failures.values() if f.rpc == rpc_id and f.kind == kind]
 
     def summary(self) -> str:
         total = sum(self.calls.values())
@@ -220,6 +240,136 @@ class Stats:
 
 
 STATS = Stats()
+
+
+# --- shrinking ---------------------------------------------------------------------------------
+
+# Bytes fields that carry a serialized message, shrunk as that message.
+NESTED = {"kvxferd.v1.HandshakeRequest.payload": peer_pb2.HandshakePayload}
+SHRINK_CALLS = 400
+
+
+def same_failure(a: Outcome, b: Outcome) -> bool:
+    return a.code == b.code and _shape(a.details)[:60] == _shape(b.details)[:60]
+
+
+def shrink(rpc: Rpc, body: bytes, bad: Outcome, send: Callable[[bytes], Outcome]) -> bytes:
+    """A smaller body that still fails like ``bad`` (greedy, at most SHRINK_CALLS calls):
+    fields cleared, repeated fields cut, nested payloads shrunk; raw bytes cut."""
+    budget = [SHRINK_CALLS]
+
+    def still(candidate: bytes) -> bool:
+        if budget[0] <= 0:
+            return False
+        budget[0] -= 1
+        return same_failure(send(candidate), bad)
+
+    from google.protobuf import message_factory
+
+    msg = message_factory.GetMessageClass(rpc.input)()
+    try:
+        msg.ParseFromString(body)
+        if msg.SerializeToString() != body:
+            raise ValueError("not canonical")  # shrink the bytes, not a re-encoding
+    except Exception:
+        return _shrink_bytes(body, still)
+    root = msg
+
+    def check() -> bool:
+        return still(root.SerializeToString())
+
+    _shrink_message(msg, check)
+    return root.SerializeToString()
+
+
+def _shrink_bytes(body: bytes, still: Callable[[bytes], bool]) -> bytes:
+    chunk = max(1, len(body) // 2)
+    while chunk >= 1:
+        i = 0
+        while i < len(body):
+            candidate = body[:i] + body[i + chunk :]
+            if candidate != body and still(candidate):
+                body = candidate
+            else:
+                i += chunk
+        chunk //= 2
+    return body
+
+
+def _snapshot(msg: Any, f: Any) -> list[Any]:
+    items = getattr(msg, f.name)
+    if f.type != f.TYPE_MESSAGE:
+        return list(items)
+    out = []
+    for x in items:
+        c = type(x)()
+        c.CopyFrom(x)
+        out.append(c)
+    return out
+
+
+def _shrink_message(msg: Any, check: Callable[[], bool]) -> None:
+    for f in list(msg.DESCRIPTOR.fields):
+        if f.is_repeated:
+            if not len(getattr(msg, f.name)):
+                continue
+            saved = _snapshot(msg, f)
+            msg.ClearField(f.name)
+            if check():
+                continue
+            _restore(msg, f, saved)
+            for i in reversed(range(len(saved))):
+                if len(getattr(msg, f.name)) <= 1:
+                    break
+                snap = _snapshot(msg, f)
+                del getattr(msg, f.name)[i]
+                if not check():
+                    _restore(msg, f, snap)
+            if f.type == f.TYPE_MESSAGE:
+                for sub in getattr(msg, f.name):
+                    _shrink_message(sub, check)
+            continue
+        if f.type == f.TYPE_MESSAGE:
+            if not msg.HasField(f.name):
+                continue
+            saved_msg = type(getattr(msg, f.name))()
+            saved_msg.CopyFrom(getattr(msg, f.name))
+            msg.ClearField(f.name)
+            if check():
+                continue
+            getattr(msg, f.name).CopyFrom(saved_msg)
+            _shrink_message(getattr(msg, f.name), check)
+            continue
+        value = getattr(msg, f.name)
+        if f.has_presence and not msg.HasField(f.name):
+            continue
+        if not f.has_presence and value == f.default_value:
+            continue
+        msg.ClearField(f.name)
+        if check():
+            continue
+        setattr(msg, f.name, value)
+        nested = NESTED.get(f.full_name)
+        if nested is not None:
+            inner = nested()
+            try:
+                inner.ParseFromString(value)
+            except Exception:
+                continue
+            if inner.SerializeToString() != value:
+                continue
+
+            def check_inner(outer: Any = msg, name: str = f.name, inner: Any = inner) -> bool:
+                setattr(outer, name, inner.SerializeToString())
+                return check()
+
+            _shrink_message(inner, check_inner)
+            setattr(msg, f.name, inner.SerializeToString())
+
+
+def _restore(msg: Any, f: Any, values: list[Any]) -> None:
+    msg.ClearField(f.name)
+    getattr(msg, f.name).extend(values)
 
 
 class Caller:

@@ -231,8 +231,10 @@ def _class(descriptor: _d.Descriptor) -> type[Message]:
 def mutated(
     bases: Callable[[], Sequence[Message]], hints: Hints | None = None
 ) -> st.SearchStrategy[Message]:
-    """One of ``bases()`` (called at draw time: bases may change while fuzzing) with a few
-    fields, at any depth, replaced by generic values, cleared, or list elements dropped."""
+    """One of ``bases()`` (called at draw time: bases may change while fuzzing) with some
+    fields, at any depth, replaced by generic values, cleared, damaged (bytes) or with list
+    elements dropped. The mutation rate is drawn per message (about 1 field in 3, 10 or 50),
+    so that some requests fail the first check and others get deep."""
     hints = hints or {}
 
     @st.composite
@@ -241,34 +243,39 @@ def mutated(
         base = data(st.sampled_from(options))
         msg = type(base)()
         msg.CopyFrom(base)
-        _mutate(msg, data, hints, 0)
+        rate = data(st.sampled_from((3, 10, 50)))
+        _mutate(msg, data, hints, 0, rate)
         return msg
 
     return draw()
 
 
-def _mutate(msg: Message, data: st.DrawFn, hints: Hints, depth: int) -> None:
+def _mutate(msg: Message, data: st.DrawFn, hints: Hints, depth: int, rate: int) -> None:
     for f in msg.DESCRIPTOR.fields:
-        roll = data(st.integers(0, 9))
-        if f.type == FD.TYPE_MESSAGE and roll >= 3:
+        if f.type == FD.TYPE_MESSAGE and data(st.integers(0, 3)):
             # Recurse into set sub-messages (most of the time: that is where the values are).
             if f.is_repeated:
                 for sub in getattr(msg, f.name):
-                    _mutate(sub, data, hints, depth + 1)
+                    _mutate(sub, data, hints, depth + 1, rate)
             elif msg.HasField(f.name):
-                _mutate(getattr(msg, f.name), data, hints, depth + 1)
+                _mutate(getattr(msg, f.name), data, hints, depth + 1, rate)
             continue
-        if roll == 0:
+        if data(st.integers(0, rate - 1)):
+            continue  # this field stays as it is
+        how = data(st.integers(0, 3))
+        if how == 0:
             msg.ClearField(f.name)
-        elif roll == 1:
+        elif how == 1 and f.is_repeated and len(getattr(msg, f.name)):
+            items = getattr(msg, f.name)
+            del items[data(st.integers(0, len(items) - 1))]
+        elif how == 2 and f.type == FD.TYPE_BYTES and not f.is_repeated:
+            setattr(msg, f.name, data(damaged(getattr(msg, f.name))))
+        else:
             msg.ClearField(f.name)
             if f.is_repeated:
                 _set(msg, f, data(_repeated(f, hints, depth + 1)))
             else:
                 _set(msg, f, data(_scalar(f, hints, depth + 1)))
-        elif roll == 2 and f.is_repeated and len(getattr(msg, f.name)):
-            items = getattr(msg, f.name)
-            del items[data(st.integers(0, len(items) - 1))]
 
 
 # --- raw bodies ------------------------------------------------------------------------------

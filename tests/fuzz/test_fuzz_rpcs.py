@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 from kvxferd.service.convert import group_ids_to_proto
 from kvxferd.v1 import engine_pb2, engine_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-from tests.fuzz.harness import BAD_CODES, STATS, Rpc, all_rpcs, budget_s
+from tests.fuzz.harness import BAD_CODES, STATS, Rpc, all_rpcs, budget_s, shrink
 from tests.fuzz.world import RPCS, World
 
 RPC_IDS = [r.id for r in all_rpcs()]
@@ -63,8 +63,12 @@ def fuzz(world: World, r: Rpc, kind: str, bodies: st.SearchStrategy[bytes], seco
             return
         daemon, address = target
         world.before(r)
-        out = world.caller.call(r, address, body, metadata=world.metadata(r, pick))
-        STATS.record(r, kind, address, body, out)
+        meta = world.metadata(r, address, pick)
+        out = world.caller.call(r, address, body, metadata=meta)
+        if STATS.record(r, kind, address, body, out):
+            # A new kind of bad outcome: find a smaller request that fails the same way.
+            small = shrink(r, body, out, lambda b: world.caller.call(r, address, b, metadata=meta))
+            STATS.shrunk(r.id, kind, out.code, out.details, small)
         world.after(r, daemon, address, body, out)
         gone = world.dead()
         if gone:
@@ -81,8 +85,8 @@ def fuzz(world: World, r: Rpc, kind: str, bodies: st.SearchStrategy[bytes], seco
         raise DaemonDied(f"daemons {died} died while fuzzing {r.id}")
 
 
-def assert_clean(r: Rpc) -> None:
-    bad = STATS.failures_of(r.id)
+def assert_clean(r: Rpc, kind: str) -> None:
+    bad = STATS.failures_of(r.id, kind)
     assert not bad, f"{r.id}: {len(bad)} bad outcomes:\n" + "\n".join(f.repro() for f in bad)
 
 
@@ -135,7 +139,7 @@ def test_fuzz_generated_messages(world: World, rpc_id: str) -> None:
     r = RPCS[rpc_id]
     assert not world.dead(), f"daemons {world.dead()} are gone before {rpc_id}"
     fuzz(world, r, "message", world.message_strategy(r), UNIT_S * MESSAGE_WEIGHT)
-    assert_clean(r)
+    assert_clean(r, "message")
 
 
 @pytest.mark.parametrize("rpc_id", RPC_IDS)
@@ -143,7 +147,7 @@ def test_fuzz_raw_bodies(world: World, rpc_id: str) -> None:
     r = RPCS[rpc_id]
     assert not world.dead(), f"daemons {world.dead()} are gone before {rpc_id}"
     fuzz(world, r, "raw", world.raw_strategy(r), UNIT_S * RAW_WEIGHT)
-    assert_clean(r)
+    assert_clean(r, "raw")
 
 
 def test_z_daemons_alive_and_a_verified_pull_works_after_fuzzing(world: World) -> None:

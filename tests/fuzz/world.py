@@ -24,10 +24,13 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
+import torch
 from google.protobuf.message import Message
 from hypothesis import strategies as st
 
 from kvxferd.layout.presets import preset
+from kvxferd.nixl import AgentOptions, MemType, NixlAgent
 from kvxferd.peers import compat_digest
 from kvxferd.scenario.daemons import DaemonOptions, DaemonSet
 from kvxferd.service.convert import group_ids_to_proto, spec_from_proto, spec_to_proto
@@ -44,7 +47,7 @@ SMALL_PRESETS = (
     "hybrid:num_blocks=2,attention_layers=1,mamba_layers=1",
     "fp8:num_blocks=4,full_layers=1,sliding_layers=1",
 )
-FUZZ_AGENTS = ("fuzz-agent-0", "fuzz-agent-1")
+FUZZ_AGENTS = (f"fuzz-agent-{os.getpid()}-0", f"fuzz-agent-{os.getpid()}-1")
 # Peer calls after a handshake carry the session it returned (where the wire contract has
 # one: HandshakeResponse.session) in this metadata key.
 SESSION_KEY = "kvxferd-session"
@@ -93,7 +96,9 @@ class World:
     transfers: set[tuple[str, str]] = field(default_factory=set)  # (daemon, transfer_id)
     grants: set[tuple[str, str, str, int]] = field(default_factory=set)
     attachment_id: str = ""
-    sessions: list[str] = field(default_factory=list)  # hex tokens from fuzzed handshakes
+    sessions: dict[str, list[str]] = field(default_factory=dict)  # target -> session tokens
+    nixl: list[NixlAgent] = field(default_factory=list)
+    _buffers: list[torch.Tensor] = field(default_factory=list)
     _held_at: float = 0.0
 
     # -- addresses ------------------------------------------------------------------------------
@@ -114,14 +119,31 @@ class World:
             return [(n, self.unix(n)) for n in ("prefill", "decode", "prefill", "decode", "att")]
         return [(n, self.tcp(n)) for n in ("prefill", "decode", "prefill", "decode", "att")]
 
-    def metadata(self, r: Rpc, pick: int) -> tuple[tuple[str, str], ...]:
+    def metadata(self, r: Rpc, target: str, pick: int) -> tuple[tuple[str, str], ...]:
         """Call metadata for ``r``: for Peer calls none, a made-up session, or a session a
-        fuzzed handshake obtained (``pick`` chooses)."""
+        handshake with ``target`` returned (``pick`` chooses; real sessions most often)."""
         if r.service != "Peer" or r.name == "Handshake" or not HAS_SESSIONS:
             return ()
+        real = [((SESSION_KEY, t),) for t in self.sessions.get(target, [])[-3:]]
         options: list[tuple[tuple[str, str], ...]] = [(), ((SESSION_KEY, "00" * 16),)]
-        options += [((SESSION_KEY, t),) for t in self.sessions[-4:]]
+        options += real * 3
         return options[pick % len(options)]
+
+    def handshake(self, target: str, payload: peer_pb2.HandshakePayload) -> Outcome:
+        req = peer_pb2.HandshakeRequest(
+            protocol_version=1, compat_digest=self.digest, payload=_ser(payload)
+        )
+        out = self.setup_call("Peer.Handshake", target, req)
+        self.keep_session(target, out)
+        return out
+
+    def keep_session(self, target: str, out: Outcome) -> None:
+        if out.code != "OK" or not HAS_SESSIONS:
+            return
+        token = getattr(peer_pb2.HandshakeResponse.FromString(out.body), "session", b"")
+        known = self.sessions.setdefault(target, [])
+        if token and token.hex() not in known:
+            known.append(token.hex())
 
     def dead(self) -> list[str]:
         return [n for n, d in self.daemons.items() if not d.alive()]  # type: ignore[operator]
@@ -147,27 +169,39 @@ class World:
         pool = self.describe("prefill")
         self.spec = pool.spec
         self.digest = bytes.fromhex(compat_digest(spec_from_proto(pool.spec)))
-        decode_payload = capture_handshake(self, "decode")
-        # Replaying the decode daemon's handshake to the prefill daemon is what the decode
-        # daemon does itself; the answer is the prefill daemon's real payload.
-        out = self.setup_call(
-            "Peer.Handshake",
-            self.tcp("prefill"),
-            peer_pb2.HandshakeRequest(
-                protocol_version=1, compat_digest=self.digest, payload=decode_payload
-            ),
-        )
-        assert out.code == "OK", out
-        resp = peer_pb2.HandshakeResponse.FromString(out.body)
-        for raw in (decode_payload, resp.payload):
-            p = peer_pb2.HandshakePayload.FromString(raw)
-            for name in FUZZ_AGENTS:
-                # Our own agent names: a payload that claims a victim's name is issue 11
-                # item 3's own test, and would take the pair's link away mid-fuzz.
-                mine = peer_pb2.HandshakePayload()
-                mine.CopyFrom(p)
-                mine.nixl_agent_name = name
-                self.payloads.append(mine)
+        real = peer_pb2.HandshakePayload.FromString(capture_handshake(self, "decode"))
+        for i, name in enumerate(FUZZ_AGENTS):
+            # The fuzz's own NIXL agents, so that its handshakes carry metadata that loads
+            # and are accepted (and the calls after them get past the session check). A
+            # payload claiming a victim's agent name is issue 11 item 3's own test: it would
+            # take the pair's link away mid-fuzz.
+            mine = peer_pb2.HandshakePayload()
+            mine.CopyFrom(real)
+            mine.nixl_agent_name = name
+            mine.nixl_agent_metadata = self._agent_metadata(name)
+            mine.daemon_id = name
+            mine.instance_id = f"{i:032x}"
+            mine.peer_address = "127.0.0.1:1"
+            self.payloads.append(mine)
+        for name in ("prefill", "decode"):
+            for payload in self.payloads:
+                out = self.handshake(self.tcp(name), payload)
+                assert out.code == "OK", (name, out.code, out.details)
+
+    def _agent_metadata(self, name: str) -> bytes:
+        agent = NixlAgent(name, options=AgentOptions(idle_poll_s=0.005))
+        agent.start()
+        self.nixl.append(agent)
+        buf = torch.zeros(1 << 16, dtype=torch.uint8)
+        self._buffers.append(buf)
+        agent.register(np.array([[buf.data_ptr(), buf.numel(), 0]], dtype=np.int64), MemType.DRAM)
+        return agent.metadata()
+
+    def close(self) -> None:
+        self.caller.close()
+        for agent in self.nixl:
+            agent.close()
+        self.nixl.clear()
 
     def hold_all(self, force: bool = False) -> None:
         """Keep ``fz-*`` held on both owners (the fuzz releases and confirms them)."""
@@ -214,10 +248,8 @@ class World:
     def after(self, r: Rpc, daemon: str, target: str, body: bytes, out: Outcome) -> None:
         if out.code != "OK":
             return
-        if r.id == "Peer.Handshake" and HAS_SESSIONS:
-            token = getattr(peer_pb2.HandshakeResponse.FromString(out.body), "session", b"")
-            if token and token.hex() not in self.sessions:
-                self.sessions.append(token.hex())
+        if r.id == "Peer.Handshake":
+            self.keep_session(target, out)
         elif r.id == "Scheduler.StartPull":
             status = scheduler_pb2.StartPullResponse.FromString(out.body).status
             self.transfers.add((daemon, status.transfer_id))
@@ -462,11 +494,21 @@ class World:
         return make
 
     def message_strategy(self, r: Rpc) -> st.SearchStrategy[bytes]:
+        """Two parts mutations of valid requests (they get deep), one part generated from the
+        descriptor alone (with domain hints mixed in)."""
         hints = self.hints()
-        return st.one_of(
-            pf.messages(r.input, hints).map(_ser),
-            pf.mutated(self.bases(r), hints).map(_ser),
-        )
+        deep: st.SearchStrategy[Message] = pf.mutated(self.bases(r), hints)
+        if r.id == "Peer.Handshake":
+            # The payload is opaque bytes in the envelope: mutate the payload itself.
+            deep = st.builds(
+                lambda payload, version, digest: peer_pb2.HandshakeRequest(
+                    protocol_version=version, compat_digest=digest, payload=_ser(payload)
+                ),
+                pf.mutated(lambda: self.payloads, hints),
+                st.one_of(st.just(1), st.just(1), pf.ints(pf.FD.TYPE_UINT32)),
+                st.one_of(st.just(self.digest), st.just(self.digest), pf.blobs()),
+            )
+        return st.one_of(deep.map(_ser), deep.map(_ser), pf.messages(r.input, hints).map(_ser))
 
     def raw_strategy(self, r: Rpc) -> st.SearchStrategy[bytes]:
         make = self.bases(r)
