@@ -721,6 +721,7 @@ class Daemon:
             except aio.AioRpcError as exc:
                 err = remote_error(exc, f"confirming the lease of {req.request_id!r}", link.address)
                 if isinstance(err, UnknownSession) and attempt == 1:
+                    link.session = ""  # the peer forgot it: take the new handshake's
                     await self._rehandshake(link, "the peer no longer knows our session")
                     continue
                 raise err from exc

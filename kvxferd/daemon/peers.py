@@ -484,7 +484,14 @@ class PeerDirectory:
             remote = decode_envelope(
                 resp.protocol_version, resp.compat_digest, resp.payload, me, link.address
             )
-            link.session = resp.session.hex()
+            if (
+                not link.session
+                or link.remote is None
+                or link.remote.instance_id != remote.instance_id
+            ):
+                # A new peer instance: a new session. The same instance (its engine
+                # re-attached) still knows the old one, under which our shares were confirmed.
+                link.session = resp.session.hex()
             await self._load(link, remote)
         except aio.AioRpcError as exc:
             err = remote_error(exc, "handshake", link.address)
