@@ -1,7 +1,9 @@
 """Conversions between kvxferd's values and the ``kvxferd.v1`` wire messages.
 
 Decoding is strict: an unknown enum value or an impossible shape becomes a ``SpecError`` /
-``InvalidRequest`` naming the field, never a crash.
+``InvalidRequest`` naming the field, never a crash. Sizes travel as uint64 but every table the
+daemon builds from them (region rows, descriptor arrays) is int64: a spec whose dims, strides or
+region sizes do not fit below 2^63 is refused here, naming the field.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ T = TypeVar("T")
 
 _MEMORY = {MemoryType.DRAM: spec_pb2.MEMORY_TYPE_DRAM, MemoryType.VRAM: spec_pb2.MEMORY_TYPE_VRAM}
 
+INT64_MAX = (1 << 63) - 1
+
 
 def _inverse(table: Mapping[T, int], name: str, value: int, where: str) -> T:
     for k, v in table.items():
@@ -72,7 +76,35 @@ def spec_to_proto(spec: KVCacheSpec) -> spec_pb2.KvCacheSpec:
     return msg
 
 
+def _check_int64(msg: spec_pb2.KvCacheSpec, where: str) -> None:
+    for i, r in enumerate(msg.regions):
+        for d, dim in enumerate(r.shape):
+            if dim > INT64_MAX:
+                raise SpecError(
+                    f"shape dim {d} of region {r.name!r} is {dim}, not below 2^63",
+                    field=f"{where}.regions[{i}].shape[{d}]",
+                    fix="send the region's real shape",
+                )
+        if r.block_stride > INT64_MAX:
+            raise SpecError(
+                f"block_stride of region {r.name!r} is {r.block_stride}, not below 2^63",
+                field=f"{where}.regions[{i}].block_stride",
+                fix="send the region's real block stride (0 for a dense tensor)",
+            )
+
+
+def _check_sizes(spec: KVCacheSpec, where: str) -> None:
+    for i, r in enumerate(spec.regions):
+        if r.nbytes > INT64_MAX:
+            raise SpecError(
+                f"region {r.name!r} would span {r.nbytes} bytes, not below 2^63",
+                field=f"{where}.regions[{i}]",
+                fix="send the region's real shape and block stride",
+            )
+
+
 def spec_from_proto(msg: spec_pb2.KvCacheSpec, where: str = "spec") -> KVCacheSpec:
+    _check_int64(msg, where)
     try:
         groups = tuple(
             KVGroup(
@@ -95,7 +127,9 @@ def spec_from_proto(msg: spec_pb2.KvCacheSpec, where: str = "spec") -> KVCacheSp
             )
             for i, r in enumerate(msg.regions)
         )
-        return KVCacheSpec(msg.model, groups, regions)
+        spec = KVCacheSpec(msg.model, groups, regions)
+        _check_sizes(spec, where)
+        return spec
     except KvxferdError:
         raise
     except (TypeError, ValueError) as exc:

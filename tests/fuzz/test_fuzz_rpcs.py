@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from kvxferd.service.convert import group_ids_to_proto
-from kvxferd.v1 import engine_pb2, engine_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from kvxferd.v1 import engine_pb2, engine_pb2_grpc, peer_pb2, scheduler_pb2, scheduler_pb2_grpc
 from tests.fuzz.harness import BAD_CODES, STATS, Rpc, all_rpcs, budget_s, shrink
 from tests.fuzz.world import RPCS, World
 
@@ -132,6 +132,72 @@ def verified_pull(world: World, remote: list[int], local: list[int]) -> None:
 
 def test_a_verified_pull_works_before_fuzzing(world: World) -> None:
     verified_pull(world, [30, 31, 32, 33], [20, 21, 22, 23])
+
+
+# --- exact repros of the bad outcomes issue 11 names (item 7), on the fresh daemons -----------
+
+U64_CASES = {
+    "registrations[0].base_address": lambda p: setattr(p.registrations[0], "base_address", 2**63),
+    "registrations[0].nbytes": lambda p: setattr(p.registrations[0], "nbytes", 2**64 - 1),
+    "staging.base_address": lambda p: setattr(p.staging, "base_address", 2**64 - 1),
+    "staging.chunk_bytes": lambda p: setattr(p.staging, "chunk_bytes", 2**63),
+    "spec.regions[0].shape[0]": lambda p: p.spec.regions[0].shape.__setitem__(0, 2**63),
+    "spec.regions[0].block_stride": lambda p: setattr(p.spec.regions[0], "block_stride", 2**63),
+}
+
+
+@pytest.mark.parametrize("field", sorted(U64_CASES))
+def test_repro_handshake_uint64_over_int64_is_invalid_argument(world: World, field: str) -> None:
+    """A handshake payload (otherwise the fuzz agent's valid one) with one uint64 >= 2^63."""
+    payload = type(world.payloads[0])()
+    payload.CopyFrom(world.payloads[0])
+    U64_CASES[field](payload)
+    out = world.handshake(world.tcp("prefill"), payload)
+    assert out.code == "INVALID_ARGUMENT", (out.code, out.details)
+
+
+def test_repro_empty_handshake_payload_is_failed_precondition(world: World) -> None:
+    req = peer_pb2.HandshakeRequest(protocol_version=1, compat_digest=world.digest, payload=b"")
+    out = world.setup_call("Peer.Handshake", world.tcp("prefill"), req)
+    assert out.code == "FAILED_PRECONDITION", (out.code, out.details)
+
+
+@pytest.mark.parametrize("rpc_id", ["Peer.ConfirmLease", "Peer.ExtendLease"])
+def test_repro_lease_of_an_unknown_request_is_not_found(world: World, rpc_id: str) -> None:
+    """Asked by a handshaken reader (with its session where the contract has sessions)."""
+    target = world.tcp("prefill")
+    cls = (
+        peer_pb2.ConfirmLeaseRequest
+        if rpc_id.endswith("ConfirmLease")
+        else peer_pb2.ExtendLeaseRequest
+    )
+    body = cls(request_id="never-held-anywhere", reader_id="r-0", extend_ms=1000)
+    meta = world.metadata(RPCS[rpc_id], target, 2)  # a real session, when there are any
+    out = world.caller.call(RPCS[rpc_id], target, body.SerializeToString(), metadata=meta)
+    assert out.code == "NOT_FOUND", (out.code, out.details)
+
+
+UNDECODABLE = {
+    "corrupt wire format": b"\xff\xff\xff",
+    "invalid UTF-8 in a string field": b"\x0a\x01\xff",
+}
+
+
+@pytest.mark.parametrize("body", sorted(UNDECODABLE))
+@pytest.mark.parametrize("rpc_id", RPC_IDS)
+def test_repro_undecodable_body_is_invalid_argument(world: World, rpc_id: str, body: str) -> None:
+    r = RPCS[rpc_id]
+    raw = UNDECODABLE[body]
+    if body.startswith("invalid UTF-8") and (
+        not r.input.fields_by_number.get(1) or r.input.fields_by_number[1].type != 9
+    ):
+        pytest.skip(f"{r.input.name} has no string field 1")
+    daemon, target = world.targets(r)[0]
+    out = world.caller.call(r, target, raw)
+    assert out.code == "INVALID_ARGUMENT", (daemon, out.code, out.details)
+
+
+# --- the fuzz ------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("rpc_id", RPC_IDS)
