@@ -167,8 +167,10 @@ def test_freed_slots_go_round_robin_over_waiting_readers() -> None:
             tasks[name] = waiter(name)
             await r.until(waiting(len(tasks)))
         for i, g in enumerate(held):
-            r.release("H", g)
+            r.release("H", g)  # one grant per release; let it finish before the next
             await r.until(waiting(4 - i))
+            while len(order) < i + 1:
+                await asyncio.sleep(0.002)
         await asyncio.gather(*(tasks[n] for n in ("a1", "b1", "c1", "a2")))
         assert order == ["a1", "b1", "c1", "a2"], order  # not a1, a2, a3 first
         tasks["a3"].cancel()
