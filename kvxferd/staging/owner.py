@@ -169,13 +169,8 @@ class StagingOwner:
 
     def _lease_blocks(self, request_id: str) -> tuple[Int64Array, ...] | None:
         """The kernel blocks held under ``request_id``, or None when it is not held."""
-        # main's table answers get(); the per-reader table (issue 11 item 1) answers blocks().
-        if hasattr(self.leases, "blocks"):
-            blocks: tuple[Int64Array, ...] | None = self.leases.blocks(request_id)  # type: ignore[attr-defined,unused-ignore]
-            return blocks
-        lease = self.leases.get(request_id)  # type: ignore[attr-defined,unused-ignore]
-        held: tuple[Int64Array, ...] | None = None if lease is None else lease.kernel_blocks
-        return held
+        lease = self.leases.get(request_id)
+        return None if lease is None else lease.kernel_blocks
 
     def _check(self, request_id: str, kernel_ids: Sequence[Sequence[int]]) -> list[Int64Array]:
         spec = self.pool.spec
