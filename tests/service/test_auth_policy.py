@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -185,3 +185,42 @@ def test_text_log_escapes_control_characters_of_a_request_id(cluster: Cluster) -
     assert 'request_id="inj\\nINJECTED level=ERROR fake\\x00end"' in held[0], held[0]
     assert not [line for line in text.splitlines() if line.startswith("INJECTED")]
     assert "\x00" not in text
+
+
+def test_valid_calls_of_every_shape_pass_the_guard(cluster: Cluster) -> None:
+    """Unary, server-streaming (health Watch writes through the context) and bidirectional
+    streaming (reflection) calls still work behind the decode guard."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    async def go() -> None:
+        async with aio.insecure_channel(cluster.prefill.grpc) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            ok = health_pb2.HealthCheckResponse.SERVING
+            assert (await health.Check(health_pb2.HealthCheckRequest())).status == ok
+            watch = health.Watch(health_pb2.HealthCheckRequest())
+            assert (await asyncio.wait_for(watch.read(), 10)).status == ok
+            watch.cancel()
+
+            async def ask() -> AsyncIterator[reflection_pb2.ServerReflectionRequest]:
+                yield reflection_pb2.ServerReflectionRequest(list_services="")
+
+            refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+            names = []
+            async for resp in refl.ServerReflectionInfo(ask()):
+                names = [s.name for s in resp.list_services_response.service]
+            assert "kvxferd.v1.Scheduler" in names and "kvxferd.v1.Peer" in names, names
+
+            stream = channel.stream_stream(
+                "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
+            )
+            call = stream()
+            await call.write(GARBAGE[0])
+            await call.done_writing()
+            with pytest.raises(aio.AioRpcError) as ei:
+                async for _ in call:
+                    pass
+            assert ei.value.code() == C.INVALID_ARGUMENT, ei.value.details()
+            assert "ServerReflectionRequest" in (ei.value.details() or "")
+
+    asyncio.run(go())
