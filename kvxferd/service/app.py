@@ -326,20 +326,19 @@ async def _bind(cfg: Config, token: str) -> Listeners:
     bound = _bind_grpc(
         server, host=host, port=port, creds=creds, key="server.listen", listen=cfg.server.listen
     )
-    engine_server, ino = None, 0
-    http = None
+    listeners = Listeners(server, host, bound, None, cfg.server.engine_socket, 0, None)
     try:
         if cfg.server.engine_socket:
-            engine_server = aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
-            ino = _bind_engine_socket(engine_server, cfg.server.engine_socket)
+            listeners.engine_server = aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
+            listeners.socket_ino = _bind_engine_socket(
+                listeners.engine_server, cfg.server.engine_socket
+            )
         if cfg.server.metrics_listen:
-            http = _bind_http(cfg.server.metrics_listen)
+            listeners.http = _bind_http(cfg.server.metrics_listen)
     except BaseException:
-        await server.stop(None)
-        if engine_server is not None:
-            await engine_server.stop(None)
+        await listeners.close()
         raise
-    return Listeners(server, host, bound, engine_server, cfg.server.engine_socket, ino, http)
+    return listeners
 
 
 def _hostport(host: str, port: int) -> str:
