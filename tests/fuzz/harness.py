@@ -47,6 +47,40 @@ def budget_s() -> float:
     return value
 
 
+# How the fuzzing time is shared: each fuzz test's weight (by test function name).
+WEIGHTS = {
+    "test_fuzz_generated_messages": 2.0,
+    "test_fuzz_raw_bodies": 1.0,
+    "test_fuzz_reader_against_a_malicious_peer": 6.0,
+}
+
+
+@dataclass
+class Budget:
+    """The fuzzing seconds left and the weight of the fuzz tests still to run: each test gets
+    its weight's part of what is left, so overruns of early tests shorten later ones and the
+    whole suite fuzzes for about ``KVXFERD_FUZZ_SECONDS``."""
+
+    left_s: float = 0.0
+    left_weight: float = 0.0
+
+    def plan(self, weights: list[float]) -> None:
+        self.left_s = budget_s()
+        self.left_weight = sum(weights)
+
+    def share(self, weight: float) -> float:
+        if self.left_weight <= 0:  # run outside a planned session (e.g. by hand)
+            self.plan([weight])
+        return max(0.0, self.left_s) * weight / max(weight, self.left_weight)
+
+    def spend(self, weight: float, seconds: float) -> None:
+        self.left_s -= seconds
+        self.left_weight -= weight
+
+
+BUDGET = Budget()
+
+
 @dataclass(frozen=True)
 class Rpc:
     """One RPC of one service: where it is served and what it takes."""

@@ -51,6 +51,9 @@ FUZZ_AGENTS = (f"fuzz-agent-{os.getpid()}-0", f"fuzz-agent-{os.getpid()}-1")
 # Peer calls after a handshake carry the session it returned (where the wire contract has
 # one: HandshakeResponse.session) in this metadata key.
 SESSION_KEY = "kvxferd-session"
+FAKE_PEER = f"fuzz-peer-{os.getpid()}"
+# Pulls from the fake peer: (remote logical IDs, local logical IDs).
+FAKE_PULLS = (([1, 2], [60, 61]), ([40, 3, 17, 9, 22], [62, 63, 59, 57, 56]), ([7, 8, 9], [55]))
 HAS_SESSIONS = "session" in peer_pb2.HandshakeResponse.DESCRIPTOR.fields_by_name
 HOLD_EVERY_S = 0.5
 
@@ -87,6 +90,8 @@ def rpc(rpc_id: str) -> Rpc:
 
 @dataclass
 class World:
+    SETTLE_S = 15.0
+
     daemons: dict[str, Daemon]
     caller: Caller = field(default_factory=Caller)
     spec: Any = None  # the pair's KvCacheSpec message
@@ -98,6 +103,9 @@ class World:
     attachment_id: str = ""
     sessions: dict[str, list[str]] = field(default_factory=dict)  # target -> session tokens
     nixl: list[NixlAgent] = field(default_factory=list)
+    logs: dict[str, Path] = field(default_factory=dict)
+    fake_payload: peer_pb2.HandshakePayload | None = None
+    daemon_set: DaemonSet | None = None
     _buffers: list[torch.Tensor] = field(default_factory=list)
     _held_at: float = 0.0
 
@@ -187,6 +195,19 @@ class World:
             for payload in self.payloads:
                 out = self.handshake(self.tcp(name), payload)
                 assert out.code == "OK", (name, out.code, out.details)
+                if name == "prefill":
+                    prefill = peer_pb2.HandshakePayload.FromString(
+                        peer_pb2.HandshakeResponse.FromString(out.body).payload
+                    )
+        # The malicious owner (tests/fuzz/fakepeer.py): the prefill daemon's spec,
+        # registrations and ring under an identity of its own.
+        fake = peer_pb2.HandshakePayload()
+        fake.CopyFrom(prefill)
+        fake.nixl_agent_name = FAKE_PEER
+        fake.nixl_agent_metadata = self._agent_metadata(FAKE_PEER)
+        fake.daemon_id = FAKE_PEER
+        fake.instance_id = "f" * 32
+        self.fake_payload = fake
 
     def _agent_metadata(self, name: str) -> bytes:
         agent = NixlAgent(name, options=AgentOptions(idle_poll_s=0.005))
@@ -197,11 +218,20 @@ class World:
         agent.register(np.array([[buf.data_ptr(), buf.numel(), 0]], dtype=np.int64), MemType.DRAM)
         return agent.metadata()
 
+    def stop(self) -> list[str]:
+        """SIGTERM the daemons; what did not end with status 0 in the grace period."""
+        if self.daemon_set is None:
+            return []
+        self.daemon_set.stop()
+        return self.daemon_set.stop_problems()
+
     def close(self) -> None:
         self.caller.close()
         for agent in self.nixl:
             agent.close()
         self.nixl.clear()
+        if self.daemon_set is not None:
+            self.daemon_set.stop()  # a no-op when test_zz_... stopped them already
 
     def hold_all(self, force: bool = False) -> None:
         """Keep ``fz-*`` held on both owners (the fuzz releases and confirms them)."""
@@ -280,7 +310,7 @@ class World:
                 self.tcp(daemon),
                 scheduler_pb2.CancelTransferRequest(transfer_id=tid),
             )
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + self.SETTLE_S
         for daemon, tid in sorted(self.transfers):
             while True:
                 out = self.setup_call(
@@ -509,6 +539,80 @@ class World:
                 st.one_of(st.just(self.digest), st.just(self.digest), pf.blobs()),
             )
         return st.one_of(deep.map(_ser), deep.map(_ser), pf.messages(r.input, hints).map(_ser))
+
+    def fake_answers(self, remote: list[int]) -> dict[str, list[Message]]:
+        """Valid answers of a fake owner holding ``remote`` for the decode daemon."""
+        assert self.fake_payload is not None
+        hello = peer_pb2.HandshakeResponse(
+            protocol_version=1, compat_digest=self.digest, payload=_ser(self.fake_payload)
+        )
+        if HAS_SESSIONS:
+            hello.session = bytes(range(16))
+        lease = peer_pb2.Lease(
+            request_id="mp",
+            state=peer_pb2.LEASE_STATE_ACTIVE,
+            expires_unix_ns=time.time_ns() + 10**10,
+            remaining_ms=10_000,
+            block_ids=group_ids_to_proto([remote]),
+            readers_expected=1,
+            readers_confirmed=1,
+            registration_generation=self.fake_payload.registration_generation,
+        )
+        confirm = peer_pb2.ConfirmLeaseResponse(lease=lease)
+        for name, value in (("ticket", 7), ("instance_id", self.fake_payload.instance_id)):
+            if name in confirm.DESCRIPTOR.fields_by_name:
+                setattr(confirm, name, value)
+        beat = peer_pb2.HeartbeatResponse(
+            instance_id=self.fake_payload.instance_id,
+            registration_generation=self.fake_payload.registration_generation,
+            server_time_unix_ns=time.time_ns(),
+        )
+        ring = self.fake_payload.staging
+        return {
+            "Handshake": [hello],
+            "ConfirmLease": [confirm],
+            "ExtendLease": [peer_pb2.ExtendLeaseResponse(lease=lease)],
+            "ReleaseLease": [peer_pb2.ReleaseLeaseResponse(lease=lease)],
+            "Heartbeat": [beat],
+            "Gather": [
+                peer_pb2.GatherResponse(slot=1, offset=ring.chunk_bytes, nbytes=4096, gather_us=5)
+            ],
+            "ReleaseStaging": [peer_pb2.ReleaseStagingResponse(released=1)],
+        }
+
+    def fake_peer_strategy(self) -> st.SearchStrategy[tuple[int, Any]]:
+        from tests.fuzz.fakepeer import scripts
+
+        hints = self.hints()
+        return st.one_of(
+            *(
+                st.tuples(
+                    st.just(i), scripts(lambda remote=remote: self.fake_answers(remote), hints)
+                )
+                for i, (remote, _) in enumerate(FAKE_PULLS)
+            )
+        )
+
+    def log_problems(self) -> list[str]:
+        """Lines of the daemons' logs that say something went wrong inside: error level,
+        tracebacks, unretrieved task exceptions."""
+        out = []
+        for name, path in self.logs.items():
+            try:
+                text = path.read_text(errors="replace")
+            except OSError:
+                continue
+            for line in text.splitlines():
+                low = line.lower()
+                if (
+                    '"level": "error"' in low
+                    or '"level": "critical"' in low
+                    or "traceback" in low
+                    or "exception was never retrieved" in low
+                    or "kvxferd bug" in low
+                ):
+                    out.append(f"{name}: {line[:600]}")
+        return out
 
     def raw_strategy(self, r: Rpc) -> st.SearchStrategy[bytes]:
         make = self.bases(r)
