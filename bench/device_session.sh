@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine (issues 6 and 7): GPU tests, then the benches, each table
 # printed as it completes and written as JSON under $OUT. Run from the repository root with
-# the wheels from ../shared/tools/device-wheels.sh carried in .whl/ (the machine has no
+# the NIXL and grpc wheels carried in .whl/ (see docs/benchmarks.md for how they are built) (the machine has no
 # internet and grpcio 1.84, so the generated code's version guard is lowered on that copy).
 set -u
 OUT=${OUT:-/tmp/kvxferd-device}

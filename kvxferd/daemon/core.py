@@ -459,7 +459,17 @@ class Daemon:
             )
         assert self.peers is not None, "attach_peers() before start_pull()"
         deadline = time.monotonic() + req.deadline_s  # the handshake is charged to it
-        link = await asyncio.wait_for(self.peers.ready(req.peer_address), timeout=req.deadline_s)
+        try:
+            link = await asyncio.wait_for(
+                self.peers.ready(req.peer_address), timeout=req.deadline_s
+            )
+        except TimeoutError:
+            raise DeadlineExceeded(
+                f"the handshake with {req.peer_address} outlasted the pull's deadline"
+                f" ({req.deadline_s:g}s)",
+                field="peer_address",
+                fix="check that the peer daemon runs at that address, or raise deadline_ms",
+            ) from None
         remote = link.remote
         assert remote is not None
         plan = plan_pull(

@@ -196,7 +196,9 @@ class StagedReader:
                 job.owner_held.discard(grant.slot)
                 job.owner_free.append(grant.slot)
                 if job.gathers_left == 0:
-                    await self._give_back(job)
+                    # No later Gather will carry the release: give back what was read, never
+                    # a slot another chunk of this pull is still reading.
+                    await self._give_back(job, read_only=True)
             t3 = time.monotonic()
             job.times.read_s += t3 - t2
             view = self.ring.view(slot, chunk.nbytes)
@@ -282,12 +284,15 @@ class StagedReader:
                 f"reading staging chunk {chunk.index}: {result.reason}"
             )
 
-    async def _give_back(self, job: StagedJob) -> None:
-        slots = sorted(set(job.owner_free) | job.owner_held)
+    async def _give_back(self, job: StagedJob, *, read_only: bool = False) -> None:
+        """Release our owner slots: those read (``read_only``), or all of them once no chunk
+        of the pull can still be reading (the pull ended)."""
+        slots = sorted(set(job.owner_free) if read_only else set(job.owner_free) | job.owner_held)
         if not slots:
             return
         job.owner_free = []
-        job.owner_held.clear()
+        if not read_only:
+            job.owner_held.clear()
         try:
             await job.stub.ReleaseStaging(
                 peer_pb2.ReleaseStagingRequest(
