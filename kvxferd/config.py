@@ -124,7 +124,7 @@ class NixlConfig:
     num_threads: int = 0
     """UCX backend worker threads (0: NIXL's default)."""
     progress_delay_us: int = 100
-    """Progress-thread sleep between polls; 0 busy-spins a core (see docs/nixl-notes)."""
+    """Progress-thread sleep between polls; 0 busy-spins a core (docs/nixl.md §2)."""
 
 
 @dataclass(frozen=True)
