@@ -34,6 +34,7 @@ class Metrics:
     leases_active: Gauge
     lease_releases: Counter
     notifications: Counter
+    pull_stage_seconds: Histogram
     rpc_errors: Counter
     registered_bytes: Gauge
     pool_generation: Gauge
@@ -115,6 +116,35 @@ class Metrics:
                 "kvxferd_lease_releases",
                 "Held requests released, by reason.",
                 ["reason"],
+                registry=r,
+            ),
+            pull_stage_seconds=Histogram(
+                "kvxferd_pull_stage_seconds",
+                "Where a pull's time went, per stage: handshake (wait for a ready peer), plan,"
+                " build (descriptors), confirm (lease confirmation not hidden behind planning),"
+                " post (queue to the NIXL thread + post), transfer (post to completion seen;"
+                " STAGED: all chunks), publish (completion seen to status published).",
+                ["stage"],
+                buckets=(
+                    10e-6,
+                    25e-6,
+                    50e-6,
+                    100e-6,
+                    250e-6,
+                    500e-6,
+                    1e-3,
+                    2.5e-3,
+                    5e-3,
+                    10e-3,
+                    25e-3,
+                    50e-3,
+                    0.1,
+                    0.25,
+                    0.5,
+                    1.0,
+                    2.5,
+                    10.0,
+                ),
                 registry=r,
             ),
             notifications=Counter(

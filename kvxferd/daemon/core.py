@@ -61,6 +61,7 @@ from kvxferd.transfer import (
     TransferStatus,
     notify,
 )
+from kvxferd.transfer.engine import Prepared
 from kvxferd.transfer.leases import Lease, LeaseView
 from kvxferd.transfer.strategy import Strategy
 from kvxferd.v1 import common_pb2, peer_pb2, spec_pb2
@@ -128,6 +129,34 @@ class HeldRequest:
     request_id: str
     logical_ids: tuple[Int64Array, ...]
     lease: Lease
+
+
+class _Twin(Exception):
+    """Internal: another StartPull with this transfer ID got there first."""
+
+    def __init__(self, rec: PullRecord) -> None:
+        super().__init__(rec.transfer_id)
+        self.rec = rec
+
+
+class _Stages:
+    """Where one pull's time went: named marks on the monotonic clock, in the order they
+    happen; each stage's duration is its mark minus the previous one."""
+
+    def __init__(self, t0: float) -> None:
+        self.t0 = t0
+        self._last = t0
+        self.items: list[tuple[str, float]] = []
+
+    def mark(self, name: str) -> tuple[tuple[str, float], ...]:
+        return self.at(name, time.monotonic())
+
+    def at(self, name: str, t: float) -> tuple[tuple[str, float], ...]:
+        if t > 0:
+            t = max(t, self._last)
+            self.items.append((name, t - self._last))
+            self._last = t
+        return tuple(self.items)
 
 
 class Daemon:
@@ -458,7 +487,8 @@ class Daemon:
                 fix="retry later or raise transfer.max_inflight",
             )
         assert self.peers is not None, "attach_peers() before start_pull()"
-        deadline = time.monotonic() + req.deadline_s  # the handshake is charged to it
+        stages = _Stages(time.monotonic())
+        deadline = stages.t0 + req.deadline_s  # the handshake is charged to it
         try:
             link = await asyncio.wait_for(
                 self.peers.ready(req.peer_address), timeout=req.deadline_s
@@ -470,44 +500,62 @@ class Daemon:
                 field="peer_address",
                 fix="check that the peer daemon runs at that address, or raise deadline_ms",
             ) from None
+        stages.mark("handshake")
         remote = link.remote
         assert remote is not None
-        plan = plan_pull(
-            self.pool.spec,
-            remote.info.spec,
-            list(req.local_ids),
-            list(req.remote_ids),
-            prefix_caching=self.info.prefix_caching,
-            local_tp=(self.info.tp_rank, self.info.tp_size),
-            remote_tp=(remote.info.tp_rank, remote.info.tp_size),
-            max_ids=self.limits.max_block_ids,
-        )
-        part = plan.per_rank.get(remote.info.tp_rank) or TransferPlan(ranges=())
-        decision = None
-        if self.staging is not None:
-            decision = decide(
-                self.staging,
-                local=self.pool.spec,
-                remote=remote.info.spec,
-                local_tp_size=self.info.tp_size,
-                remote_tp_size=remote.info.tp_size,
-                remote_ring=remote.staging,
-                plan=plan,
-                part=part,
-                peer=req.peer_address,
+        # The lease confirmation runs while we plan and build descriptors; the READ is posted
+        # only once it succeeded (_run_pull), so freed blocks are never read.
+        confirming = asyncio.ensure_future(self._confirm(link, req, deadline))
+        try:
+            plan = plan_pull(
+                self.pool.spec,
+                remote.info.spec,
+                list(req.local_ids),
+                list(req.remote_ids),
+                prefix_caching=self.info.prefix_caching,
+                local_tp=(self.info.tp_rank, self.info.tp_size),
+                remote_tp=(remote.info.tp_rank, remote.info.tp_size),
+                max_ids=self.limits.max_block_ids,
             )
-            log.info(
-                "pull strategy",
-                extra=kv(
-                    transfer_id=req.transfer_id,
-                    strategy=decision.choice.strategy.value,
-                    reason=decision.choice.reason,
-                    chunks=len(decision.chunks),
-                ),
+            part = plan.per_rank.get(remote.info.tp_rank) or TransferPlan(ranges=())
+            decision = None
+            if self.staging is not None:
+                decision = decide(
+                    self.staging,
+                    local=self.pool.spec,
+                    remote=remote.info.spec,
+                    local_tp_size=self.info.tp_size,
+                    remote_tp_size=remote.info.tp_size,
+                    remote_ring=remote.staging,
+                    plan=plan,
+                    part=part,
+                    peer=req.peer_address,
+                )
+                log.debug(
+                    "pull strategy",
+                    extra=kv(
+                        transfer_id=req.transfer_id,
+                        strategy=decision.choice.strategy.value,
+                        reason=decision.choice.reason,
+                        chunks=len(decision.chunks),
+                    ),
+                )
+            staged = decision if decision and decision.choice.strategy is Strategy.STAGED else None
+            stages.mark("plan")
+            prepared = (
+                None
+                if staged is not None
+                else self.engine.prepare(req.transfer_id, remote.agent_name, part)
             )
-        existing = self.pulls.find(req.transfer_id)  # a twin raced us through the handshake
-        if existing is not None:
-            return await self.start_pull(req)
+            stages.mark("build")
+            existing = self.pulls.find(req.transfer_id)  # a twin raced us through the handshake
+            if existing is not None:
+                raise _Twin(existing)
+        except BaseException as exc:
+            self._abandon(confirming, link, req.request_id)
+            if isinstance(exc, _Twin):
+                return await self.start_pull(req)
+            raise
         rec = self.pulls.add(
             PullRecord(
                 transfer_id=req.transfer_id,
@@ -522,9 +570,9 @@ class Daemon:
             )
         )
         self.metrics.inflight_transfers.inc()
-        staged = decision if decision and decision.choice.strategy is Strategy.STAGED else None
         link.active += 1
         self._ensure_heartbeat(link)
+        self._confirming[req.transfer_id] = confirming
         self._spawn(
             self._run_pull(
                 req,
@@ -532,11 +580,25 @@ class Daemon:
                 part,
                 plan.local_kernel_blocks,
                 deadline=deadline,
+                confirming=confirming,
+                stages=stages,
+                prepared=prepared,
                 staged=staged,
                 remote_blocks=plan.remote_kernel_blocks,
             )
         )
         return rec, True
+
+    def _abandon(self, confirming: asyncio.Future[_Share], link: PeerLink, rid: str) -> None:
+        """A pull that will not run: stop its confirmation, and give back the share if the
+        owner granted one."""
+
+        def done(f: asyncio.Future[_Share]) -> None:
+            if not f.cancelled() and f.exception() is None:
+                self._spawn(self._release_share(link, rid, done=False))
+
+        confirming.add_done_callback(done)
+        confirming.cancel()
 
     async def _run_pull(
         self,
@@ -546,27 +608,33 @@ class Daemon:
         local_blocks: tuple[Int64Array, ...],
         *,
         deadline: float,
+        confirming: asyncio.Future[_Share],
+        stages: _Stages,
+        prepared: Prepared | None,
         staged: Decision | None = None,
         remote_blocks: tuple[Int64Array, ...] = (),
     ) -> None:
         tid = req.transfer_id
-        t0 = time.monotonic()
+        t0 = stages.t0
         share: _Share | None = None
         try:
             self.pulls.update(tid, state=PullState.CONFIRMING, started_ns=time.time_ns())
-            confirming = asyncio.ensure_future(self._confirm(link, req, deadline))
-            self._confirming[tid] = confirming
             try:
                 share = await asyncio.wait_for(
-                    confirming, timeout=max(1e-3, deadline - time.monotonic())
+                    asyncio.shield(confirming), timeout=max(1e-3, deadline - time.monotonic())
                 )
             except asyncio.CancelledError:
                 task = asyncio.current_task()
                 if task is not None and task.cancelling():
+                    confirming.cancel()
                     raise  # the daemon is stopping
                 share = None  # CancelTransfer stopped the confirmation: nothing was posted
+            except TimeoutError:
+                confirming.cancel()
+                raise
             finally:
                 self._confirming.pop(tid, None)
+            stages.mark("confirm")
             self._shares[tid] = share if share is not None else _Share(0, 0.0, link.address)
             # The one decision point: no await between this check and the post, so a cancel
             # either lands before (nothing is read) or after (the READ is cancelled and every
@@ -599,14 +667,16 @@ class Daemon:
                 )
                 result = await self._staged_pull(job, plan)
             else:
-                xfer = self.engine.submit(
-                    tid,
-                    link.remote.agent_name if link.remote else "",
-                    plan,
-                    notif=note,
-                    timeout_s=max(1e-3, deadline - time.monotonic()),
+                if prepared is None:
+                    prepared = self.engine.prepare(
+                        tid, link.remote.agent_name if link.remote else "", plan
+                    )
+                xfer = self.engine.submit_prepared(
+                    prepared, notif=note, timeout_s=max(1e-3, deadline - time.monotonic())
                 )
                 result = await xfer.wait()
+                stages.at("post", result.posted_at)
+                stages.at("transfer", result.completed_at)
             state = _TERMINAL[result.status]
             error = result.error or (
                 None if state is PullState.DONE else KvxferdError(result.reason)
@@ -622,12 +692,15 @@ class Daemon:
                     " (peers.heartbeat_timeout_ms) and load",
                 )
             share.done = state is PullState.DONE
+            if staged is not None:
+                stages.mark("transfer")
             self.pulls.update(
                 tid,
                 state=state,
                 posted_descriptors=result.descriptors,
                 error=error,
                 invalid_local_blocks=invalid if state is not PullState.DONE else (),
+                stages=stages.mark("publish"),
             )
             if isinstance(result.error, PeerUnavailable) and self.peers is not None:
                 await self.peers.invalidate(req.peer_address, str(result.error))
@@ -863,6 +936,8 @@ class Daemon:
         m.transfers.labels(rec.state.value, rec.strategy).inc()
         m.transfer_seconds.labels(rec.state.value).observe(seconds)
         if rec.state is PullState.DONE:
+            for stage, sec in rec.stages:
+                m.pull_stage_seconds.labels(stage).observe(sec)
             m.observe_strategy(rec.strategy, rec.nbytes, rec.stage_times)
             m.transfer_bytes.labels(rec.peer_address).inc(rec.nbytes)
             m.transfer_size_bytes.observe(rec.nbytes)

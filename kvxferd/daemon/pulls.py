@@ -59,6 +59,7 @@ class PullRecord:
     strategy_reason: str = ""
     stage_times: StageTimes | None = None
     fingerprint: bytes = b""  # the StartPull request it was made from (idempotent retries)
+    stages: tuple[tuple[str, float], ...] = ()  # (stage, seconds) in order; set at the end
 
 
 class PullBook:

@@ -122,6 +122,8 @@ def status_to_proto(rec: PullRecord) -> scheduler_pb2.TransferStatus:
         msg.error.fix = rec.error.fix
     if rec.stage_times is not None:
         msg.stage_times.CopyFrom(stage_times_to_proto(rec.stage_times))
+    for name, seconds in rec.stages:
+        msg.stages.add(name=name, seconds=seconds)
     if rec.invalid_local_blocks:
         msg.invalid_local_block_ids.CopyFrom(group_ids_to_proto(list(rec.invalid_local_blocks)))
     return msg

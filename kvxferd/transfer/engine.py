@@ -46,6 +46,7 @@ from kvxferd.errors import (
     PeerUnavailable,
     ResourceExhausted,
 )
+from kvxferd.logs import kv
 from kvxferd.nixl import MemType, NixlAgent, XferHandle, XferOp, XferState
 from kvxferd.transfer.descriptors import Int64Array, RegionTable, build_descriptors
 from kvxferd.transfer.state import TransferResult, TransferStatus
@@ -82,12 +83,27 @@ class Transfer:
     _remote: Int64Array | None = field(default=None, repr=False)
     _notif: bytes = field(default=b"", repr=False)
     _handle: XferHandle | None = field(default=None, repr=False)
+    posted_at: float = 0.0
 
     async def wait(self) -> TransferResult:
         return await asyncio.wrap_future(self.future)
 
     def result(self, timeout: float | None = None) -> TransferResult:
         return self.future.result(timeout)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """Descriptors built for a plan, not yet admitted or posted (:meth:`TransferEngine.prepare`)."""
+
+    transfer_id: str
+    peer: str
+    op: XferOp
+    plan: TransferPlan
+    local: Int64Array
+    remote: Int64Array
+    state: _Peer = field(repr=False)
+    table: RegionTable = field(repr=False)
 
 
 @dataclass(frozen=True)
@@ -200,20 +216,11 @@ class TransferEngine:
 
     # -- submit -----------------------------------------------------------------------------
 
-    def submit(
-        self,
-        transfer_id: str,
-        peer: str,
-        plan: TransferPlan,
-        *,
-        notif: bytes = b"",
-        op: XferOp = XferOp.READ,
-        timeout_s: float | None = None,
-    ) -> Transfer:
-        """Start moving ``plan`` (READ from ``peer`` by default); never blocks on I/O."""
-        timeout = self._opts.default_timeout_s if timeout_s is None else timeout_s
-        if timeout <= 0:
-            raise InvalidRequest(f"timeout must be positive, got {timeout}", field="timeout_s")
+    def prepare(
+        self, transfer_id: str, peer: str, plan: TransferPlan, *, op: XferOp = XferOp.READ
+    ) -> Prepared:
+        """Validate ``plan`` against both sides' regions and build its descriptors (vectorised,
+        coalesced); nothing is admitted or posted. Cheap to throw away."""
         with self._lock:
             p = self._peers.get(peer)
             local_table = self._local
@@ -235,11 +242,42 @@ class TransferEngine:
             merge=self._opts.coalesce,
             max_desc_bytes=self._opts.max_desc_bytes,
         )
+        return Prepared(transfer_id, peer, op, plan, local, remote, p, local_table)
+
+    def submit(
+        self,
+        transfer_id: str,
+        peer: str,
+        plan: TransferPlan,
+        *,
+        notif: bytes = b"",
+        op: XferOp = XferOp.READ,
+        timeout_s: float | None = None,
+    ) -> Transfer:
+        """Start moving ``plan`` (READ from ``peer`` by default); never blocks on I/O."""
+        return self.submit_prepared(
+            self.prepare(transfer_id, peer, plan, op=op), notif=notif, timeout_s=timeout_s
+        )
+
+    def submit_prepared(
+        self, prep: Prepared, *, notif: bytes = b"", timeout_s: float | None = None
+    ) -> Transfer:
+        """Admit and post what :meth:`prepare` built. If the peer or the local pool changed
+        since, it is prepared again against the current ones."""
+        timeout = self._opts.default_timeout_s if timeout_s is None else timeout_s
+        if timeout <= 0:
+            raise InvalidRequest(f"timeout must be positive, got {timeout}", field="timeout_s")
+        with self._lock:
+            stale = self._peers.get(prep.peer) is not prep.state or self._local is not prep.table
+        if stale:
+            prep = self.prepare(prep.transfer_id, prep.peer, prep.plan, op=prep.op)
+        transfer_id, peer, plan, p = prep.transfer_id, prep.peer, prep.plan, prep.state
+        local, remote = prep.local, prep.remote
         now = self._clock()
         xfer = Transfer(
             transfer_id,
             peer,
-            op,
+            prep.op,
             plan,
             int(local[:, 1].sum()),
             int(local.shape[0]),
@@ -269,16 +307,17 @@ class TransferEngine:
             p.inflight_bytes += xfer.nbytes
             p.inflight += 1
             self._transfers[transfer_id] = xfer
-        log.info(
-            "event=transfer_submitted id=%s peer=%s op=%s bytes=%d descs=%d naive=%d "
-            "timeout_s=%.3f",
-            transfer_id,
-            peer,
-            op.value,
-            xfer.nbytes,
-            xfer.descriptors,
-            plan.naive_descriptors,
-            timeout,
+        log.debug(
+            "transfer submitted",
+            extra=kv(
+                transfer_id=transfer_id,
+                peer=peer,
+                op=prep.op.value,
+                bytes=xfer.nbytes,
+                descriptors=xfer.descriptors,
+                naive=plan.naive_descriptors,
+                timeout_s=round(timeout, 3),
+            ),
         )
         fut = self._agent.submit(self._post_now, xfer)
         fut.add_done_callback(lambda f: self._post_failed(xfer, f))
@@ -348,6 +387,7 @@ class TransferEngine:
             self._finish(xfer, TransferStatus.FAILED, err)
             return
         xfer.status = TransferStatus.IN_PROGRESS
+        xfer.posted_at = self._clock()
         self._active.append(xfer)
         self._wait = self._opts.min_poll_s
 
@@ -465,6 +505,8 @@ class TransferEngine:
             post_us=post_us,
             xfer_us=xfer_us,
             nixl_descriptors=ndesc,
+            posted_at=xfer.posted_at,
+            completed_at=self._clock(),
         )
         log.log(
             logging.INFO if status is TransferStatus.DONE else logging.WARNING,

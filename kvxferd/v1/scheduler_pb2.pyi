@@ -281,6 +281,7 @@ class TransferStatus(_message.Message):
     REVISION_FIELD_NUMBER: _builtins.int
     STRATEGY_REASON_FIELD_NUMBER: _builtins.int
     STAGE_TIMES_FIELD_NUMBER: _builtins.int
+    STAGES_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     """The transfer's ID."""
     request_id: _builtins.str
@@ -321,6 +322,12 @@ class TransferStatus(_message.Message):
     def stage_times(self) -> Global___StageTimes:
         """STAGED only: per-stage timing and chunk count (zero for DIRECT)."""
 
+    @_builtins.property
+    def stages(self) -> _containers.RepeatedCompositeFieldContainer[Global___PullStage]:
+        """Where the pull's time went, in order, once it is terminal (DONE pulls always; others as
+        far as they got): handshake, plan, build, confirm, post, transfer, publish.
+        """
+
     def __init__(
         self,
         *,
@@ -341,14 +348,41 @@ class TransferStatus(_message.Message):
         revision: _builtins.int = ...,
         strategy_reason: _builtins.str = ...,
         stage_times: Global___StageTimes | None = ...,
+        stages: _abc.Iterable[Global___PullStage] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "invalid_local_block_ids", b"invalid_local_block_ids", "stage_times", b"stage_times"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_unix_ns", b"created_unix_ns", "deadline_unix_ns", b"deadline_unix_ns", "descriptors_after_coalescing", b"descriptors_after_coalescing", "descriptors_before_coalescing", b"descriptors_before_coalescing", "error", b"error", "finished_unix_ns", b"finished_unix_ns", "invalid_local_block_ids", b"invalid_local_block_ids", "nbytes", b"nbytes", "peer_address", b"peer_address", "request_id", b"request_id", "revision", b"revision", "stage_times", b"stage_times", "started_unix_ns", b"started_unix_ns", "state", b"state", "strategy", b"strategy", "strategy_reason", b"strategy_reason", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_unix_ns", b"created_unix_ns", "deadline_unix_ns", b"deadline_unix_ns", "descriptors_after_coalescing", b"descriptors_after_coalescing", "descriptors_before_coalescing", b"descriptors_before_coalescing", "error", b"error", "finished_unix_ns", b"finished_unix_ns", "invalid_local_block_ids", b"invalid_local_block_ids", "nbytes", b"nbytes", "peer_address", b"peer_address", "request_id", b"request_id", "revision", b"revision", "stage_times", b"stage_times", "stages", b"stages", "started_unix_ns", b"started_unix_ns", "state", b"state", "strategy", b"strategy", "strategy_reason", b"strategy_reason", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TransferStatus: _TypeAlias = TransferStatus  # noqa: Y015
+
+@_typing.final
+class PullStage(_message.Message):
+    """One stage of a pull and its duration."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    SECONDS_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """Stage name (see TransferStatus.stages)."""
+    seconds: _builtins.float
+    """Seconds from the previous stage's end to this one's."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "seconds", b"seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PullStage: _TypeAlias = PullStage  # noqa: Y015
 
 @_typing.final
 class StageTimes(_message.Message):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import urllib.request
 from collections.abc import Sequence
 
@@ -181,5 +182,38 @@ def test_unknown_transfer_is_not_found(pair: tuple[Daemon, Daemon]) -> None:
             await c.decode.GetTransfer(scheduler_pb2.GetTransferRequest(transfer_id="nope"))
         assert ei.value.code() == grpc.StatusCode.NOT_FOUND
         assert "transfer_id" in (ei.value.details() or "")
+
+    run(go())
+
+
+def _stage_counts(metrics: str) -> dict[str, float]:
+    body = urllib.request.urlopen(f"http://{metrics}/metrics", timeout=5).read().decode()
+    out: dict[str, float] = {}
+    for line in body.splitlines():
+        if line.startswith("kvxferd_pull_stage_seconds_count{"):
+            stage = line.split('stage="', 1)[1].split('"', 1)[0]
+            out[stage] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_a_pull_reports_where_its_time_went(pair: tuple[Daemon, Daemon]) -> None:
+    """Issue 14, measure first: every DONE pull carries its stages in order, and each stage's
+    histogram count grows by one."""
+    stages = ["handshake", "plan", "build", "confirm", "post", "transfer", "publish"]
+
+    async def go() -> None:
+        c = Client(*pair)
+        before = _stage_counts(pair[1].metrics)
+        held = await c.hold("stages-1", [12, 13])
+        t_asked = time.time_ns()
+        st = await c.pull(held, [12, 13])
+        done = await c.wait(st.transfer_id)
+        assert done.state == scheduler_pb2.TRANSFER_STATE_DONE, done.error.message
+        assert [s.name for s in done.stages] == stages
+        assert all(s.seconds >= 0 for s in done.stages)
+        total = (done.finished_unix_ns - t_asked) / 1e9
+        assert sum(s.seconds for s in done.stages) <= total + 0.05
+        after = _stage_counts(pair[1].metrics)
+        assert {k: after.get(k, 0) - before.get(k, 0) for k in stages} == dict.fromkeys(stages, 1)
 
     run(go())
