@@ -39,7 +39,7 @@ specs = st.one_of(
 )
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
 @given(specs)
 def test_spec_from_proto_refuses_cleanly_or_returns_int64_sizes(msg: spec_pb2.KvCacheSpec) -> None:
     try:
@@ -84,7 +84,7 @@ def test_a_real_spec_still_decodes() -> None:
         assert spec_from_proto(msg) == preset(name)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(st.lists(st.lists(st.integers(-(2**63), 2**63 - 1), max_size=20), max_size=4))
 def test_group_ids_round_trip(groups: list[list[int]]) -> None:
     msg = group_ids_to_proto(groups)
