@@ -1,0 +1,114 @@
+"""One vLLM engine (offline ``LLM`` API, engine core in this process) driven over stdin/stdout.
+
+``python -m kvxferd.vllm.engine_proc --model DIR --connector kvxferd|nixl|none --role ...``
+starts the engine, prints ``{"op": "ready", ...}`` and then answers one JSON line per command:
+
+* ``{"op": "generate", "requests": [{"id", "tokens", "max_tokens", "kv_transfer_params"}]}``
+  -> ``{"op": "result", "outputs": [{"id", "tokens", "kv_transfer_params", "ttft_s"}]}``
+  (greedy; ``ttft_s`` is vLLM's own first-token latency of the request in this engine);
+* ``{"op": "quit"}`` -> shuts the engine down and exits 0.
+
+Used by ``kvxferd demo --engine vllm`` (docs/vllm.md): the demo plays vLLM's disaggregated
+proxy between a prefill and a decode engine process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+_OUT: list[Any] = [sys.stdout]  # the protocol's stream (vLLM's own output goes to stderr)
+
+
+def _say(doc: dict[str, Any]) -> None:
+    _OUT[0].write(json.dumps(doc) + "\n")
+    _OUT[0].flush()
+
+
+def _transfer_config(args: argparse.Namespace) -> dict[str, Any] | None:
+    if args.connector == "none":
+        return None
+    if args.connector == "kvxferd":
+        return {
+            "kv_connector": "KvxferdConnector",
+            "kv_connector_module_path": "kvxferd.vllm.connector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"engine_socket": args.engine_socket},
+        }
+    return {
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_producer" if args.role == "prefill" else "kv_consumer",
+        "kv_buffer_device": "cpu",
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--connector", choices=("none", "kvxferd", "nixl"), default="none")
+    ap.add_argument("--role", choices=("single", "prefill", "decode"), default="single")
+    ap.add_argument("--engine-socket", default="")
+    ap.add_argument("--num-blocks", type=int, default=256)
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    args = ap.parse_args()
+    # vLLM logs to stdout; keep stdout for the protocol.
+    _OUT[0] = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    t0 = time.monotonic()
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    kvt = _transfer_config(args)
+    llm = LLM(
+        model=args.model,
+        skip_tokenizer_init=True,
+        gpu_memory_utilization=0.3,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        num_gpu_blocks_override=args.num_blocks,
+        enable_prefix_caching=True,
+        enforce_eager=True,
+        disable_log_stats=False,
+        seed=0,
+        kv_transfer_config=KVTransferConfig(**kvt) if kvt else None,
+    )
+    _say({"op": "ready", "startup_s": time.monotonic() - t0, "pid": os.getpid()})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd.get("op") == "quit":
+            break
+        reqs = cmd["requests"]
+        prompts = [TokensPrompt(prompt_token_ids=list(r["tokens"])) for r in reqs]
+        params = []
+        for r in reqs:
+            sp = SamplingParams(max_tokens=int(r["max_tokens"]), temperature=0.0, detokenize=False)
+            if r.get("kv_transfer_params") is not None:
+                sp.extra_args = {"kv_transfer_params": r["kv_transfer_params"]}
+            params.append(sp)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        result = []
+        for r, o in zip(reqs, outs, strict=True):
+            m = o.metrics
+            ttft = getattr(m, "first_token_latency", None) if m is not None else None
+            result.append(
+                {
+                    "id": r["id"],
+                    "tokens": list(o.outputs[0].token_ids),
+                    "kv_transfer_params": o.kv_transfer_params,
+                    "ttft_s": ttft,
+                }
+            )
+        _say({"op": "result", "outputs": result})
+    del llm
+    _say({"op": "bye"})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+"""The ``kv_transfer_params`` a disaggregated proxy forwards, and how a pull's block lists are
+chosen from them (pure: no vLLM, no gRPC).
+
+The prefill engine's connector holds a finished prompt on its daemon and returns the hold's
+answer in the request's ``kv_transfer_params`` (vLLM hands them to the client); the proxy
+passes them unchanged to the decode engine, whose connector pulls from them:
+
+.. code-block:: json
+
+    {"do_remote_prefill": true, "do_remote_decode": false,
+     "kvxferd": {"peer_address": "10.0.0.5:50051", "request_id": "cmpl-1-0",
+                 "remote_block_ids": [[7, 8, 9]], "remote_starts": [0],
+                 "expires_unix_ns": 1795469101363703000, "num_tokens": 40}}
+
+``remote_block_ids`` has one list per kvxferd group (vLLM's transfer groups, in order); each
+list holds the prompt's blocks from position ``remote_starts[g]`` on (a sliding-window group
+drops the out-of-window blocks before it). docs/vllm.md describes the fields.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvxferd.errors import InvalidRequest
+from kvxferd.layout.spec import GroupKind
+
+KEY = "kvxferd"
+DOC = "docs/vllm.md"
+NULL_BLOCK = 0  # vLLM's null block: a placeholder, never holds data
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """A held prompt on the prefill side's daemon: what the decode side pulls."""
+
+    peer_address: str
+    request_id: str
+    remote_block_ids: tuple[tuple[int, ...], ...]
+    remote_starts: tuple[int, ...]
+    expires_unix_ns: int
+    num_tokens: int
+
+    def to_params(self) -> dict[str, Any]:
+        """The request's ``kv_transfer_params`` for the decode side."""
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            KEY: {
+                "peer_address": self.peer_address,
+                "request_id": self.request_id,
+                "remote_block_ids": [list(g) for g in self.remote_block_ids],
+                "remote_starts": list(self.remote_starts),
+                "expires_unix_ns": self.expires_unix_ns,
+                "num_tokens": self.num_tokens,
+            },
+        }
+
+
+def _bad(what: str, got: Any) -> InvalidRequest:
+    return InvalidRequest(
+        f"kv_transfer_params[{KEY!r}]: {what} (got {got!r})",
+        field=f"kv_transfer_params.{KEY}",
+        fix="pass the prefill engine's kv_transfer_params to the decode engine unchanged"
+        f" (see {DOC}, 'The proxy')",
+    )
+
+
+def _int(v: Any, what: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _bad(f"{what} must be an integer", v)
+    return v
+
+
+def ticket_from_params(params: Mapping[str, Any] | None) -> Ticket | None:
+    """The ticket in a decode request's ``kv_transfer_params``; None when there is none (not a
+    remote prefill). Raises InvalidRequest naming the bad field when one is malformed."""
+    if not params or not params.get("do_remote_prefill") or KEY not in params:
+        return None
+    raw = params[KEY]
+    if not isinstance(raw, Mapping):
+        raise _bad("must be an object", raw)
+    addr, rid = raw.get("peer_address"), raw.get("request_id")
+    if not isinstance(addr, str) or ":" not in addr:
+        raise _bad("peer_address must be 'host:port'", addr)
+    if not isinstance(rid, str) or not rid:
+        raise _bad("request_id must be a non-empty string", rid)
+    groups = raw.get("remote_block_ids")
+    if not isinstance(groups, list) or not all(isinstance(g, list) for g in groups):
+        raise _bad("remote_block_ids must be a list of lists", groups)
+    ids = tuple(tuple(_int(b, "a block ID") for b in g) for g in groups)
+    starts_raw = raw.get("remote_starts", [0] * len(ids))
+    if not isinstance(starts_raw, list) or len(starts_raw) != len(ids):
+        raise _bad(f"remote_starts must list one position per group ({len(ids)})", starts_raw)
+    starts = tuple(_int(s, "a start position") for s in starts_raw)
+    return Ticket(
+        addr,
+        rid,
+        ids,
+        starts,
+        _int(raw.get("expires_unix_ns", 0), "expires_unix_ns"),
+        _int(raw.get("num_tokens", 0), "num_tokens"),
+    )
+
+
+@dataclass(frozen=True)
+class HeldBlocks:
+    """What the prefill side holds per group: the non-null blocks from position ``start``."""
+
+    ids: tuple[tuple[int, ...], ...]
+    starts: tuple[int, ...]
+
+
+def blocks_to_hold(
+    kinds: Sequence[GroupKind],
+    block_ids: Sequence[Sequence[int]],
+    num_tokens: int,
+    block_sizes: Sequence[int],
+) -> HeldBlocks:
+    """The blocks a finished prefill holds, per group: the prompt's blocks (``num_tokens``
+    computed tokens) without vLLM's leading null placeholders; a Mamba group keeps its latest
+    state only."""
+    ids: list[tuple[int, ...]] = []
+    starts: list[int] = []
+    for kind, group, bs in zip(kinds, block_ids, block_sizes, strict=True):
+        blocks = [int(b) for b in group]
+        if kind.is_state:
+            live = [b for b in blocks if b != NULL_BLOCK]
+            ids.append(tuple(live[-1:]))
+            starts.append(0)
+            continue
+        blocks = blocks[: -(-num_tokens // bs)] if bs > 0 else blocks
+        start = 0
+        while start < len(blocks) and blocks[start] == NULL_BLOCK:
+            start += 1
+        ids.append(tuple(blocks[start:]))
+        starts.append(start)
+    return HeldBlocks(tuple(ids), tuple(starts))
+
+
+@dataclass(frozen=True)
+class LocalBlock:
+    """One position of a decode request's block table: the block, and whether the pull must
+    fill it (allocated for this request, not a prefix-cache hit, not the null block)."""
+
+    block_id: int
+    needs_load: bool
+
+
+@dataclass(frozen=True)
+class PullLists:
+    """Equal-length remote and local lists per group (what StartPull gets), and the local
+    blocks that needed a load the ticket cannot provide (reported as load errors)."""
+
+    remote: tuple[tuple[int, ...], ...]
+    local: tuple[tuple[int, ...], ...]
+    unfillable: tuple[int, ...]
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(len(g) for g in self.local)
+
+
+def pull_lists(
+    kinds: Sequence[GroupKind], ticket: Ticket, local: Sequence[Sequence[LocalBlock]]
+) -> PullLists:
+    """Pair the decode request's blocks with the held ones, position by position.
+
+    Attention groups: position ``p`` of the local table pairs with remote
+    ``remote_block_ids[g][p - remote_starts[g]]``; only positions that need a load are
+    pulled, so a prefix-cache hit moves only the missing blocks. Mamba groups: the latest
+    held state goes into the latest local state that needs one (docs/domain.md §5)."""
+    if len(ticket.remote_block_ids) != len(kinds) or len(local) != len(kinds):
+        raise InvalidRequest(
+            f"the ticket has {len(ticket.remote_block_ids)} KV cache groups, this engine"
+            f" {len(kinds)} (and {len(local)} block tables)",
+            field=f"kv_transfer_params.{KEY}.remote_block_ids",
+            fix="prefill and decode must serve the same model with the same KV cache groups"
+            f" (see {DOC})",
+        )
+    remote_out: list[tuple[int, ...]] = []
+    local_out: list[tuple[int, ...]] = []
+    unfillable: list[int] = []
+    for kind, held, start, table in zip(
+        kinds, ticket.remote_block_ids, ticket.remote_starts, local, strict=True
+    ):
+        needed = [(p, b.block_id) for p, b in enumerate(table) if b.needs_load]
+        if kind.is_state:
+            if needed and held:
+                remote_out.append((held[-1],))
+                local_out.append((needed[-1][1],))
+                unfillable.extend(b for _, b in needed[:-1])
+            else:
+                remote_out.append(())
+                local_out.append(())
+                unfillable.extend(b for _, b in needed)
+            continue
+        r: list[int] = []
+        loc: list[int] = []
+        for p, b in needed:
+            i = p - start
+            if 0 <= i < len(held) and held[i] != NULL_BLOCK:
+                r.append(held[i])
+                loc.append(b)
+            else:
+                unfillable.append(b)
+        remote_out.append(tuple(r))
+        local_out.append(tuple(loc))
+    return PullLists(tuple(remote_out), tuple(local_out), tuple(unfillable))

@@ -1,0 +1,408 @@
+"""vLLM's ``KVCacheConfig`` -> a kvxferd :class:`~kvxferd.layout.spec.KVCacheSpec` (pure).
+
+vLLM (0.32) allocates one flat backing buffer and places every layer's pages in it: layer
+``l`` of a :class:`KVCacheTensor`, manager block ``b``, starts at ``offset + l * layer_stride
++ b * block_stride`` bytes. Each layer's page is viewed as ``[B, H, N, C]`` (blocks, head
+slots, tokens, content bytes; attention content is K then V of one head) in the physical order
+the resolved ``KVCacheLayout`` names (``LBHNC``, ``LBNHC``, ``BLHNC``, ...).
+
+This module reads that geometry from the config alone (no tensors, no vLLM import: the
+objects are read by attribute and by class name, so tests pass stand-ins) and describes it the
+way kvxferd does (docs/spec.md): one region per layer, blocks-first, its kernel blocks
+``block_len`` contiguous bytes ``block_stride`` apart, a group per vLLM transfer group with its
+logical (manager) and kernel block sizes. :class:`RegionPlacement` keeps, per region, where its
+block 0 sits in the backing buffer, so the worker can hand the daemon the same bytes vLLM
+computes into.
+
+What kvxferd's layout vocabulary cannot say exactly: vLLM 0.32 packs K and V inside each
+(head, token) cell (``C``), while kvxferd's attention layouts put K and V halves outside the
+heads. A whole block is the same bytes either way, so pulls between two vLLM workers of the
+same page format move the right bytes; what would go wrong is slicing heads for a different TP
+size. The spec therefore declares ``HND`` when vLLM's page is head-major and ``NHD`` when it is
+token-major, and puts vLLM's exact page format (layout, attention backend, TP size) in the
+model fingerprint, which peers must match (docs/domain.md §7): a peer with another page format
+or TP size is refused at the handshake with both values named. docs/vllm.md says more.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvxferd.errors import SpecError
+from kvxferd.layout.dtypes import KVDType
+from kvxferd.layout.spec import GroupKind, KVCacheSpec, KVGroup, Layout, MemoryType, Region
+
+DOC = "docs/vllm.md"
+
+# vLLM spec classes kvxferd can move, by class name (read off the MRO, most specific first).
+_KINDS: dict[str, GroupKind] = {
+    "FullAttentionSpec": GroupKind.FULL_ATTENTION,
+    "SlidingWindowSpec": GroupKind.SLIDING_WINDOW,
+    "MLAAttentionSpec": GroupKind.MLA,
+    "MambaSpec": GroupKind.MAMBA,
+}
+# Subclasses whose pages or block semantics differ from their base: refused by name.
+_REFUSED = {
+    "SlidingWindowMLASpec": "sliding-window MLA keeps a ring of latents per request",
+    "SinkFullAttentionSpec": "attention sinks keep extra per-request pages",
+    "RSWASpec": "its pages are not plain attention pages",
+    "HiddenStateCacheSpec": "it caches hidden states, not KV",
+    "ChunkedLocalAttentionSpec": "chunked local attention frees blocks per chunk",
+    "CircularBufferSpec": "a circular buffer has no block per token position",
+    "EncoderOnlyAttentionSpec": "encoder-only attention keeps no KV between steps",
+    "CrossAttentionSpec": "cross-attention KV comes from the encoder, not the prompt",
+    "HiSparseHotSpec": "HiSparse pages are ephemeral per request",
+    "HiSparseResidentSpec": "HiSparse pages are ephemeral per request",
+}
+_LAYOUT_LETTERS = frozenset("LBHNC")
+
+
+@dataclass(frozen=True)
+class RegionPlacement:
+    """Where one region (one vLLM layer) sits in vLLM's backing buffer."""
+
+    region: str  # kvxferd region name == vLLM layer name
+    group: int  # kvxferd group index
+    vllm_group: int  # index into kv_cache_config.kv_cache_groups
+    offset: int  # bytes from the buffer's start to kernel block 0
+    block_stride: int  # bytes between consecutive kernel blocks
+    num_blocks: int  # kernel blocks
+
+
+@dataclass(frozen=True)
+class VllmKvSpec:
+    """The translation: the kvxferd spec plus where each region lives in vLLM's buffer."""
+
+    spec: KVCacheSpec
+    placements: tuple[RegionPlacement, ...]
+    vllm_group_ids: tuple[int, ...]  # vLLM group index of each kvxferd group
+    buffer_size: int  # bytes of vLLM's backing allocation
+    page_format: str  # what the fingerprint says about vLLM's page interior
+
+    def placement(self, region: str) -> RegionPlacement:
+        for p in self.placements:
+            if p.region == region:
+                return p
+        raise KeyError(region)
+
+
+def layout_name(layout: Any) -> str:
+    """``KVCacheLayout.LBHNC`` / ``"LBHNC"`` / ``None`` -> ``"LBHNC"`` (vLLM's default)."""
+    if layout is None:
+        return "LBNHC"
+    name = str(getattr(layout, "name", layout)).rsplit(".", 1)[-1].upper()
+    if len(name) != 5 or set(name) != _LAYOUT_LETTERS:
+        raise SpecError(
+            f"unknown vLLM KV cache layout {layout!r}",
+            fix=f"use one of vLLM's KVCacheLayout names such as LBHNC or LBNHC (see {DOC})",
+        )
+    return name
+
+
+def _page_layout(layout: str) -> tuple[Layout, bool]:
+    """kvxferd attention layout for a vLLM layout, and whether blocks are layer-outermost."""
+    pos = {c: i for i, c in enumerate(layout)}
+    if pos["H"] > pos["B"] and pos["N"] > pos["B"] and pos["C"] == 4 and pos["L"] < pos["H"]:
+        # [H, N, C] of one layer's block is one contiguous span.
+        return (Layout.HND if pos["H"] < pos["N"] else Layout.NHD), pos["L"] < pos["B"]
+    raise SpecError(
+        f"vLLM KV cache layout {layout} does not keep one layer's block as one contiguous span"
+        " (a head or layer dim sits outside the block dim)",
+        fix=f"run vLLM with a blocks-first layout such as LBHNC, LBNHC or BLHNC (see {DOC})",
+    )
+
+
+def _class_names(obj: Any) -> list[str]:
+    return [c.__name__ for c in type(obj).__mro__]
+
+
+def _kind(spec: Any, where: str) -> GroupKind:
+    names = _class_names(spec)
+    if names[0] in _REFUSED:
+        raise SpecError(
+            f"{where}: vLLM {names[0]} cannot be moved by kvxferd: {_REFUSED[names[0]]}",
+            fix=f"serve this model without disaggregation, or see {DOC} for what is supported",
+        )
+    for n in names:
+        if n in _KINDS:
+            return _KINDS[n]
+        if n in _REFUSED:
+            raise SpecError(
+                f"{where}: vLLM {names[0]} (a {n}) cannot be moved by kvxferd: {_REFUSED[n]}",
+                fix=f"see {DOC} for the supported KV cache kinds",
+            )
+    raise SpecError(
+        f"{where}: vLLM KV cache spec {names[0]} is not one kvxferd knows",
+        fix="kvxferd moves FullAttentionSpec, SlidingWindowSpec, MLAAttentionSpec and"
+        f" MambaSpec groups (see {DOC})",
+    )
+
+
+def _dtype(dtype: Any, where: str) -> KVDType:
+    try:
+        return KVDType.from_torch_name(str(dtype))
+    except ValueError as exc:
+        raise SpecError(
+            f"{where}: {exc}",
+            fix=f"run vLLM with --kv-cache-dtype auto, bfloat16, float16 or fp8 (see {DOC})",
+        ) from exc
+
+
+def _layer_spec(group_spec: Any, layer: str) -> Any:
+    if "UniformTypeKVCacheSpecs" in _class_names(group_spec):
+        return group_spec.kv_cache_specs[layer]
+    return group_spec
+
+
+def _check_plain_attention(spec: Any, where: str, mla: bool) -> None:
+    """Refuse packed or quantised pages whose content is not plain K/V (or latent) elements."""
+    problems = []
+    if int(getattr(spec, "kv_quant_mode", 0) or 0) > 1:  # NONE or FP8_PER_TENSOR only
+        problems.append(f"quantisation mode {spec.kv_quant_mode}")
+    if getattr(spec, "state_content_bytes", None) is not None:
+        problems.append("packed page content (state_content_bytes)")
+    if getattr(spec, "num_head_slots", None) is not None:
+        problems.append("packed head slots (num_head_slots)")
+    if getattr(spec, "tokens_per_state", 1) != 1:
+        problems.append(f"{spec.tokens_per_state} tokens per stored state")
+    if not mla and getattr(spec, "head_size_v", spec.head_size) != spec.head_size:
+        problems.append(f"K head size {spec.head_size} != V head size {spec.head_size_v}")
+    if getattr(spec, "page_size_padded", None) is not None:
+        problems.append("padded pages")
+    if problems:
+        raise SpecError(
+            f"{where}: kvxferd cannot describe this vLLM attention page: " + "; ".join(problems),
+            fix=f"run vLLM with an unquantised (or fp8) KV cache dtype (see {DOC})",
+        )
+
+
+@dataclass(frozen=True)
+class _Group:
+    kind: GroupKind
+    logical: int
+    kernel: int
+
+
+def _group(kv_group: Any, vllm_gid: int, kernel_block_size: int | None) -> _Group:
+    spec = kv_group.kv_cache_spec
+    first = _layer_spec(spec, kv_group.layer_names[0]) if kv_group.layer_names else spec
+    where = f"vLLM KV cache group {vllm_gid}"
+    kind = _kind(first, where)
+    logical = int(spec.block_size)
+    if kind is GroupKind.MAMBA:
+        return _Group(kind, logical, logical)
+    kernel = int(kernel_block_size or logical)
+    if kernel <= 0 or logical % kernel:
+        raise SpecError(
+            f"{where}: kernel block size {kernel} does not divide the block size {logical}",
+            fix="pass the kernel block sizes the model runner chose (one per KV cache group)",
+        )
+    return _Group(kind, logical, kernel)
+
+
+def _region(
+    name: str,
+    gi: int,
+    kind: GroupKind,
+    spec: Any,
+    *,
+    layout: Layout,
+    kernel: int,
+    nblocks: int,
+) -> tuple[Region, int]:
+    """The region of one layer and its kernel block's byte length."""
+    where = f"vLLM layer {name!r}"
+    if kind is GroupKind.MAMBA:
+        dtypes = [_dtype(d, where) for d in spec.dtypes]
+        dtype = min(dtypes, key=lambda d: d.itemsize)
+        content = int(spec.state_content_size_bytes)
+        if content % dtype.itemsize:
+            raise SpecError(
+                f"{where}: a Mamba state of {content} bytes is not a whole number of"
+                f" {dtype.value} elements",
+                fix=f"see {DOC} for the supported Mamba state shapes",
+            )
+        shape: tuple[int, ...] = (nblocks, content // dtype.itemsize)
+        return Region(name, gi, dtype, Layout.STATE, shape), content
+    _check_plain_attention(spec, where, mla=kind is GroupKind.MLA)
+    dtype = _dtype(spec.dtype, where)
+    if kind is GroupKind.MLA:
+        latent = int(spec.head_size) * int(getattr(spec, "num_kv_heads", 1) or 1)
+        shape = (nblocks, kernel, latent)
+        region = Region(name, gi, dtype, Layout.MLA, shape)
+    else:
+        shape = (nblocks, 2, kernel, int(spec.num_kv_heads), int(spec.head_size))
+        region = Region(name, gi, dtype, layout, shape)
+    return region, region.block_len
+
+
+def translate(
+    kv_cache_config: Any,
+    *,
+    model: str,
+    layout: Any = None,
+    kernel_block_sizes: Sequence[int] | None = None,
+    backend: str = "",
+    tp_size: int = 1,
+    memory: MemoryType = MemoryType.DRAM,
+) -> VllmKvSpec:
+    """Translate vLLM's ``kv_cache_config`` (read by attribute) into a kvxferd spec.
+
+    ``layout``: the resolved ``KVCacheLayout`` (or its name; default ``kv_cache_config.
+    kv_cache_layout``); ``kernel_block_sizes``: one per vLLM KV cache group, as the model
+    runner chose them (default: the groups' block sizes); ``backend``: the attention backend's
+    name, part of the page format in the fingerprint."""
+    lay = layout_name(layout if layout is not None else kv_cache_config.kv_cache_layout)
+    page_layout, _ = _page_layout(lay)
+    groups = list(kv_cache_config.kv_cache_groups)
+    transfer = [i for i, g in enumerate(groups) if getattr(g, "enable_kv_transfer", True)]
+    if not transfer:
+        raise SpecError(
+            "vLLM's KV cache config has no transferable KV cache group",
+            fix=f"check the model: kvxferd moves attention, MLA and Mamba caches (see {DOC})",
+        )
+    kbs = list(kernel_block_sizes) if kernel_block_sizes is not None else [None] * len(groups)
+    if len(kbs) < len(groups):
+        raise SpecError(
+            f"{len(kbs)} kernel block sizes for {len(groups)} vLLM KV cache groups",
+            fix="pass one kernel block size per KV cache group",
+        )
+    kv_groups: list[KVGroup] = []
+    by_layer: dict[str, tuple[int, int, _Group]] = {}  # layer -> (kvxferd gi, vllm gid, group)
+    for gi, vgid in enumerate(transfer):
+        g = _group(groups[vgid], vgid, kbs[vgid])
+        name = f"{vgid}.{g.kind.value}"
+        kv_groups.append(KVGroup(name, g.kind, g.logical, g.kernel))
+        for layer in groups[vgid].layer_names:
+            by_layer[layer] = (gi, vgid, g)
+    num_blocks = int(kv_cache_config.num_blocks)
+    regions: list[Region] = []
+    placements: list[RegionPlacement] = []
+    sizes = set()
+    for t in kv_cache_config.kv_cache_tensors:
+        sizes.add(int(t.size))
+        for li, layer in enumerate(t.layers):
+            if layer not in by_layer:
+                continue  # a group that is not transferred
+            gi, vgid, g = by_layer[layer]
+            spec = _layer_spec(groups[vgid].kv_cache_spec, layer)
+            ratio = g.logical // g.kernel if not g.kind.is_state else 1
+            region, block_len = _region(
+                layer,
+                gi,
+                g.kind,
+                spec,
+                layout=page_layout,
+                kernel=g.kernel,
+                nblocks=num_blocks * ratio,
+            )
+            stride = int(t.block_stride)
+            if ratio > 1:
+                if stride != block_len * ratio:
+                    raise SpecError(
+                        f"vLLM layer {layer!r}: manager blocks of {stride} bytes are not"
+                        f" {ratio} dense kernel blocks of {block_len} bytes",
+                        fix="use a layer-outermost KV cache layout (LBHNC or LBNHC) with"
+                        f" kernel block splitting (see {DOC})",
+                    )
+                stride //= ratio
+            if stride < block_len:
+                raise SpecError(
+                    f"vLLM layer {layer!r}: block stride {stride} is smaller than its"
+                    f" {block_len}-byte page",
+                    fix=f"check vLLM's kv_cache_tensors for this layer (see {DOC})",
+                )
+            if stride != block_len:
+                region = Region(
+                    region.name,
+                    region.group,
+                    region.dtype,
+                    region.layout,
+                    region.shape,
+                    region.memory,
+                    stride,
+                )
+            offset = int(t.offset) + li * int(t.layer_stride)
+            if offset + region.nbytes > int(t.size):
+                raise SpecError(
+                    f"vLLM layer {layer!r}: {region.nbytes} bytes from offset {offset} run past"
+                    f" the {t.size}-byte KV cache allocation",
+                    fix=f"check vLLM's kv_cache_tensors for this layer (see {DOC})",
+                )
+            regions.append(region)
+            placements.append(RegionPlacement(layer, gi, vgid, offset, stride, num_blocks * ratio))
+    if not regions:
+        raise SpecError(
+            "vLLM's kv_cache_tensors place no layer of a transferable group",
+            fix=f"see {DOC}",
+        )
+    if len(sizes) != 1:
+        raise SpecError(
+            f"vLLM's KV cache tensors name {len(sizes)} backing allocations; kvxferd expects one",
+            fix=f"see {DOC}",
+        )
+    page_format = f"vllm-kv layout={lay} backend={backend or 'unknown'} tp={tp_size}"
+    spec = KVCacheSpec(f"{model} [{page_format}]", tuple(kv_groups), tuple(regions))
+    spec = spec.with_memory(memory)
+    return VllmKvSpec(spec, tuple(placements), tuple(transfer), next(iter(sizes)), page_format)
+
+
+def region_strides(region: Region) -> tuple[int, ...]:
+    """Strides in elements of ``region``'s logical shape (its block stride included)."""
+    order = region.stride_order
+    strides = [0] * len(region.shape)
+    step = 1
+    for d in reversed(order):
+        strides[d] = step
+        step *= region.shape[d]
+    bdim = region.layout.block_dim
+    strides[bdim] = region.stride // region.dtype.itemsize
+    if region.stride % region.dtype.itemsize:
+        raise SpecError(
+            f"region {region.name!r}: block stride {region.stride} is not a whole number of"
+            f" {region.dtype.value} elements",
+            fix=f"see {DOC}",
+        )
+    return tuple(strides)
+
+
+def check_views(translated: VllmKvSpec, buffer_ptr: int, views: Mapping[str, int]) -> None:
+    """Check the translation against vLLM's real per-layer views (``{layer: data_ptr}``):
+    raises SpecError naming the first layer whose view does not start where the translation
+    put it (a vLLM version whose placement rules differ)."""
+    for p in translated.placements:
+        ptr = views.get(p.region)
+        if ptr is None:
+            raise SpecError(
+                f"vLLM registered no KV cache tensor for layer {p.region!r}",
+                fix=f"this vLLM version places layers differently; see {DOC}",
+            )
+        if ptr - buffer_ptr != p.offset:
+            raise SpecError(
+                f"vLLM's view of layer {p.region!r} starts {ptr - buffer_ptr} bytes into the KV"
+                f" cache; the translation expected {p.offset}",
+                fix=f"this vLLM version places layers differently; see {DOC}",
+            )
+
+
+@dataclass(frozen=True)
+class TransferGroup:
+    """A vLLM KV cache group that kvxferd moves, as the scheduler side needs it."""
+
+    vllm_group: int
+    kind: GroupKind
+    block_size: int
+
+
+def transfer_groups(kv_cache_config: Any) -> tuple[TransferGroup, ...]:
+    """vLLM's transferable groups, in kvxferd's group order (the order of the translation's
+    groups and of every block-ID list the connector exchanges)."""
+    out = []
+    for gid, g in enumerate(kv_cache_config.kv_cache_groups):
+        if not getattr(g, "enable_kv_transfer", True):
+            continue
+        grp = _group(g, gid, None)
+        out.append(TransferGroup(gid, grp.kind, grp.logical))
+    return tuple(out)
