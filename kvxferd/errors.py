@@ -3,7 +3,7 @@
 Every error the daemon raises on purpose is a :class:`KvxferdError`. Each says what was wrong
 (``str(err)``), which input it concerns (``field``, a dotted path such as
 ``groups[1].remote_block_ids[3]`` or ``""``) and how to fix it (``fix``). The service layer maps
-each class to one gRPC status code in one table (``kvxferd.service.status``); nothing else
+each class to one gRPC status code in one table (``kvxferd.wire.errors``); nothing else
 decides status codes.
 
 ::
@@ -128,6 +128,10 @@ class Unauthenticated(KvxferdError):
     """The caller did not present the configured token or certificate."""
 
 
+class UnknownSession(Unauthenticated):
+    """The caller's peer session is not (or no longer) known: it must handshake again."""
+
+
 class PermissionDenied(KvxferdError):
     """The caller is known but may not do this (not a reader of the lease, address not allowed)."""
 
@@ -145,3 +149,9 @@ class EngineDetached(KvxferdError):
 
     Peers get UNAVAILABLE (retry after the engine re-attaches; a request held before the
     detach is gone and must be prefilled again)."""
+
+
+class SlowTransport(KvxferdError):
+    """A VRAM-to-VRAM pull would run over a transport at TCP speed (UCX active messages), and
+    ``transfer.allow_slow_transport`` is off: refused with the transport, its measured rate and
+    the fix, rather than moving GPU memory 3,000 times slower than the link (docs/nixl.md §7)."""

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
-from grpc import aio
 
 from kvxferd.blocks import check_block_ids, expand_group, plan_pull
 from kvxferd.blocks.ranges import TransferPlan
@@ -28,10 +27,9 @@ from kvxferd.daemon.peers import (
     PeerLink,
     RemoteDescription,
     SelfDescription,
-    remote_error,
 )
 from kvxferd.daemon.pulls import PullBook, PullRecord, PullState
-from kvxferd.daemon.sessions import PeerSession, Sessions, UnknownSession
+from kvxferd.daemon.sessions import PeerSession, Sessions
 from kvxferd.daemon.slot import PoolSlot
 from kvxferd.errors import (
     AlreadyExists,
@@ -43,6 +41,7 @@ from kvxferd.errors import (
     NotFound,
     PeerUnavailable,
     ResourceExhausted,
+    UnknownSession,
 )
 from kvxferd.layout.spec import MemoryType
 from kvxferd.logs import kv
@@ -64,7 +63,7 @@ from kvxferd.transfer import (
 from kvxferd.transfer.engine import Prepared
 from kvxferd.transfer.leases import Lease, LeaseView
 from kvxferd.transfer.strategy import Strategy
-from kvxferd.v1 import common_pb2, peer_pb2, spec_pb2
+from kvxferd.v1 import spec_pb2
 
 log = logging.getLogger(__name__)
 
@@ -764,14 +763,13 @@ class Daemon:
             reader_id=self.agent_name,
             peer_agent=link.remote.agent_name,
             peer_address=req.peer_address,
-            stub=link.stub,
+            client=link.client,
             remote_ring=link.remote.staging,
             local_ids=local_blocks,
             remote_ids=remote_blocks,
             chunks=staged.chunks,
             deadline=deadline,
             notif=notif,
-            metadata=self.peers.metadata(link),
         )
 
     async def _staged_pull(self, job: StagedJob, plan: TransferPlan) -> TransferResult:
@@ -792,22 +790,18 @@ class Daemon:
             left = deadline - time.monotonic()
             sent = time.monotonic()
             try:
-                resp = await link.stub.ConfirmLease(
-                    peer_pb2.ConfirmLeaseRequest(
-                        request_id=req.request_id,
-                        reader_id=self.agent_name,
-                        extend_ms=int(min(max(1.0, left), self.limits.max_deadline_s) * 1000),
-                    ),
-                    timeout=max(1e-3, min(self.limits.peer_timeout_s, left)),
-                    metadata=self.peers.metadata(link),
+                resp = await link.client.confirm(
+                    req.request_id,
+                    self.agent_name,
+                    int(min(max(1.0, left), self.limits.max_deadline_s) * 1000),
+                    left,
                 )
-            except aio.AioRpcError as exc:
-                err = remote_error(exc, f"confirming the lease of {req.request_id!r}", link.address)
-                if isinstance(err, UnknownSession) and attempt == 1:
-                    link.session = ""  # the peer forgot it: take the new handshake's
-                    await self._rehandshake(link, "the peer no longer knows our session")
-                    continue
-                raise err from exc
+            except UnknownSession:
+                if attempt == 2:
+                    raise
+                link.client.session = ""  # the peer forgot it: take the new handshake's
+                await self._rehandshake(link, "the peer no longer knows our session")
+                continue
             if resp.instance_id and resp.instance_id != remote.instance_id:
                 if attempt == 1:
                     await self._rehandshake(link, f"the peer is now instance {resp.instance_id}")
@@ -854,23 +848,12 @@ class Daemon:
 
     async def _release_share(self, link: PeerLink, request_id: str, *, done: bool) -> None:
         """Best effort: tell the owner our share ended (it would lapse anyway)."""
-        assert self.peers is not None
         try:
-            await link.stub.ReleaseLease(
-                peer_pb2.ReleaseLeaseRequest(
-                    request_id=request_id,
-                    reader_id=self.agent_name,
-                    reason=common_pb2.RELEASE_REASON_DONE
-                    if done
-                    else common_pb2.RELEASE_REASON_CANCELLED,
-                ),
-                timeout=self.limits.peer_timeout_s,
-                metadata=self.peers.metadata(link),
-            )
-        except aio.AioRpcError as exc:
+            await link.client.release(request_id, self.agent_name, done=done)
+        except KvxferdError as err:
             log.info(
                 "releasing a lease share failed (it lapses on the owner)",
-                extra=kv(peer=link.address, request_id=request_id, error=exc.code().name),
+                extra=kv(peer=link.address, request_id=request_id, error=str(err)),
             )
 
     # -- heartbeats (reader side) ---------------------------------------------------------

@@ -23,29 +23,25 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
 import numpy as np
-from grpc import aio
 
-from kvxferd.daemon.sessions import SESSION_METADATA, UNKNOWN_SESSION_TRAILER, UnknownSession
 from kvxferd.errors import (
+    DeadlineExceeded,
     IncompatiblePeer,
     InvalidRequest,
     KvxferdError,
-    LeaseRefused,
     Mismatch,
-    NotFound,
     PeerUnavailable,
     PermissionDenied,
     ResourceExhausted,
-    Unauthenticated,
 )
 from kvxferd.logs import kv
 from kvxferd.peers import PeerInfo, compat_digest, require_compatible
 from kvxferd.peers.version import PROTOCOL_VERSION
 from kvxferd.service.convert import spec_from_proto, spec_to_proto
 from kvxferd.staging.chunks import RingInfo
-from kvxferd.v1 import peer_pb2, peer_pb2_grpc, spec_pb2
+from kvxferd.v1 import peer_pb2, spec_pb2
+from kvxferd.wire.peer_client import PeerClient, Transport
 
 log = logging.getLogger(__name__)
 
@@ -224,58 +220,17 @@ def _check_registrations(msg: peer_pb2.HandshakePayload) -> None:
         )
 
 
-def remote_error(exc: aio.AioRpcError, what: str, address: str) -> KvxferdError:
-    """Turn a peer's gRPC error into the matching kvxferd error, keeping its explanation."""
-    code, detail = exc.code(), exc.details() or ""
-    if code == grpc.StatusCode.FAILED_PRECONDITION and what == "handshake":
-        return IncompatiblePeer([], peer=address, detail=detail)
-    if code == grpc.StatusCode.FAILED_PRECONDITION:
-        return LeaseRefused(
-            f"peer {address} refused {what}: {detail}", fix="hold the request again"
-        )
-    if code == grpc.StatusCode.UNAUTHENTICATED and _session_unknown(exc):
-        return UnknownSession(
-            f"peer {address} does not know our session ({what}): it restarted",
-            field="peer_address",
-            fix="handshake again (done automatically for pulls)",
-        )
-    if code == grpc.StatusCode.NOT_FOUND:
-        return NotFound(f"peer {address} refused {what}: {detail}", fix="hold the request first")
-    if code == grpc.StatusCode.PERMISSION_DENIED:
-        return PermissionDenied(f"peer {address} refused {what}: {detail}")
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return InvalidRequest(f"peer {address} refused {what}: {detail}")
-    if code == grpc.StatusCode.UNAUTHENTICATED:
-        return Unauthenticated(
-            f"peer {address} rejected our credentials for {what}: {detail}",
-            fix="configure the same auth.token / CA on both daemons",
-        )
-    return PeerUnavailable(
-        f"{what} with {address} failed: {code.name}: {detail}",
-        field="peer_address",
-        fix="check that the peer daemon runs and is reachable at that address",
-    )
-
-
-def _session_unknown(exc: aio.AioRpcError) -> bool:
-    key, value = UNKNOWN_SESSION_TRAILER
-    trailer: Any = exc.trailing_metadata() or ()
-    return any(tuple(item) == (key, value) for item in trailer)
-
-
 @dataclass
 class PeerLink:
-    """One peer address: its channel, its handshake result, its state."""
+    """One peer address: its client, its handshake result, its state."""
 
     address: str
-    channel: aio.Channel
-    stub: peer_pb2_grpc.PeerAsyncStub
+    client: PeerClient
     state: LinkState = LinkState.NEW
     remote: RemoteDescription | None = None
     last_error: str = ""
     last_handshake_ns: int = 0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    session: str = ""  # hex token from the handshake; sent as kvxferd-session metadata
     active: int = 0  # pulls in flight through this link (the reader keeps it)
     last_used: float = 0.0
 
@@ -292,7 +247,7 @@ class PeerDirectory:
         me: Callable[[], SelfDescription],
         connect: Callable[[RemoteDescription], None],
         *,
-        channel_factory: Callable[[str], aio.Channel],
+        transport_factory: Callable[[str], Transport],
         metadata: tuple[tuple[str, str], ...],
         timeout_s: float,
         on_handshake: Callable[[PeerLink], None] | None = None,
@@ -304,7 +259,7 @@ class PeerDirectory:
         self._allow = allow
         self._me = me
         self._connect = connect
-        self._channel_factory = channel_factory
+        self._transport_factory = transport_factory
         self._metadata = metadata
         self._timeout_s = timeout_s
         self._links: dict[str, PeerLink] = {}
@@ -314,16 +269,17 @@ class PeerDirectory:
     def links(self) -> list[PeerLink]:
         return list(self._links.values())
 
-    def metadata(self, link: PeerLink) -> tuple[tuple[str, str], ...]:
-        """Call metadata for Peer calls on ``link``: credentials plus its session."""
-        return (*self._metadata, (SESSION_METADATA, link.session))
-
     def _link(self, address: str) -> PeerLink:
         link = self._links.get(address)
         if link is None:
             self._make_room()
-            channel = self._channel_factory(address)
-            link = PeerLink(address, channel, peer_pb2_grpc.PeerStub(channel))
+            client = PeerClient(
+                address,
+                self._transport_factory(address),
+                credentials=self._metadata,
+                max_timeout_s=self._timeout_s,
+            )
+            link = PeerLink(address, client)
             self._links[address] = link
         link.last_used = time.monotonic()
         return link
@@ -346,7 +302,7 @@ class PeerDirectory:
 
     def _drop(self, link: PeerLink) -> None:
         self._links.pop(link.address, None)
-        self._closing.add(asyncio.ensure_future(link.channel.close(None)))
+        self._closing.add(asyncio.ensure_future(link.client.close()))
         self._closing = {t for t in self._closing if not t.done()}
         log.info("peer link evicted", extra=kv(peer=link.address, state=link.state.value))
 
@@ -414,25 +370,21 @@ class PeerDirectory:
     ) -> peer_pb2.HeartbeatResponse:
         """One Heartbeat on ``link`` (renewing this reader's shares of ``renew``)."""
         me = self._me()
-        try:
-            return await link.stub.Heartbeat(
-                peer_pb2.HeartbeatRequest(
-                    daemon_id=me.daemon_id,
-                    instance_id=me.instance_id,
-                    registration_generation=me.generation,
-                    renew_request_ids=renew,
-                    renew_ms=renew_ms,
-                ),
-                timeout=timeout_s,
-                metadata=self.metadata(link),
-            )
-        except aio.AioRpcError as exc:
-            raise remote_error(exc, "heartbeat", link.address) from exc
+        return await link.client.heartbeat(
+            peer_pb2.HeartbeatRequest(
+                daemon_id=me.daemon_id,
+                instance_id=me.instance_id,
+                registration_generation=me.generation,
+                renew_request_ids=renew,
+                renew_ms=renew_ms,
+            ),
+            timeout_s,
+        )
 
     async def _alive(self, address: str, instance_id: str) -> bool:
         """Does the instance loaded from ``address`` still answer there as itself?"""
         link = self._links.get(address)
-        if link is None or not link.session:
+        if link is None or not link.client.session:
             return False
         try:
             resp = await self.heartbeat(link, [], 0, min(self._timeout_s, 2.0))
@@ -474,33 +426,24 @@ class PeerDirectory:
         version, digest, payload = me.envelope()
         link.state = LinkState.HANDSHAKING
         try:
-            resp = await link.stub.Handshake(
-                peer_pb2.HandshakeRequest(
-                    protocol_version=version, compat_digest=digest, payload=payload
-                ),
-                timeout=self._timeout_s,
-                metadata=self._metadata,
-            )
+            resp = await link.client.handshake(version, digest, payload)
             remote = decode_envelope(
                 resp.protocol_version, resp.compat_digest, resp.payload, me, link.address
             )
             if (
-                not link.session
+                not link.client.session
                 or link.remote is None
                 or link.remote.instance_id != remote.instance_id
             ):
                 # A new peer instance: a new session. The same instance (its engine
                 # re-attached) still knows the old one, under which our shares were confirmed.
-                link.session = resp.session.hex()
+                link.client.session = resp.session.hex()
             await self._load(link, remote)
-        except aio.AioRpcError as exc:
-            err = remote_error(exc, "handshake", link.address)
-            link.state = (
-                LinkState.REFUSED if isinstance(err, IncompatiblePeer) else LinkState.UNREACHABLE
-            )
+        except (PeerUnavailable, DeadlineExceeded) as err:
+            link.state = LinkState.UNREACHABLE
             link.last_error = str(err)
             log.warning("handshake failed", extra=kv(peer=link.address, error=str(err)))
-            raise err from exc
+            raise
         except KvxferdError as err:
             link.state = LinkState.REFUSED
             link.last_error = str(err)
@@ -522,6 +465,6 @@ class PeerDirectory:
 
     async def close(self) -> None:
         for link in self._links.values():
-            await link.channel.close(None)
+            await link.client.close()
         self._links.clear()
         await asyncio.gather(*self._closing, return_exceptions=True)

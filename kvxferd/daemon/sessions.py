@@ -24,17 +24,12 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvxferd.errors import IncompatiblePeer, Mismatch, Unauthenticated
+from kvxferd.errors import IncompatiblePeer, Mismatch, UnknownSession
 from kvxferd.logs import kv
 
 log = logging.getLogger(__name__)
 
 SESSION_METADATA = "kvxferd-session"
-UNKNOWN_SESSION_TRAILER = ("kvxferd-session", "unknown")
-
-
-class UnknownSession(Unauthenticated):
-    """The caller's session is not (or no longer) known here: it must handshake again."""
 
 
 @dataclass
@@ -136,3 +131,6 @@ class Sessions:
             extra=kv(agent=session.agent_name, instance=session.instance_id, why=why),
         )
         self._on_retire(session)
+
+
+__all__ = ["SESSION_METADATA", "PeerSession", "Sessions", "UnknownSession"]

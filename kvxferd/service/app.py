@@ -45,7 +45,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from kvxferd.config import DOCS, Config, is_loopback, split_hostport
 from kvxferd.daemon.attach import Attacher
 from kvxferd.daemon.core import Daemon, DaemonLimits
-from kvxferd.daemon.peers import PeerDirectory, remote_error
+from kvxferd.daemon.peers import PeerDirectory
 from kvxferd.daemon.slot import PoolSlot
 from kvxferd.errors import ConfigError
 from kvxferd.layout.presets import preset
@@ -76,6 +76,7 @@ from kvxferd.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
+from kvxferd.wire.peer_client import GrpcTransport
 
 log = logging.getLogger(__name__)
 
@@ -661,8 +662,6 @@ async def _build(
             leases=leases,
             grant_timeout_s=cfg.transfer.staging_grant_timeout_ms / 1000,
             max_block_ids=cfg.transfer.max_block_ids,
-            call_metadata=call_metadata(token),
-            remote_error=remote_error,
         ),
     )
 
@@ -674,7 +673,7 @@ async def _build(
     peers = PeerDirectory(
         daemon.describe_self,
         daemon.connect_remote,
-        channel_factory=channel,
+        transport_factory=lambda target: GrpcTransport(channel(target)),
         metadata=call_metadata(token),
         timeout_s=cfg.transfer.handshake_timeout_ms / 1000,
         on_handshake=daemon.observe_peer,

@@ -1,7 +1,7 @@
 """The three gRPC servicers (Peer, Scheduler, Engine): decode, call the daemon, encode.
 
 Errors travel only as status codes: every handler runs inside :func:`_rpc`, which maps
-:mod:`kvxferd.errors` through the one table in :mod:`kvxferd.service.status` and turns anything
+:mod:`kvxferd.errors` through the one table in :mod:`kvxferd.wire.errors` and turns anything
 else into INTERNAL (logged with its traceback); the daemon keeps serving either way.
 """
 
@@ -22,18 +22,12 @@ from kvxferd.daemon.attach import Attacher
 from kvxferd.daemon.core import Daemon, HeldRequest, PullRequest, Release
 from kvxferd.daemon.peers import LinkState, decode_envelope
 from kvxferd.daemon.pulls import PullRecord, PullState
-from kvxferd.daemon.sessions import (
-    SESSION_METADATA,
-    UNKNOWN_SESSION_TRAILER,
-    PeerSession,
-    UnknownSession,
-)
+from kvxferd.daemon.sessions import SESSION_METADATA, PeerSession
 from kvxferd.errors import InvalidRequest, KvxferdError
 from kvxferd.logs import kv
 from kvxferd.service.attaching import attach_request_from_proto, pool_info
 from kvxferd.service.convert import group_ids_from_proto, group_ids_to_proto
 from kvxferd.service.staging import gather, release_staging, stage_times_to_proto
-from kvxferd.service.status import message_for, status_for
 from kvxferd.transfer import ReleaseReason
 from kvxferd.transfer.leases import LeaseView
 from kvxferd.v1 import (
@@ -45,6 +39,7 @@ from kvxferd.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
+from kvxferd.wire.errors import message_for, status_for, trailer_for
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +82,7 @@ async def _rpc(daemon: Daemon, method: str, context: Ctx, call: Callable[[], Awa
         code = status_for(err)
         daemon.metrics.rpc_errors.labels(method, code.name).inc()
         log.info("rpc refused", extra=kv(method=method, code=code.name, error=str(err)))
-        if isinstance(err, UnknownSession):
-            context.set_trailing_metadata((UNKNOWN_SESSION_TRAILER,))
+        context.set_trailing_metadata(trailer_for(err))
         await context.abort(code, message_for(err))
     except (aio.AbortError, asyncio.CancelledError):
         raise
@@ -302,6 +296,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             async for rec in stream:
                 yield scheduler_pb2.WatchTransfersResponse(status=status_to_proto(rec))
         except KvxferdError as err:
+            context.set_trailing_metadata(trailer_for(err))
             await context.abort(status_for(err), message_for(err))
 
     async def GetTransfer(
@@ -449,6 +444,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         try:
             att = self.attacher.open_session(request.attachment_id)
         except KvxferdError as err:
+            context.set_trailing_metadata(trailer_for(err))
             await context.abort(status_for(err), message_for(err))
             return
         q = self.d.watch_releases(frozenset())

@@ -15,11 +15,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from grpc import aio
 
 from kvxferd.blocks.ranges import RegionRanges, TransferPlan
 from kvxferd.errors import (
@@ -36,11 +35,10 @@ from kvxferd.staging.device import Int64Array, PoolCopier
 from kvxferd.staging.ring import StagingRing
 from kvxferd.staging.stats import StageTimes
 from kvxferd.transfer import TransferEngine, TransferResult, TransferStatus
-from kvxferd.v1 import common_pb2, peer_pb2, peer_pb2_grpc
+from kvxferd.v1 import common_pb2, peer_pb2
+from kvxferd.wire.peer_client import PeerClient
 
 log = logging.getLogger(__name__)
-
-RemoteError = Callable[[aio.AioRpcError, str, str], KvxferdError]
 
 
 @dataclass
@@ -52,7 +50,7 @@ class StagedJob:
     reader_id: str
     peer_agent: str
     peer_address: str
-    stub: peer_pb2_grpc.PeerAsyncStub
+    client: PeerClient  # the owner's Peer service (credentials and our session)
     remote_ring: RingInfo
     local_ids: tuple[Int64Array, ...]
     remote_ids: tuple[Int64Array, ...]
@@ -63,7 +61,6 @@ class StagedJob:
     owner_free: list[int] = field(default_factory=list)  # read, not yet given back
     owner_held: set[int] = field(default_factory=set)  # granted to us, not yet given back
     gathers_left: int = 0
-    metadata: tuple[tuple[str, str], ...] = ()  # the link's credentials and peer session
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
@@ -79,15 +76,11 @@ class StagedReader:
         engine: TransferEngine,
         *,
         staging_region: int,
-        call_metadata: tuple[tuple[str, str], ...],
-        remote_error: RemoteError,
     ) -> None:
         self.ring = ring
         self.copier = copier
         self.engine = engine
         self.staging_region = staging_region
-        self.call_metadata = call_metadata
-        self.remote_error = remote_error
         self._running: dict[str, asyncio.Task[None]] = {}
         self._cancelled: set[str] = set()
 
@@ -225,7 +218,7 @@ class StagedReader:
         release, job.owner_free = job.owner_free, []
         job.gathers_left -= 1
         try:
-            resp: peer_pb2.GatherResponse = await job.stub.Gather(
+            resp = await job.client.gather(
                 peer_pb2.GatherRequest(
                     request_id=job.request_id,
                     reader_id=job.reader_id,
@@ -234,14 +227,12 @@ class StagedReader:
                     ),
                     release_slots=release,
                 ),
-                timeout=max(1e-3, job.remaining()),
-                metadata=job.metadata or self.call_metadata,
+                f"staging gather of chunk {chunk.index}",
+                job.remaining(),
             )
-        except aio.AioRpcError as exc:
+        except KvxferdError:
             job.owner_free.extend(release)  # unknown whether they were freed: try again later
-            raise self.remote_error(
-                exc, f"staging gather of chunk {chunk.index}", job.peer_address
-            ) from exc
+            raise
         job.owner_held.add(resp.slot)
         ring = job.remote_ring
         if (
@@ -294,16 +285,14 @@ class StagedReader:
         if not read_only:
             job.owner_held.clear()
         try:
-            await job.stub.ReleaseStaging(
+            await job.client.release_staging(
                 peer_pb2.ReleaseStagingRequest(
                     request_id=job.request_id, reader_id=job.reader_id, slots=slots
-                ),
-                timeout=5.0,
-                metadata=job.metadata or self.call_metadata,
+                )
             )
-        except aio.AioRpcError as exc:
+        except KvxferdError as err:
             # The owner takes the slots back when the lease ends or the grant times out.
             log.warning(
                 "staging release failed",
-                extra=kv(peer=job.peer_address, slots=slots, error=exc.code().name),
+                extra=kv(peer=job.peer_address, slots=slots, error=str(err)),
             )

@@ -13,7 +13,7 @@ from kvxferd.layout.spec import KVCacheSpec
 from kvxferd.pool import KVPool
 from kvxferd.staging.chunks import Chunk, RingInfo, split_chunks
 from kvxferd.staging.owner import StagingOwner
-from kvxferd.staging.reader import RemoteError, StagedReader
+from kvxferd.staging.reader import StagedReader
 from kvxferd.staging.ring import StagingRing
 from kvxferd.transfer.engine import TransferEngine
 from kvxferd.transfer.leases import LeaseTable
@@ -109,8 +109,6 @@ class StagingFactory:
     leases: LeaseTable
     grant_timeout_s: float
     max_block_ids: int
-    call_metadata: tuple[tuple[str, str], ...]
-    remote_error: RemoteError
 
     def local_rows(self, pool_rows: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
         """The engine's local region table for a pool: its regions, then the ring's row."""
@@ -136,7 +134,5 @@ class StagingFactory:
             owner.copier,
             self.engine,
             staging_region=len(pool.spec.regions),
-            call_metadata=self.call_metadata,
-            remote_error=self.remote_error,
         )
         return Staging(Mode(self.mode), self.model, self.ring, owner, reader)

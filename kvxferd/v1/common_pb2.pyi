@@ -97,6 +97,10 @@ class _ErrorKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorKind.V
     """PermissionDenied: the caller may not do this (not a reader of the lease; address not
     in peers.allow).
     """
+    ERROR_KIND_UNKNOWN_SESSION: _ErrorKind.ValueType  # 17
+    """UnknownSession (a kind of Unauthenticated): the peer session is unknown; handshake again."""
+    ERROR_KIND_SLOW_TRANSPORT: _ErrorKind.ValueType  # 18
+    """SlowTransport: a VRAM link would run at TCP speed and transfer.allow_slow_transport is off."""
 
 class ErrorKind(_ErrorKind, metaclass=_ErrorKindEnumTypeWrapper):
     """The kind of a kvxferd error: one value per class in kvxferd/errors.py (most specific class)."""
@@ -137,6 +141,10 @@ ERROR_KIND_PERMISSION_DENIED: ErrorKind.ValueType  # 16
 """PermissionDenied: the caller may not do this (not a reader of the lease; address not
 in peers.allow).
 """
+ERROR_KIND_UNKNOWN_SESSION: ErrorKind.ValueType  # 17
+"""UnknownSession (a kind of Unauthenticated): the peer session is unknown; handshake again."""
+ERROR_KIND_SLOW_TRANSPORT: ErrorKind.ValueType  # 18
+"""SlowTransport: a VRAM link would run at TCP speed and transfer.allow_slow_transport is off."""
 Global___ErrorKind: _TypeAlias = ErrorKind  # noqa: Y015
 
 @_typing.final

@@ -18,7 +18,8 @@ from grpc import aio
 
 from kvxferd.scenario.daemons import DaemonOptions
 from kvxferd.service.convert import group_ids_to_proto
-from kvxferd.v1 import engine_pb2, peer_pb2, scheduler_pb2, spec_pb2
+from kvxferd.v1 import common_pb2, engine_pb2, peer_pb2, scheduler_pb2, spec_pb2
+from kvxferd.wire.errors import detail_from_rpc
 from tests.service.conftest import Daemons, launch
 from tests.service.raw_peer import RawPeer, describe, handshake
 from tests.service.test_service_pull import TERMINAL, Client, run
@@ -183,7 +184,9 @@ def test_an_impostor_cannot_take_a_live_readers_name(daemons: Daemons) -> None:
         with pytest.raises(aio.AioRpcError) as ei:
             await victim.heartbeat([], 0)
         assert ei.value.code() == C.UNAUTHENTICATED
-        assert ("kvxferd-session", "unknown") in tuple(ei.value.trailing_metadata() or ())
+        detail = detail_from_rpc(ei.value)  # the structured trailer names the kind
+        assert detail is not None and detail.kind == common_pb2.ERROR_KIND_UNKNOWN_SESSION
+        assert "handshake again" in detail.fix
 
     run(go())
 

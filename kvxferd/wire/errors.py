@@ -1,0 +1,147 @@
+"""The one table from kvxferd errors to gRPC status codes, both ways.
+
+Servers never pick status codes themselves: they raise :mod:`kvxferd.errors` exceptions,
+:func:`status_for` decides the code and :func:`trailer_for` encodes the error as a
+``common.proto`` ``ErrorDetail`` in the ``kvxferd-error-bin`` trailing metadata. Clients turn a
+failed call back into the same exception class with :func:`error_from_rpc`, from the trailer
+when the server sent one and from the status code otherwise. Anything that is not a
+``KvxferdError`` is a bug and becomes ``INTERNAL`` with a message that says so.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import grpc
+
+from kvxferd import errors as e
+from kvxferd.v1 import common_pb2
+
+ERROR_TRAILER = "kvxferd-error-bin"
+
+STATUS_TABLE: tuple[tuple[type[e.KvxferdError], grpc.StatusCode], ...] = (
+    # Most specific first: BlockRangeError is an InvalidRequest, UnknownSession Unauthenticated.
+    (e.BlockRangeError, grpc.StatusCode.INVALID_ARGUMENT),
+    (e.InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
+    (e.SpecError, grpc.StatusCode.INVALID_ARGUMENT),
+    (e.ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
+    (e.IncompatiblePeer, grpc.StatusCode.FAILED_PRECONDITION),
+    (e.SlowTransport, grpc.StatusCode.FAILED_PRECONDITION),
+    (e.LeaseRefused, grpc.StatusCode.FAILED_PRECONDITION),
+    (e.PeerUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (e.TransportError, grpc.StatusCode.UNAVAILABLE),
+    (e.EngineDetached, grpc.StatusCode.UNAVAILABLE),
+    (e.DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (e.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (e.NotFound, grpc.StatusCode.NOT_FOUND),
+    (e.AlreadyExists, grpc.StatusCode.ALREADY_EXISTS),
+    (e.UnknownSession, grpc.StatusCode.UNAUTHENTICATED),
+    (e.Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
+    (e.PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
+    (e.Cancelled, grpc.StatusCode.CANCELLED),
+)
+
+# For calls that carry no trailer (another server, a proxy, gRPC itself): the class a code
+# most likely means.
+_BY_CODE: dict[grpc.StatusCode, type[e.KvxferdError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: e.InvalidRequest,
+    grpc.StatusCode.FAILED_PRECONDITION: e.LeaseRefused,
+    grpc.StatusCode.NOT_FOUND: e.NotFound,
+    grpc.StatusCode.ALREADY_EXISTS: e.AlreadyExists,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: e.ResourceExhausted,
+    grpc.StatusCode.UNAUTHENTICATED: e.Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: e.PermissionDenied,
+    grpc.StatusCode.DEADLINE_EXCEEDED: e.DeadlineExceeded,
+    grpc.StatusCode.CANCELLED: e.Cancelled,
+}
+
+
+def _snake(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).upper()
+
+
+def _kind_name(cls: type[e.KvxferdError]) -> str:
+    return "ERROR_KIND_" + _snake(cls.__name__.removesuffix("Error"))
+
+
+_CLASSES: tuple[type[e.KvxferdError], ...] = tuple(
+    c
+    for c in vars(e).values()
+    if isinstance(c, type) and issubclass(c, e.KvxferdError) and c is not e.KvxferdError
+)
+_KINDS: dict[str, int] = dict(common_pb2.ErrorKind.items())
+# A class without an ErrorKind (tests/proto/test_contract.py forbids that) travels as
+# UNSPECIFIED and is rebuilt from its status code.
+_KIND_OF: dict[type[e.KvxferdError], int] = {
+    c: _KINDS[_kind_name(c)] for c in _CLASSES if _kind_name(c) in _KINDS
+}
+_CLASS_OF: dict[int, type[e.KvxferdError]] = {v: k for k, v in _KIND_OF.items()}
+
+
+def status_for(exc: BaseException) -> grpc.StatusCode:
+    for cls, code in STATUS_TABLE:
+        if isinstance(exc, cls):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+def message_for(exc: BaseException) -> str:
+    if isinstance(exc, e.KvxferdError):
+        return str(exc)
+    return f"internal error ({type(exc).__name__}: {exc}); this is a kvxferd bug, please report it"
+
+
+def detail_for(err: e.KvxferdError) -> common_pb2.ErrorDetail:
+    detail = common_pb2.ErrorDetail(
+        kind=_KIND_OF.get(type(err), common_pb2.ERROR_KIND_UNSPECIFIED),  # type: ignore[arg-type]
+        message=err.message,
+        field=err.field,
+        fix=err.fix,
+    )
+    if isinstance(err, e.IncompatiblePeer):
+        for m in err.mismatches:
+            detail.mismatches.add(what=m.what, local=m.local, remote=m.remote, fix=m.fix)
+    return detail
+
+
+def trailer_for(err: e.KvxferdError) -> tuple[tuple[str, bytes], ...]:
+    """The trailing metadata a server sends with ``err``'s status."""
+    return ((ERROR_TRAILER, detail_for(err).SerializeToString()),)
+
+
+def detail_from_rpc(exc: grpc.RpcError) -> common_pb2.ErrorDetail | None:
+    trailer: Any = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else ()
+    for item in trailer or ():
+        key, value = tuple(item)
+        if key == ERROR_TRAILER and isinstance(value, bytes):
+            try:
+                return common_pb2.ErrorDetail.FromString(value)
+            except Exception:  # protobuf's DecodeError: ignore a foreign trailer
+                return None
+    return None
+
+
+def error_from_rpc(exc: grpc.RpcError, what: str, address: str) -> e.KvxferdError:
+    """The kvxferd error behind a failed call to ``address`` (doing ``what``)."""
+    call: Any = exc
+    code: grpc.StatusCode = call.code()
+    text: str = call.details() or ""
+    detail = detail_from_rpc(exc)
+    if detail is not None and detail.kind in _CLASS_OF:
+        cls = _CLASS_OF[detail.kind]
+        message = f"peer {address} refused {what}: {detail.message}"
+        if cls is e.IncompatiblePeer:
+            mismatches = [e.Mismatch(m.what, m.local, m.remote, m.fix) for m in detail.mismatches]
+            return e.IncompatiblePeer(mismatches, peer=address, detail=text)
+        return cls(message, field=detail.field, fix=detail.fix)
+    if code == grpc.StatusCode.FAILED_PRECONDITION and what == "handshake":
+        return e.IncompatiblePeer([], peer=address, detail=text)
+    by_code = _BY_CODE.get(code)
+    if by_code is not None:
+        return by_code(f"peer {address} refused {what}: {code.name}: {text}")
+    return e.PeerUnavailable(
+        f"{what} with {address} failed: {code.name}: {text}",
+        field="peer_address",
+        fix="check that the peer daemon runs and is reachable at that address",
+    )

@@ -1,0 +1,194 @@
+"""The typed client of one peer daemon's Peer service.
+
+One place for what every Peer call needs: the credentials and the caller's session as
+metadata, a timeout taken from the caller's remaining deadline (never more than the per-call
+cap), and failures turned into :mod:`kvxferd.errors` exceptions through the one table in
+:mod:`kvxferd.wire.errors`. A :class:`PeerClient` talks through a *transport*: the generated
+gRPC stub of a channel (:class:`GrpcTransport`) or, in tests, :class:`FakeTransport`, which
+calls a Python handler in process (like httpx's ``MockTransport``) so the pull lifecycle can be
+exercised without sockets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+import grpc
+from grpc import aio
+
+from kvxferd.errors import DeadlineExceeded, KvxferdError
+from kvxferd.v1 import common_pb2, peer_pb2, peer_pb2_grpc
+from kvxferd.wire.errors import error_from_rpc, status_for, trailer_for
+
+SESSION_METADATA = "kvxferd-session"
+Metadata = tuple[tuple[str, str], ...]
+Resp = TypeVar("Resp")
+
+
+class Transport(Protocol):
+    """Sends one Peer call: ``method`` is the RPC name (``"ConfirmLease"``)."""
+
+    async def __call__(
+        self, method: str, request: Any, *, timeout: float, metadata: Metadata
+    ) -> Any: ...
+
+    async def close(self) -> None: ...
+
+
+class GrpcTransport:
+    """A transport over one gRPC channel (the generated stub); closing closes the channel."""
+
+    def __init__(self, channel: aio.Channel) -> None:
+        self._channel = channel
+        self._stub = peer_pb2_grpc.PeerStub(channel)
+
+    async def __call__(
+        self, method: str, request: Any, *, timeout: float, metadata: Metadata
+    ) -> Any:
+        return await getattr(self._stub, method)(request, timeout=timeout, metadata=metadata)
+
+    async def close(self) -> None:
+        await self._channel.close(None)
+
+
+class _FakeRpcError(grpc.RpcError):
+    """What :class:`FakeTransport` raises: shaped like a failed gRPC call."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, trailer: Any) -> None:
+        super().__init__(details)
+        self._code, self._details, self._trailer = code, details, trailer
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self) -> Any:
+        return self._trailer
+
+
+Handler = Callable[[str, Any, Metadata], Awaitable[Any]]
+
+
+@dataclass
+class FakeTransport:
+    """An in-process transport: ``handler(method, request, metadata)`` answers each call or
+    raises a :class:`KvxferdError`, which reaches the client exactly as a server's abort
+    would (status code and error trailer). ``calls`` records ``(method, request)``."""
+
+    handler: Handler
+    calls: list[tuple[str, Any]] = field(default_factory=list)
+
+    async def __call__(
+        self, method: str, request: Any, *, timeout: float, metadata: Metadata
+    ) -> Any:
+        self.calls.append((method, request))
+        if timeout <= 0:
+            raise _FakeRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", ())
+        try:
+            return await self.handler(method, request, metadata)
+        except KvxferdError as err:
+            raise _FakeRpcError(status_for(err), str(err), trailer_for(err)) from err
+
+    async def close(self) -> None:
+        return None
+
+
+class PeerClient:
+    """The Peer service at ``address``. ``credentials`` is the static call metadata (the
+    bearer token); ``session`` is set from the handshake and sent on every later call."""
+
+    def __init__(
+        self,
+        address: str,
+        transport: Transport,
+        *,
+        credentials: Metadata = (),
+        max_timeout_s: float = 5.0,
+    ) -> None:
+        self.address = address
+        self.session = ""
+        self._transport = transport
+        self._credentials = credentials
+        self._max_timeout_s = max_timeout_s
+
+    async def close(self) -> None:
+        await self._transport.close()
+
+    def metadata(self) -> Metadata:
+        if not self.session:
+            return self._credentials
+        return (*self._credentials, (SESSION_METADATA, self.session))
+
+    async def _call(self, method: str, request: Any, what: str, time_left_s: float | None) -> Any:
+        timeout = (
+            self._max_timeout_s if time_left_s is None else min(self._max_timeout_s, time_left_s)
+        )
+        if timeout <= 0:
+            raise DeadlineExceeded(
+                f"no time left for {what} with {self.address}",
+                fix="raise the pull's deadline_ms",
+            )
+        try:
+            return await self._transport(method, request, timeout=timeout, metadata=self.metadata())
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, what, self.address) from exc
+
+    async def handshake(
+        self, version: int, digest: bytes, payload: bytes, time_left_s: float | None = None
+    ) -> peer_pb2.HandshakeResponse:
+        req = peer_pb2.HandshakeRequest(
+            protocol_version=version, compat_digest=digest, payload=payload
+        )
+        resp: peer_pb2.HandshakeResponse = await self._call(
+            "Handshake", req, "handshake", time_left_s
+        )
+        return resp
+
+    async def confirm(
+        self, request_id: str, reader_id: str, extend_ms: int, time_left_s: float | None
+    ) -> peer_pb2.ConfirmLeaseResponse:
+        req = peer_pb2.ConfirmLeaseRequest(
+            request_id=request_id, reader_id=reader_id, extend_ms=extend_ms
+        )
+        resp: peer_pb2.ConfirmLeaseResponse = await self._call(
+            "ConfirmLease", req, f"confirming the lease of {request_id!r}", time_left_s
+        )
+        return resp
+
+    async def release(
+        self, request_id: str, reader_id: str, *, done: bool, time_left_s: float | None = None
+    ) -> peer_pb2.ReleaseLeaseResponse:
+        reason = common_pb2.RELEASE_REASON_DONE if done else common_pb2.RELEASE_REASON_CANCELLED
+        req = peer_pb2.ReleaseLeaseRequest(
+            request_id=request_id, reader_id=reader_id, reason=reason
+        )
+        resp: peer_pb2.ReleaseLeaseResponse = await self._call(
+            "ReleaseLease", req, f"releasing the lease of {request_id!r}", time_left_s
+        )
+        return resp
+
+    async def heartbeat(
+        self, req: peer_pb2.HeartbeatRequest, time_left_s: float | None = None
+    ) -> peer_pb2.HeartbeatResponse:
+        resp: peer_pb2.HeartbeatResponse = await self._call(
+            "Heartbeat", req, "heartbeat", time_left_s
+        )
+        return resp
+
+    async def gather(
+        self, req: peer_pb2.GatherRequest, what: str, time_left_s: float | None
+    ) -> peer_pb2.GatherResponse:
+        resp: peer_pb2.GatherResponse = await self._call("Gather", req, what, time_left_s)
+        return resp
+
+    async def release_staging(
+        self, req: peer_pb2.ReleaseStagingRequest, time_left_s: float | None = None
+    ) -> peer_pb2.ReleaseStagingResponse:
+        resp: peer_pb2.ReleaseStagingResponse = await self._call(
+            "ReleaseStaging", req, "releasing staging slots", time_left_s
+        )
+        return resp
