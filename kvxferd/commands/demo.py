@@ -141,6 +141,13 @@ def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
         " directory, removed unless the demo fails)",
     )
     p.add_argument(
+        "--engine",
+        choices=("none", "vllm"),
+        default="none",
+        help="none (default): the demo plays the engines; vllm: real vLLM engines with"
+        " kvxferd's connector beside vLLM's NixlConnector (docs/vllm.md)",
+    )
+    p.add_argument(
         "--ready-timeout",
         type=float,
         default=120.0,
@@ -808,6 +815,10 @@ def _describe_side(client: DaemonClient, options: DaemonOptions) -> dict[str, An
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "engine", "none") == "vllm":
+        from kvxferd.commands import demo_vllm
+
+        return demo_vllm.run(args)
     num_blocks: int = args.num_blocks or DEFAULT_NUM_BLOCKS[args.preset]
     pair = demo_pair(args.preset, num_blocks, device=args.device, seed=args.seed)
     refusal = refusal_pair()
