@@ -26,7 +26,6 @@ Configuration (``kv_connector_extra_config``), errors and limits: docs/vllm.md.
 
 from __future__ import annotations
 
-import logging
 import threading
 import uuid
 from collections import OrderedDict
@@ -40,6 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     SupportsHMA,
 )
+from vllm.logger import init_logger
 
 from kvxferd.errors import KvxferdError
 from kvxferd.vllm.daemon import EngineLink, PullLink, PullResult, Release
@@ -53,7 +53,8 @@ from kvxferd.vllm.params import (
 )
 from kvxferd.vllm.spec import check_views, region_strides, transfer_groups, translate
 
-log = logging.getLogger("kvxferd.vllm")
+# A child of the "vllm" logger: our lines go through vLLM's handler, format and level.
+log = init_logger("vllm.kvxferd")
 
 DOC = "docs/vllm.md"
 _SEEN_MAX = 65536
