@@ -214,6 +214,11 @@ class IpcMapping:
     def closed(self) -> bool:
         return not self._closer.alive
 
+    def close(self) -> None:
+        """Unmap now (idempotent). Only for a caller that knows no tensor over the mapping is
+        still in use (kvxferd.ipc.mapping closes a peer's set once no copy uses it)."""
+        self._closer()
+
     def tensor(self, offset: int, nbytes: int) -> torch.Tensor:
         """A uint8 CUDA tensor over ``[offset, offset + nbytes)`` of the mapped allocation."""
         if offset < 0 or nbytes <= 0 or (self.size and offset + nbytes > self.size):

@@ -7,6 +7,9 @@ their launchers and torch op registration). Layers, FlashInfer-style: kernels in
 signatures (:mod:`.twin`), which is the CPU fallback and the test oracle; the JIT loader and the
 choice between them (:mod:`.loader`).
 
+:func:`copy_ranges` copies a KERNEL pull's byte ranges from regions mapped over CUDA IPC into
+the pool's regions in one launch (:mod:`.ranges`; ``cuda/copy_ranges.cu``).
+
 :func:`gather_blocks` copies block ``ids[i]`` of every region into row ``i`` of a contiguous
 staging buffer; :func:`scatter_blocks` does the reverse; either can swap tokens and heads
 (NHD <-> HND) inside every K/V half in the same pass (:class:`KVPermute`). Geometry and the
@@ -33,6 +36,7 @@ from kvxferd.kernels.geometry import (
     row_bytes,
 )
 from kvxferd.kernels.loader import Backend, BackendName, active_backend
+from kvxferd.kernels.ranges import RangeCopy
 
 __all__ = [
     "Backend",
@@ -40,8 +44,10 @@ __all__ = [
     "BlockIds",
     "HeadOrder",
     "KVPermute",
+    "RangeCopy",
     "active_backend",
     "block_view",
+    "copy_ranges",
     "gather_blocks",
     "row_bytes",
     "scatter_blocks",
@@ -88,3 +94,22 @@ def scatter_blocks(
         cuda_ops.scatter_blocks(regions, block_ids, staging, permute=permute)
         return
     twin.scatter_blocks(regions, block_ids, staging, permute=permute)
+
+
+def copy_ranges(
+    dst: Sequence[torch.Tensor],
+    src: Sequence[torch.Tensor],
+    ranges: RangeCopy,
+    *,
+    max_ctas: int = 0,
+) -> str:
+    """Copy ``ranges`` from ``src`` regions into ``dst`` regions (1-D uint8, one device); the
+    CUDA kernel (one launch, current stream) on CUDA tensors when :func:`active_backend` says
+    so, else the twin. Returns which ran (``"cuda"`` or ``"torch"``)."""
+    if dst and _use_cuda(dst[0]):
+        from kvxferd.kernels import cuda_ops
+
+        cuda_ops.copy_ranges(dst, src, ranges, max_ctas=max_ctas)
+        return BackendName.CUDA.value
+    twin.copy_ranges(dst, src, ranges, max_ctas=max_ctas)
+    return BackendName.TORCH.value

@@ -14,6 +14,7 @@ import torch
 from kvxferd.errors import InvalidRequest
 from kvxferd.kernels.geometry import BlockIds, KVPermute, check_call
 from kvxferd.kernels.loader import cuda_ops
+from kvxferd.kernels.ranges import RangeCopy, address_table, check_ranges
 
 
 def _raise_if(err: str) -> None:
@@ -68,3 +69,27 @@ def vector_width(
     c = check_call(regions, block_ids, staging, permute, op="vector_width", unique=False)
     args = permute.kernel_args() if permute is not None else []
     return int(cuda_ops().vector_width(list(regions), c.ids, staging, args))
+
+
+def copy_ranges(
+    dst: Sequence[torch.Tensor],
+    src: Sequence[torch.Tensor],
+    ranges: RangeCopy,
+    *,
+    max_ctas: int = 0,
+) -> None:
+    """Copy every piece of ``ranges`` from ``src`` to ``dst`` in one launch on the current
+    stream of ``dst[0]``'s device (``max_ctas``: grid cap, 0 for two CTAs per SM)."""
+    check_ranges(dst, src, ranges)
+    _require_cuda(dst[0], "copy_ranges")
+    if ranges.pieces == 0:
+        return
+    _raise_if(cuda_ops().copy_ranges(address_table(dst, src, ranges), dst[0], int(max_ctas)))
+
+
+def copy_vector_width(
+    dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], ranges: RangeCopy
+) -> int:
+    """Bytes per load/store :func:`copy_ranges` would use (16 when all is aligned)."""
+    check_ranges(dst, src, ranges)
+    return int(cuda_ops().copy_vector_width(address_table(dst, src, ranges)))

@@ -1,11 +1,12 @@
 """Which implementation runs, and the JIT build of the CUDA extension.
 
-The CUDA extension (``cuda/staging.cu``) is built with :func:`torch.utils.cpp_extension.load`
-for the compute capabilities of the visible GPUs (``sm_90`` on Hopper) into a cache directory
-under the system temp dir, only when torch sees a GPU, torch is a CUDA build, ``nvcc`` is found
-and the sources are present. Otherwise the plain-torch twin runs. The CPU install never needs
-``nvcc``. :func:`active_backend` says which is active and why; the first call on a GPU machine
-builds (tens of seconds, cached afterwards), so the daemon should call it at start-up.
+The CUDA extension (``cuda/staging.cu`` and ``cuda/copy_ranges.cu``) is built with
+:func:`torch.utils.cpp_extension.load` for the compute capabilities of the visible GPUs
+(``sm_90`` on Hopper) into a cache directory under the system temp dir, only when torch sees a
+GPU, torch is a CUDA build, ``nvcc`` is found and the sources are present. Otherwise the
+plain-torch twin runs. The CPU install never needs ``nvcc``. :func:`active_backend` says which
+is active and why; the first call on a GPU machine builds (tens of seconds, cached afterwards),
+so the daemon calls it at start-up (``kvxferd.service.app``), never on a pull's path.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("staging.cu",)
-_OPS = ("gather_blocks", "scatter_blocks", "vector_width")
+SOURCES = ("staging.cu", "copy_ranges.cu")
+_OPS = ("gather_blocks", "scatter_blocks", "vector_width", "copy_ranges", "copy_vector_width")
 
 
 class BackendName(StrEnum):

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from kvxferd.kernels.geometry import BlockIds, KVPermute, check_call
+from kvxferd.kernels.ranges import RangeCopy, check_ranges
 
 
 def _permuted(blocks: torch.Tensor, p: KVPermute) -> torch.Tensor:
@@ -90,3 +91,23 @@ def scatter_blocks(
             wide_r.index_copy_(0, ids, wide_src)
         else:
             r.index_copy_(0, ids, src)
+
+
+def copy_ranges(
+    dst: Sequence[torch.Tensor],
+    src: Sequence[torch.Tensor],
+    ranges: RangeCopy,
+    *,
+    max_ctas: int = 0,
+) -> None:
+    """Copy every piece of ``ranges`` from ``src`` to ``dst`` (one ``copy_`` per piece;
+    ``max_ctas`` is ignored)."""
+    check_ranges(dst, src, ranges)
+    for r, a, b, n in zip(
+        ranges.region.tolist(),
+        ranges.dst_offset.tolist(),
+        ranges.src_offset.tolist(),
+        ranges.length.tolist(),
+        strict=True,
+    ):
+        dst[r][a : a + n].copy_(src[r][b : b + n])

@@ -1,4 +1,5 @@
-"""DIRECT or STAGED: eligibility and a cost model (pure: numbers and specs in, a choice out).
+"""DIRECT, STAGED or KERNEL: eligibility and a cost model (pure: numbers and specs in, a choice
+out).
 
 * **DIRECT** reads remote blocks straight into local blocks: one NIXL descriptor per coalesced
   run. Its cost is dominated by descriptors when blocks are fragmented:
@@ -7,10 +8,17 @@
   with one descriptor, and scatters it locally, chunk by chunk, pipelined:
   ``bytes / min(link, gather, scatter) + chunks x (chunk_s + descriptor_s) + fill``, where
   ``fill`` is the first chunk's gather plus the last chunk's scatter (not overlapped).
+* **KERNEL** (peers on one host, VRAM on both sides): the reader maps the owner's regions over
+  CUDA IPC and copies every (region, block run) of the pull with SM kernels in one launch
+  (:mod:`kvxferd.ipc`): ``launch_s + bytes / kernel``, no per-descriptor cost. ``auto`` picks it
+  whenever it is eligible (:func:`kvxferd.ipc.eligibility.kernel_ineligible` says why not).
 
 STAGED copies whole blocks, so it is only eligible when both sides advertise a staging ring,
 the TP sizes match (no byte slicing), every region pair has the same block length and layout
-(no permute), and a block row fits a slot; :func:`staged_ineligible` says why not.
+(no permute), and a block row fits a slot; :func:`staged_ineligible` says why not. ``auto``
+picks STAGED only when its estimate is below :data:`STAGED_MARGIN` of DIRECT's: the staged
+estimate leans on a measured per-chunk constant whose error would otherwise pick STAGED where
+it runs slower than DIRECT (docs/strategies.md).
 
 Default constants per memory type: VRAM from the two-H200 (NVLink) measurements in
 docs/nixl.md §5; DRAM measured on the 2-core CPU machine (see docs/strategies.md for how).
@@ -30,6 +38,7 @@ from kvxferd.staging.chunks import RingInfo
 class Strategy(StrEnum):
     DIRECT = "DIRECT"
     STAGED = "STAGED"
+    KERNEL = "KERNEL"
 
 
 class Mode(StrEnum):
@@ -38,6 +47,13 @@ class Mode(StrEnum):
     AUTO = "auto"
     DIRECT = "direct"
     STAGED = "staged"
+    KERNEL = "kernel"
+
+
+# auto picks STAGED only when its estimate is at most this fraction of DIRECT's.
+STAGED_MARGIN = 0.9
+# KERNEL: the launch, the event wait in a worker thread and the table upload, per pull.
+KERNEL_LAUNCH_S = 100e-6
 
 
 @dataclass(frozen=True)
@@ -49,6 +65,7 @@ class CostModel:
     link_bps: float
     gather_bps: float
     scatter_bps: float
+    kernel_bps: float = 0.0  # KERNEL copy rate; 0: gather_bps
 
     @classmethod
     def defaults(cls, memory: MemoryType) -> CostModel:
@@ -81,6 +98,11 @@ class CostModel:
     def direct_seconds(self, descriptors: int, nbytes: int) -> float:
         return descriptors * self.descriptor_s + nbytes / self.link_bps
 
+    def kernel_seconds(self, nbytes: int) -> float:
+        if nbytes <= 0:
+            return 0.0
+        return KERNEL_LAUNCH_S + nbytes / (self.kernel_bps or self.gather_bps)
+
     def staged_seconds(self, nbytes: int, chunks: int) -> float:
         if chunks <= 0 or nbytes <= 0:
             return 0.0
@@ -102,12 +124,13 @@ DRAM_GATHER_BPS = 1.6e9
 
 @dataclass(frozen=True)
 class Choice:
-    """The strategy of one pull, why, and both estimates (``staged_s`` is NaN if ineligible)."""
+    """The strategy of one pull, why, and the estimates (NaN where ineligible)."""
 
     strategy: Strategy
     reason: str
     direct_s: float
     staged_s: float
+    kernel_s: float = math.nan
 
 
 def choose(
@@ -118,25 +141,50 @@ def choose(
     nbytes: int,
     chunks: int,
     ineligible: str | None,
+    kernel_ineligible: str | None = "not considered",
 ) -> Choice:
-    """Pick the strategy. ``ineligible``: why STAGED cannot run (None if it can); a forced
-    STAGED that cannot run falls back to DIRECT with that reason."""
+    """Pick the strategy. ``ineligible``: why STAGED cannot run (None if it can);
+    ``kernel_ineligible``: why KERNEL cannot (None if it can). ``auto`` and ``kernel`` take
+    KERNEL whenever it can run; a forced STAGED or KERNEL that cannot run falls back (STAGED to
+    DIRECT, KERNEL to what ``auto`` picks between DIRECT and STAGED), with the reason."""
     direct = model.direct_seconds(descriptors, nbytes)
+    kernel = math.nan if kernel_ineligible is not None else model.kernel_seconds(nbytes)
+    if kernel_ineligible is None and mode in (Mode.AUTO, Mode.KERNEL):
+        how = "forced by transfer.strategy = kernel" if mode is Mode.KERNEL else "auto"
+        why = (
+            f"{how}: same-host peer over CUDA IPC, estimated {kernel * 1e3:.3f} ms kernel copy"
+            f" vs {direct * 1e3:.3f} ms direct"
+        )
+        return Choice(Strategy.KERNEL, why, direct, math.nan, kernel)
+    prefix = ""
+    if mode is Mode.KERNEL:
+        prefix = f"forced kernel, but KERNEL not possible: {kernel_ineligible}; as auto: "
+        mode = Mode.AUTO
     if ineligible is not None:
         why = f"STAGED not possible: {ineligible}"
         if mode is Mode.STAGED:
             why = f"forced staged, but {why}; fell back to DIRECT"
-        return Choice(Strategy.DIRECT, why, direct, math.nan)
+        return Choice(Strategy.DIRECT, prefix + why, direct, math.nan, kernel)
     staged = model.staged_seconds(nbytes, chunks)
     if mode is Mode.DIRECT:
-        return Choice(Strategy.DIRECT, "forced by transfer.strategy = direct", direct, staged)
+        return Choice(
+            Strategy.DIRECT, "forced by transfer.strategy = direct", direct, staged, kernel
+        )
     if mode is Mode.STAGED:
-        return Choice(Strategy.STAGED, "forced by transfer.strategy = staged", direct, staged)
-    if nbytes > 0 and staged < direct:
-        why = f"estimated {staged * 1e3:.3f} ms staged < {direct * 1e3:.3f} ms direct"
-        return Choice(Strategy.STAGED, why, direct, staged)
-    why = f"estimated {direct * 1e3:.3f} ms direct <= {staged * 1e3:.3f} ms staged"
-    return Choice(Strategy.DIRECT, why, direct, staged)
+        return Choice(
+            Strategy.STAGED, "forced by transfer.strategy = staged", direct, staged, kernel
+        )
+    if nbytes > 0 and staged < direct * STAGED_MARGIN:
+        why = (
+            f"estimated {staged * 1e3:.3f} ms staged < {STAGED_MARGIN:g} x"
+            f" {direct * 1e3:.3f} ms direct"
+        )
+        return Choice(Strategy.STAGED, prefix + why, direct, staged, kernel)
+    why = (
+        f"estimated {direct * 1e3:.3f} ms direct; staged {staged * 1e3:.3f} ms is not below"
+        f" {STAGED_MARGIN:g} x direct"
+    )
+    return Choice(Strategy.DIRECT, prefix + why, direct, staged, kernel)
 
 
 def group_row_bytes(spec: KVCacheSpec) -> list[int]:

@@ -172,6 +172,8 @@ class HandshakePayload(_message.Message):
     INSTANCE_ID_FIELD_NUMBER: _builtins.int
     PEER_ADDRESS_FIELD_NUMBER: _builtins.int
     STAGING_FIELD_NUMBER: _builtins.int
+    HOST_ID_FIELD_NUMBER: _builtins.int
+    CUDA_IPC_FIELD_NUMBER: _builtins.int
     nixl_agent_name: _builtins.str
     """The NIXL agent's name (unique per daemon process)."""
     nixl_agent_metadata: _builtins.bytes
@@ -190,6 +192,11 @@ class HandshakePayload(_message.Message):
     """Random ID chosen at process start; a new value means the peer restarted."""
     peer_address: _builtins.str
     """Address ("host:port") at which this daemon serves Peer; what schedulers pass as peer_address."""
+    host_id: _builtins.str
+    """Who can open this daemon's CUDA IPC handles: a digest of the host's boot ID and this
+    process's IPC namespace. Two daemons with the same host_id share a host (and an IPC
+    namespace); only then may a reader use cuda_ipc (KERNEL pulls). Empty from old peers.
+    """
     @_builtins.property
     def spec(self) -> _spec_pb2.KvCacheSpec:
         """The KV cache spec; what must match is covered by compat_digest."""
@@ -202,6 +209,13 @@ class HandshakePayload(_message.Message):
     def staging(self) -> Global___StagingRing:
         """The daemon's staging ring for STAGED pulls; unset when staging is disabled. Old peers
         ignore it (and are then read with DIRECT).
+        """
+
+    @_builtins.property
+    def cuda_ipc(self) -> Global___CudaIpcExport:
+        """CUDA IPC handles of the registered VRAM regions, for same-host KERNEL pulls (the reader maps
+        them and copies with SM kernels). Unset for DRAM pools and from old peers, which are then
+        read over NIXL; regions empty with unavailable set when export failed.
         """
 
     def __init__(
@@ -219,14 +233,83 @@ class HandshakePayload(_message.Message):
         instance_id: _builtins.str = ...,
         peer_address: _builtins.str = ...,
         staging: Global___StagingRing | None = ...,
+        host_id: _builtins.str = ...,
+        cuda_ipc: Global___CudaIpcExport | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec", "staging", b"staging"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cuda_ipc", b"cuda_ipc", "spec", b"spec", "staging", b"staging"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["daemon_id", b"daemon_id", "instance_id", b"instance_id", "nixl_agent_metadata", b"nixl_agent_metadata", "nixl_agent_name", b"nixl_agent_name", "peer_address", b"peer_address", "prefix_caching", b"prefix_caching", "registration_generation", b"registration_generation", "registrations", b"registrations", "spec", b"spec", "staging", b"staging", "tp_rank", b"tp_rank", "tp_size", b"tp_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cuda_ipc", b"cuda_ipc", "daemon_id", b"daemon_id", "host_id", b"host_id", "instance_id", b"instance_id", "nixl_agent_metadata", b"nixl_agent_metadata", "nixl_agent_name", b"nixl_agent_name", "peer_address", b"peer_address", "prefix_caching", b"prefix_caching", "registration_generation", b"registration_generation", "registrations", b"registrations", "spec", b"spec", "staging", b"staging", "tp_rank", b"tp_rank", "tp_size", b"tp_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___HandshakePayload: _TypeAlias = HandshakePayload  # noqa: Y015
+
+@_typing.final
+class CudaIpcExport(_message.Message):
+    """The pool's VRAM regions as CUDA IPC handles (cuIpcGetMemHandle). Valid for this
+    registration_generation of this instance_id only: a reader drops its mappings when either
+    changes, when the peer stops answering, or after they go unused.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REGIONS_FIELD_NUMBER: _builtins.int
+    UNAVAILABLE_FIELD_NUMBER: _builtins.int
+    unavailable: _builtins.str
+    """Why nothing is exported (e.g. memory from PyTorch's expandable_segments allocator); empty
+    when regions are set.
+    """
+    @_builtins.property
+    def regions(self) -> _containers.RepeatedCompositeFieldContainer[Global___CudaIpcRegion]:
+        """One per spec.regions, in the same order (regions in one allocation share a handle)."""
+
+    def __init__(
+        self,
+        *,
+        regions: _abc.Iterable[Global___CudaIpcRegion] | None = ...,
+        unavailable: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["regions", b"regions", "unavailable", b"unavailable"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CudaIpcExport: _TypeAlias = CudaIpcExport  # noqa: Y015
+
+@_typing.final
+class CudaIpcRegion(_message.Message):
+    """One region inside a CUDA allocation that can be opened over CUDA IPC."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HANDLE_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    NBYTES_FIELD_NUMBER: _builtins.int
+    DEVICE_UUID_FIELD_NUMBER: _builtins.int
+    handle: _builtins.bytes
+    """The allocation's cudaIpcMemHandle_t, 64 bytes."""
+    offset: _builtins.int
+    """Where the region starts inside the allocation, bytes."""
+    nbytes: _builtins.int
+    """Bytes of the region (equal to its registration's nbytes)."""
+    device_uuid: _builtins.str
+    """The GPU's UUID ("GPU-..."), which each process maps to its own device ordinal."""
+    def __init__(
+        self,
+        *,
+        handle: _builtins.bytes = ...,
+        offset: _builtins.int = ...,
+        nbytes: _builtins.int = ...,
+        device_uuid: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device_uuid", b"device_uuid", "handle", b"handle", "nbytes", b"nbytes", "offset", b"offset"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CudaIpcRegion: _TypeAlias = CudaIpcRegion  # noqa: Y015
 
 @_typing.final
 class StagingRing(_message.Message):

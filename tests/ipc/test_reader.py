@@ -1,0 +1,160 @@
+"""KERNEL pulls on CPU (the torch twin copies; fake mappings): the bytes of the owner's blocks
+land in the reader's blocks for dense, hybrid and MLA specs; pieces equal DIRECT's runs; bounds
+are checked against the mapped sizes before anything is copied; a copy that ends after the
+deadline is EXPIRED."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from kvxferd.blocks import plan_pull
+from kvxferd.blocks.ranges import RegionRanges, TransferPlan
+from kvxferd.errors import BlockRangeError
+from kvxferd.ipc.mapping import MappingCache
+from kvxferd.ipc.publish import IpcPool, IpcRegion
+from kvxferd.ipc.reader import KernelJob, KernelReader, pieces
+from kvxferd.layout.presets import preset
+from kvxferd.pool import KVPool
+from kvxferd.transfer.state import TransferStatus
+from tests.ipc.fakes import FakeHost, export_pool, ordinal_of
+
+SPECS = {
+    "dense": "dense:num_blocks=64,num_layers=3,num_kv_heads=2,head_size=16,block_size=4",
+    "hybrid": "hybrid:num_blocks=6,ppl=4,attention_layers=2,mamba_layers=2,head_size=16",
+    "mla": "mla:num_blocks=32,num_layers=3,latent_dim=64,block_size=4",
+}
+
+
+def _pools(spec_text: str) -> tuple[KVPool, KVPool]:
+    spec = preset(spec_text)
+    owner, reader = KVPool.allocate(spec), KVPool.allocate(spec)
+    for g in range(len(spec.groups)):
+        owner.fill_pattern(g, list(range(spec.num_kernel_blocks(g))), seed=3)
+        reader.fill_pattern(g, list(range(spec.num_kernel_blocks(g))), seed=9)
+    return owner, reader
+
+
+def _reader(host: FakeHost, pool: KVPool) -> KernelReader:
+    cache = MappingCache(device=0, opener=host.open, ordinal_of=ordinal_of)
+    return KernelReader(pool, cache, max_ctas=4, piece_bytes=1 << 10)
+
+
+def _job(ipc: IpcPool, *, deadline_s: float = 30.0, generation: int = 1) -> KernelJob:
+    return KernelJob(
+        "t1",
+        "owner-agent",
+        "127.0.0.1:1",
+        ("owner-agent", "i1", generation),
+        ipc,
+        time.monotonic() + deadline_s,
+    )
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_kernel_pull_copies_the_owners_blocks(name: str) -> None:
+    owner, reader_pool = _pools(SPECS[name])
+    spec = owner.spec
+    host = FakeHost()
+    ipc = export_pool(host, owner, "own")
+    rng = np.random.default_rng(5)
+    local_ids, remote_ids = [], []
+    for g, group in enumerate(spec.groups):
+        n = spec.num_kernel_blocks(g) if group.kind.is_state else spec.num_logical_blocks(g)
+        k = min(5, n)
+        local_ids.append(rng.choice(n, k, replace=False))
+        remote_ids.append(rng.choice(n, k, replace=False))
+    plan = plan_pull(spec, spec, local_ids, remote_ids, prefix_caching=False)
+    part = plan.per_rank[0]
+    reader = _reader(host, reader_pool)
+    result = asyncio.run(reader.pull(_job(ipc), part, plan.local_kernel_blocks))
+    assert result.status is TransferStatus.DONE, result.reason
+    assert result.nbytes == part.nbytes > 0
+    for g in range(len(spec.groups)):
+        got = reader_pool.checksums(g, plan.local_kernel_blocks[g].tolist())
+        want = owner.checksums(g, plan.remote_kernel_blocks[g].tolist())
+        assert got == want
+    # Blocks outside the pull are untouched.
+    other = [b for b in range(spec.num_kernel_blocks(0)) if b not in plan.local_kernel_blocks[0]]
+    fresh = KVPool.allocate(spec)
+    fresh.fill_pattern(0, other, seed=9)
+    assert reader_pool.checksums(0, other) == fresh.checksums(0, other)
+
+
+def test_pieces_are_directs_runs_cut_to_size() -> None:
+    lo = np.array([0, 100, 200, 1000], dtype=np.int64)  # 0..300 contiguous on both sides
+    ro = np.array([50, 150, 250, 5000], dtype=np.int64)
+    ln = np.array([100, 100, 100, 2500], dtype=np.int64)
+    plan = TransferPlan((RegionRanges(2, "r", lo, ro, ln),))
+    rc, runs = pieces(plan, piece_bytes=1000)
+    assert runs == 2  # what DIRECT posts after coalescing
+    assert rc.nbytes == 2800 and int(rc.length.max()) <= 1000
+    assert set(rc.region.tolist()) == {2}
+    assert rc.dst_offset.tolist() == [0, 1000, 2000, 3000]
+    assert rc.src_offset.tolist() == [50, 5000, 6000, 7000]
+
+
+def test_bounds_are_checked_against_the_mapped_sizes_before_any_copy() -> None:
+    owner, reader_pool = _pools(SPECS["dense"])
+    host = FakeHost()
+    ipc = export_pool(host, owner, "own")
+    # The peer advertises (and we map) only the first 1 KiB of region 1: a plan reading past it
+    # must fail before a single byte moves.
+    short = list(ipc.regions)
+    short[1] = IpcRegion(short[1].handle, 0, 1024, short[1].device_uuid)
+    small = IpcPool(tuple(short))
+    block = owner.spec.regions[0].block_len
+    ranges = tuple(
+        RegionRanges(
+            r,
+            f"layer.{r}",
+            np.array([0], dtype=np.int64),
+            np.array([2 * block], dtype=np.int64),
+            np.array([block], dtype=np.int64),
+        )
+        for r in range(3)
+    )
+    before = reader_pool.checksums(0, [0])
+    reader = _reader(host, reader_pool)
+    local = (np.array([0]),)
+    result = asyncio.run(reader.pull(_job(small), TransferPlan(ranges), local))
+    assert result.status is TransferStatus.FAILED
+    assert isinstance(result.error, BlockRangeError)
+    assert "src region 1, which has 1024 bytes" in result.reason
+    assert reader_pool.checksums(0, [0]) == before  # region 0 was not copied either
+    assert [a.tolist() for a in result.invalid_blocks] == [[0]]
+
+
+def test_a_copy_that_ends_after_the_deadline_is_expired() -> None:
+    owner, reader_pool = _pools(SPECS["dense"])
+    host = FakeHost()
+    ipc = export_pool(host, owner, "own")
+    plan = plan_pull(owner.spec, owner.spec, [[1, 2]], [[3, 4]], prefix_caching=False)
+    reader = _reader(host, reader_pool)
+    result = asyncio.run(
+        reader.pull(_job(ipc, deadline_s=-1.0), plan.per_rank[0], plan.local_kernel_blocks)
+    )
+    assert result.status is TransferStatus.EXPIRED
+    assert [a.tolist() for a in result.invalid_blocks] == [[1, 2]]
+
+
+def test_a_new_peer_generation_is_mapped_afresh_and_the_old_one_dropped() -> None:
+    owner, reader_pool = _pools(SPECS["dense"])
+    host = FakeHost()
+    ipc1 = export_pool(host, owner, "gen1")
+    ipc2 = export_pool(host, owner, "gen2")
+    plan = plan_pull(owner.spec, owner.spec, [[1]], [[3]], prefix_caching=False)
+    reader = _reader(host, reader_pool)
+
+    async def both() -> None:
+        r1 = await reader.pull(_job(ipc1, generation=1), plan.per_rank[0], plan.local_kernel_blocks)
+        r2 = await reader.pull(_job(ipc2, generation=2), plan.per_rank[0], plan.local_kernel_blocks)
+        assert r1.status is r2.status is TransferStatus.DONE
+
+    asyncio.run(both())
+    assert len(host.closed) == 3 and all(h.startswith(b"gen1") for h in host.closed)
+    reader.close()
+    assert host.open_now == 0
