@@ -143,8 +143,8 @@ def copy_costs(repeat: int) -> dict[str, float]:
 async def _rtt(prefill: str, sock: str, repeat: int) -> dict[str, float]:
     from grpc import aio
 
-    from kvxferd.service.convert import group_ids_to_proto
     from kvxferd.v1 import common_pb2, engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc
+    from kvxferd.wire.codec import group_ids_to_proto
 
     engine = engine_pb2_grpc.EngineStub(aio.insecure_channel(f"unix:{sock}"))
     peer = peer_pb2_grpc.PeerStub(aio.insecure_channel(prefill))

@@ -699,7 +699,7 @@ def _block_bytes(engine_socket: str) -> int:
     """Bytes of one logical block over every region (all layers), from the decode pool."""
     with grpc.insecure_channel(f"unix:{engine_socket}") as ch:
         pool = engine_pb2_grpc.EngineStub(ch).Describe(engine_pb2.DescribeRequest(), timeout=10)
-    from kvxferd.service.convert import spec_from_proto
+    from kvxferd.wire.codec import spec_from_proto
 
     spec = spec_from_proto(pool.pool.spec, "decode.pool.spec")
     return sum(r.block_len * spec.groups[r.group].ppl for r in spec.regions)

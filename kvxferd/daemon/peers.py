@@ -19,7 +19,7 @@ import asyncio
 import enum
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,12 +35,14 @@ from kvxferd.errors import (
     PermissionDenied,
     ResourceExhausted,
 )
+from kvxferd.ipc.publish import IpcPool
+from kvxferd.ipc.transport import TransportReport
 from kvxferd.logs import kv
 from kvxferd.peers import PeerInfo, compat_digest, require_compatible
 from kvxferd.peers.version import PROTOCOL_VERSION
-from kvxferd.service.convert import spec_from_proto, spec_to_proto
 from kvxferd.staging.chunks import RingInfo
 from kvxferd.v1 import peer_pb2, spec_pb2
+from kvxferd.wire.codec import spec_from_proto, spec_to_proto
 from kvxferd.wire.peer_client import PeerClient, Transport
 
 log = logging.getLogger(__name__)
@@ -68,10 +70,14 @@ class SelfDescription:
     instance_id: str
     address: str
     staging: RingInfo | None = None
+    host_id: str = ""  # kvxferd.ipc.host.host_id(): who can open our CUDA IPC handles
+    ipc: IpcPool | None = None  # our VRAM regions over CUDA IPC (KERNEL pulls)
 
     def payload(self) -> peer_pb2.HandshakePayload:
         ring = self.staging
         return peer_pb2.HandshakePayload(
+            host_id=self.host_id,
+            cuda_ipc=self.ipc.to_proto() if self.ipc is not None else None,
             staging=peer_pb2.StagingRing(
                 base_address=ring.base,
                 chunk_bytes=ring.chunk_bytes,
@@ -111,6 +117,13 @@ class RemoteDescription:
     instance_id: str
     address: str
     staging: RingInfo | None = None
+    host_id: str = ""
+    ipc: IpcPool | None = None
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        """This incarnation: (agent name, instance ID, registration generation)."""
+        return self.agent_name, self.instance_id, self.generation
 
 
 def _ring(msg: peer_pb2.HandshakePayload) -> RingInfo | None:
@@ -177,6 +190,8 @@ def decode_envelope(
         instance_id=msg.instance_id,
         address=msg.peer_address,
         staging=_ring(msg),
+        host_id=msg.host_id,
+        ipc=IpcPool.from_proto(msg.cuda_ipc) if msg.HasField("cuda_ipc") else None,
     )
     if digest == bytes.fromhex(compat_digest(local.info.spec)):
         log.debug("handshake digest matches", extra=kv(peer=who))
@@ -233,6 +248,7 @@ class PeerLink:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     active: int = 0  # pulls in flight through this link (the reader keeps it)
     last_used: float = 0.0
+    transport: TransportReport | None = None  # what serves READs from it (probed at connect)
 
     @property
     def usable(self) -> bool:
@@ -253,7 +269,15 @@ class PeerDirectory:
         on_handshake: Callable[[PeerLink], None] | None = None,
         allow: Callable[[str], bool] | None = None,
         max_links: int = 1024,
+        probe: Callable[[PeerLink, RemoteDescription], Awaitable[TransportReport]] | None = None,
+        forget: Callable[[str, str], None] | None = None,
     ) -> None:
+        """``probe``: after each handshake, which transport serves READs from the peer
+        (kvxferd.ipc.transport; never raises). ``forget(agent, why)``: the peer's incarnation
+        is gone or no longer trusted (invalidated, replaced, evicted): drop what was kept for
+        it (its CUDA IPC mappings)."""
+        self._probe = probe
+        self._forget = forget
         self._max_links = max_links
         self._on_handshake = on_handshake
         self._allow = allow
@@ -302,6 +326,7 @@ class PeerDirectory:
 
     def _drop(self, link: PeerLink) -> None:
         self._links.pop(link.address, None)
+        self._forget_remote(link, "its link was evicted")
         self._closing.add(asyncio.ensure_future(link.client.close()))
         self._closing = {t for t in self._closing if not t.done()}
         log.info("peer link evicted", extra=kv(peer=link.address, state=link.state.value))
@@ -364,6 +389,11 @@ class PeerDirectory:
         if link is not None and link.state is not LinkState.HANDSHAKING:
             link.state = state
             link.last_error = reason
+            self._forget_remote(link, reason)
+
+    def _forget_remote(self, link: PeerLink, why: str) -> None:
+        if self._forget is not None and link.remote is not None:
+            self._forget(link.remote.agent_name, why)
 
     async def heartbeat(
         self, link: PeerLink, renew: list[str], renew_ms: int, timeout_s: float
@@ -418,6 +448,8 @@ class PeerDirectory:
                 if other is not link and same:
                     other.state = LinkState.STALE
                     other.last_error = f"instance {remote.instance_id} replaced it"
+            if self._forget is not None:
+                self._forget(remote.agent_name, f"instance {remote.instance_id} replaced it")
         self._connect(remote)
         self._agents[remote.agent_name] = (remote, link.address)
 
@@ -449,10 +481,13 @@ class PeerDirectory:
             link.last_error = str(err)
             log.warning("handshake refused", extra=kv(peer=link.address, error=str(err)))
             raise
+        if self._probe is not None:
+            link.transport = await self._probe(link, remote)
         link.remote = remote
         link.state = LinkState.READY
         link.last_error = ""
         link.last_handshake_ns = time.time_ns()
+        t = link.transport
         log.info(
             "handshake done",
             extra=kv(
@@ -460,6 +495,10 @@ class PeerDirectory:
                 agent=remote.agent_name,
                 generation=remote.generation,
                 regions=int(remote.regions.shape[0]),
+                read_transport=t.name if t else "",
+                read_gbps=round(t.read_gbps, 3) if t and t.read_gbps == t.read_gbps else None,
+                transport_detail=t.detail if t else "",
+                same_host=bool(remote.host_id) and remote.host_id == me.host_id,
             ),
         )
 

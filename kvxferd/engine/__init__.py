@@ -6,7 +6,7 @@ passes tensors from :func:`shared_tensors`), holds finished requests, delivers r
 the session stream on a background thread, and detaches. See docs/attachment.md.
 
 Must not import: ``nixl``, ``kvxferd.daemon``, ``kvxferd.service`` servicers (only the
-protobuf conversions in :mod:`kvxferd.service.convert`).
+protobuf conversions in :mod:`kvxferd.wire.codec`).
 """
 
 from kvxferd.engine.client import (

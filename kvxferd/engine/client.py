@@ -22,14 +22,14 @@ from kvxferd.errors import EngineDetached, InvalidRequest, KvxferdError
 from kvxferd.layout.dtypes import KVDType
 from kvxferd.layout.presets import preset as preset_spec
 from kvxferd.layout.spec import KVCacheSpec, MemoryType
-from kvxferd.service.convert import (
+from kvxferd.v1 import common_pb2, engine_pb2, engine_pb2_grpc, spec_pb2
+from kvxferd.wire.codec import (
     _DTYPE,
     group_ids_from_proto,
     group_ids_to_proto,
     spec_from_proto,
     spec_to_proto,
 )
-from kvxferd.v1 import common_pb2, engine_pb2, engine_pb2_grpc, spec_pb2
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,6 @@ import numpy as np
 import numpy.typing as npt
 
 from kvxferd.layout.spec import KVCacheSpec
-from kvxferd.service.convert import group_ids_to_proto, spec_from_proto
 from kvxferd.v1 import (
     common_pb2,
     engine_pb2,
@@ -27,6 +26,7 @@ from kvxferd.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
+from kvxferd.wire.codec import group_ids_to_proto, spec_from_proto
 
 ERROR_TRAILER = "kvxferd-error-bin"
 TERMINAL = frozenset(

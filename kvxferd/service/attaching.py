@@ -13,8 +13,8 @@ from kvxferd.daemon.core import Daemon
 from kvxferd.daemon.slot import SlotState
 from kvxferd.errors import InvalidRequest, SpecError
 from kvxferd.layout.presets import preset
-from kvxferd.service.convert import _DTYPE, _MEMORY, _inverse, spec_from_proto, spec_to_proto
 from kvxferd.v1 import engine_pb2, spec_pb2
+from kvxferd.wire.codec import _DTYPE, _MEMORY, _inverse, spec_from_proto, spec_to_proto
 
 _MODE = {
     engine_pb2.MEMORY_MODE_OWNED: MemoryMode.OWNED,

@@ -26,7 +26,6 @@ from kvxferd.daemon.sessions import SESSION_METADATA, PeerSession
 from kvxferd.errors import InvalidRequest, KvxferdError
 from kvxferd.logs import kv
 from kvxferd.service.attaching import attach_request_from_proto, pool_info
-from kvxferd.service.convert import group_ids_from_proto, group_ids_to_proto
 from kvxferd.service.staging import gather, release_staging, stage_times_to_proto
 from kvxferd.transfer import ReleaseReason
 from kvxferd.transfer.leases import LeaseView
@@ -39,6 +38,7 @@ from kvxferd.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
+from kvxferd.wire.codec import group_ids_from_proto, group_ids_to_proto
 from kvxferd.wire.errors import message_for, status_for, trailer_for
 
 log = logging.getLogger(__name__)

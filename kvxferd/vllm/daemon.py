@@ -25,12 +25,6 @@ import grpc
 
 from kvxferd.errors import EngineDetached, KvxferdError
 from kvxferd.layout.spec import KVCacheSpec
-from kvxferd.service.convert import (
-    _DTYPE,
-    group_ids_from_proto,
-    group_ids_to_proto,
-    spec_to_proto,
-)
 from kvxferd.v1 import (
     common_pb2,
     engine_pb2,
@@ -38,6 +32,12 @@ from kvxferd.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
     spec_pb2,
+)
+from kvxferd.wire.codec import (
+    _DTYPE,
+    group_ids_from_proto,
+    group_ids_to_proto,
+    spec_to_proto,
 )
 
 log = logging.getLogger("kvxferd.vllm")

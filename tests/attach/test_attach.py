@@ -25,7 +25,6 @@ from kvxferd.engine import EngineClient, shared_tensors
 from kvxferd.errors import AlreadyExists, InvalidRequest
 from kvxferd.layout.presets import preset
 from kvxferd.scenario.daemons import DaemonOptions
-from kvxferd.service.convert import group_ids_to_proto
 from kvxferd.v1 import (
     common_pb2,
     engine_pb2,
@@ -33,6 +32,7 @@ from kvxferd.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
+from kvxferd.wire.codec import group_ids_to_proto
 from tests.service.conftest import Daemon, launch
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""The wire codec (kvxferd.service.convert) under generated input, without daemons.
+"""The wire codec (kvxferd.wire.codec) under generated input, without daemons.
 
 Every spec a peer or an engine sends goes through ``spec_from_proto``: it must either refuse
 with a kvxferd error naming the field or return a spec whose every size fits the int64 tables
@@ -14,14 +14,14 @@ from hypothesis import strategies as st
 
 from kvxferd.errors import KvxferdError, SpecError
 from kvxferd.layout.presets import preset
-from kvxferd.service.convert import (
+from kvxferd.v1 import common_pb2, spec_pb2
+from kvxferd.wire.codec import (
     INT64_MAX,
     group_ids_from_proto,
     group_ids_to_proto,
     spec_from_proto,
     spec_to_proto,
 )
-from kvxferd.v1 import common_pb2, spec_pb2
 from tests.fuzz import protofuzz as pf
 
 PRESETS = (

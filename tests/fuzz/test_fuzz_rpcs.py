@@ -27,8 +27,8 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from kvxferd.service.convert import group_ids_to_proto
 from kvxferd.v1 import engine_pb2, engine_pb2_grpc, peer_pb2, scheduler_pb2, scheduler_pb2_grpc
+from kvxferd.wire.codec import group_ids_to_proto
 from tests.fuzz.fakepeer import Answer, FakePeer, Script
 from tests.fuzz.harness import (
     BAD_CODES,

@@ -33,8 +33,8 @@ from kvxferd.layout.presets import preset
 from kvxferd.nixl import AgentOptions, MemType, NixlAgent
 from kvxferd.peers import compat_digest
 from kvxferd.scenario.daemons import DaemonOptions, DaemonSet
-from kvxferd.service.convert import group_ids_to_proto, spec_from_proto, spec_to_proto
 from kvxferd.v1 import common_pb2, engine_pb2, peer_pb2, scheduler_pb2
+from kvxferd.wire.codec import group_ids_to_proto, spec_from_proto, spec_to_proto
 from tests.fuzz import protofuzz as pf
 from tests.fuzz.harness import BAD_CODES, STATS, Caller, Outcome, Rpc, all_rpcs
 from tests.service.conftest import Daemon, Daemons

@@ -17,8 +17,8 @@ import pytest
 from grpc import aio
 
 from kvxferd.scenario.daemons import DaemonOptions
-from kvxferd.service.convert import group_ids_to_proto
 from kvxferd.v1 import common_pb2, engine_pb2, peer_pb2, scheduler_pb2, spec_pb2
+from kvxferd.wire.codec import group_ids_to_proto
 from kvxferd.wire.errors import detail_from_rpc
 from tests.service.conftest import Daemons, launch
 from tests.service.raw_peer import RawPeer, describe, handshake

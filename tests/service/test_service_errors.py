@@ -10,8 +10,8 @@ import pytest
 from grpc import aio
 
 from kvxferd.scenario.daemons import DaemonOptions
-from kvxferd.service.convert import group_ids_to_proto
 from kvxferd.v1 import engine_pb2, engine_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from kvxferd.wire.codec import group_ids_to_proto
 from tests.service.conftest import Daemon, launch
 from tests.service.test_service_pull import Client
 

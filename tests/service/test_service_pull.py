@@ -11,8 +11,8 @@ import grpc
 import pytest
 from grpc import aio
 
-from kvxferd.service.convert import group_ids_to_proto
 from kvxferd.v1 import engine_pb2, engine_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from kvxferd.wire.codec import group_ids_to_proto
 from tests.service.conftest import Daemon
 
 TERMINAL = {

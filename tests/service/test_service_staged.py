@@ -13,7 +13,6 @@ import pytest
 from grpc import aio
 
 from kvxferd.scenario.daemons import DaemonOptions
-from kvxferd.service.convert import group_ids_to_proto
 from kvxferd.v1 import (
     common_pb2,
     engine_pb2,
@@ -23,6 +22,7 @@ from kvxferd.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
+from kvxferd.wire.codec import group_ids_to_proto
 from tests.service.conftest import Daemon, Daemons, launch
 from tests.service.raw_peer import RawPeer, handshake
 
