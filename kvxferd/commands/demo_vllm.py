@@ -242,7 +242,7 @@ class TransferLog:
     def __init__(self, address: str) -> None:
         self._channel = grpc.insecure_channel(address)
         stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
-        self._call = stub.WatchTransfers(scheduler_pb2.WatchTransfersRequest())
+        self._call: Any = stub.WatchTransfers(scheduler_pb2.WatchTransfersRequest())
         self.done: dict[str, scheduler_pb2.TransferStatus] = {}
         self._cv = threading.Condition()
         threading.Thread(target=self._run, daemon=True).start()
@@ -687,8 +687,8 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.json is not None:
         args.json.write_text(json.dumps(doc, indent=1, default=str))
-    for e in errors:
-        print(f"FAILED: {e}", file=sys.stderr)
+    for err in errors:
+        print(f"FAILED: {err}", file=sys.stderr)
     print(f"{'OK' if not errors else 'FAILED'} in {doc['total_s']:.0f} s", file=out)
     if temporary and not errors:
         shutil.rmtree(workdir, ignore_errors=True)

@@ -26,6 +26,7 @@ Configuration (``kv_connector_extra_config``), errors and limits: docs/vllm.md.
 
 from __future__ import annotations
 
+import functools
 import threading
 import uuid
 from collections import OrderedDict
@@ -256,7 +257,7 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 job.remote,
                 job.local,
                 deadline_ms=self._deadline_ms,
-                on_done=lambda r, rid=job.request_id: self._pull_done(r, rid),
+                on_done=functools.partial(self._pull_done, request_id=job.request_id),
             )
 
     def _pull_done(self, result: PullResult, request_id: str | None = None) -> None:
