@@ -240,8 +240,8 @@ class Daemon:
         """An engine attached ``pool`` (or detached: None): staging follows the pool."""
         if self._staging_factory is None:
             return
-        if self.staging is not None and self.staging.owner is not None:
-            self.staging.owner.stop()
+        if self.staging is not None:
+            self.staging.close()  # its owner side, and the KERNEL mappings of its pool
         self.staging = self._staging_factory.build(pool)
 
     # -- wiring -------------------------------------------------------------------------------
@@ -280,6 +280,8 @@ class Daemon:
             instance_id=self.instance_id,
             address=self.address,
             staging=self.staging.info if self.staging else None,
+            host_id=self.staging.ipc.host_id if self.staging else "",
+            ipc=self.staging.ipc_export(served.pool, self.generation) if self.staging else None,
         )
 
     def connect_remote(self, remote: RemoteDescription) -> None:
@@ -529,6 +531,7 @@ class Daemon:
                     plan=plan,
                     part=part,
                     peer=req.peer_address,
+                    link=link,
                 )
                 log.debug(
                     "pull strategy",
@@ -539,7 +542,11 @@ class Daemon:
                         chunks=len(decision.chunks),
                     ),
                 )
-            staged = decision if decision and decision.choice.strategy is Strategy.STAGED else None
+            staged = (
+                decision
+                if decision and decision.choice.strategy in (Strategy.STAGED, Strategy.KERNEL)
+                else None
+            )
             stages.mark("plan")
             prepared = (
                 None
@@ -654,7 +661,18 @@ class Daemon:
             # its READ complete (after the pull is DONE, in the finally below), so a READ that
             # a cancel cuts short is never counted as read.
             note = b""
-            if staged is not None:
+            if staged is not None and staged.choice.strategy is Strategy.KERNEL:
+                # KERNEL (kvxferd.ipc): one SM copy from the owner's regions mapped over CUDA IPC.
+                assert self.staging is not None and link.remote is not None
+                result = await self.staging.kernel_pull(
+                    tid,
+                    link.remote,
+                    peer_address=req.peer_address,
+                    plan=plan,
+                    local_blocks=local_blocks,
+                    deadline=deadline,
+                )
+            elif staged is not None:
                 job = self._staged_job(
                     req,
                     link,
@@ -737,11 +755,16 @@ class Daemon:
             self._cancel_requested.discard(tid)
             self._posted.discard(tid)
             held = self._shares.pop(tid, None)
+            rec = self.pulls.get(tid)
             if held is not None and held.ticket and held.done and req.notify:
                 self._spawn(self._notify_done(link, req.request_id, held.ticket))
-            elif held is not None and held.ticket:
+            elif (
+                held is not None and held.ticket and (held.done or rec.state is PullState.CANCELLED)
+            ):
+                # Read (no notification asked for), or a caller gave the pull up: end our share
+                # now. A FAILED or EXPIRED pull keeps it until it lapses (heartbeat timeout), so
+                # the scheduler can retry the same lease from this daemon meanwhile.
                 self._spawn(self._release_share(link, req.request_id, done=held.done))
-            rec = self.pulls.get(tid)
             self._account(rec, time.monotonic() - t0)
 
     def _staged_job(
