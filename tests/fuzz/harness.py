@@ -180,6 +180,7 @@ class Stats:
 
     calls: Counter[str] = field(default_factory=Counter)  # rpc id -> calls (both kinds)
     raw: Counter[str] = field(default_factory=Counter)  # rpc id -> raw-body calls
+    peer: Counter[str] = field(default_factory=Counter)  # pulls from the malicious owner
     codes: dict[str, Counter[str]] = field(default_factory=lambda: defaultdict(Counter))
     seconds: Counter[str] = field(default_factory=Counter)
     failures: dict[tuple[str, str, str, str], Failure] = field(default_factory=dict)
@@ -188,8 +189,8 @@ class Stats:
     def record(self, rpc: Rpc, kind: str, target: str, body: bytes, out: Outcome) -> bool:
         """Count one call; True when it was bad and of a kind not seen before."""
         self.calls[rpc.id] += 1
-        if kind == "raw":
-            self.raw[rpc.id] += 1
+        if kind in ("raw", "peer"):
+            (self.raw if kind == "raw" else self.peer)[rpc.id] += 1
         self.codes[rpc.id][out.code] += 1
         if out.code in BAD_CODES:
             return self.fail(rpc.id, kind, target, out.code, out.details, body)
@@ -220,10 +221,12 @@ class Stats:
     def summary(self) -> str:
         total = sum(self.calls.values())
         raw = sum(self.raw.values())
+        peer = sum(self.peer.values())
         secs = sum(self.seconds.values())
         lines = [
-            f"kvxferd fuzz: {total} calls ({total - raw} generated messages, {raw} raw bodies)"
-            f" over {len(self.calls)} RPCs in {secs:.1f}s of fuzzing"
+            f"kvxferd fuzz: {total} calls ({total - raw - peer} generated messages, {raw} raw"
+            f" bodies, {peer} pulls from a malicious owner) over {len(self.calls)} RPCs in"
+            f" {secs:.1f}s of fuzzing"
             f" ({ENV_SECONDS}={budget_s():g}); {len(self.failures)} distinct bad outcomes",
         ]
         for rpc in sorted(self.calls):
@@ -241,7 +244,11 @@ class Stats:
             "budget_s": budget_s(),
             "fuzz_seconds": round(sum(self.seconds.values()), 2),
             "calls": sum(self.calls.values()),
+            "generated_messages": sum(self.calls.values())
+            - sum(self.raw.values())
+            - sum(self.peer.values()),
             "raw_bodies": sum(self.raw.values()),
+            "malicious_owner_pulls": sum(self.peer.values()),
             "per_rpc": {
                 rpc: {
                     "calls": self.calls[rpc],

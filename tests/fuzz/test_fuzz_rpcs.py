@@ -259,6 +259,22 @@ def test_repro_undecodable_answer_of_a_peer(world: World, method: str) -> None:
         peer.stop()
 
 
+@pytest.mark.xfail(
+    strict=True, reason=f"{FOUND_BY_FUZZ}: an unknown memory_mode is INTERNAL (ValueError)"
+)
+@pytest.mark.parametrize("memory_mode", [-1, 4, 719506326])
+def test_repro_attach_with_an_unknown_memory_mode_is_invalid_argument(
+    world: World, memory_mode: int
+) -> None:
+    """Engine.Attach on the attached-mode daemon naming a memory mode the enum does not know
+    (proto3 enums are open, so it arrives as itself)."""
+    req = engine_pb2.AttachRequest(
+        preset="dense:num_blocks=4,num_layers=2", memory_mode=memory_mode
+    )
+    out = world.caller.call(RPCS["Engine.Attach"], world.unix("att"), req.SerializeToString())
+    assert out.code == "INVALID_ARGUMENT", (out.code, out.details)
+
+
 @pytest.mark.parametrize("deadline_ms", [1, 3])
 def test_repro_start_pull_with_a_tiny_deadline_is_not_internal(
     world: World, deadline_ms: int
