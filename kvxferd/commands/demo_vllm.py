@@ -450,6 +450,13 @@ def run(args: argparse.Namespace) -> int:
                 DaemonOptions(
                     "decode", "dense:num_blocks=16", prefix_caching=True, extra=_DAEMON_EXTRA
                 ),
+                # An owned Llama-3-8B-shaped pool: a peer the decode daemon must refuse.
+                DaemonOptions(
+                    "stranger",
+                    "dense:num_blocks=16",
+                    prefix_caching=True,
+                    extra=("--set", "transfer.staging_chunks=0", "--set", "log.format=text"),
+                ),
             ],
         )
         with daemons:
@@ -491,6 +498,7 @@ def run(args: argparse.Namespace) -> int:
                     block_bytes=block_bytes,
                     say=say,
                 )
+                doc["refusal"] = _refusal(kd, daemons["stranger"], transfers, say)
             finally:
                 transfers.close()
             held_deadline = time.monotonic() + 15
@@ -657,6 +665,16 @@ def run(args: argparse.Namespace) -> int:
         ),
         file=out,
     )
+    ref_doc = doc.get("refusal") or {}
+    print(
+        f"incompatible peer: {'PASS' if ref_doc.get('ok') else 'FAIL'} (pull"
+        f" {ref_doc.get('transfer_state') or 'refused'}, request finished with"
+        f" {ref_doc.get('finish_reason')!r} in {ref_doc.get('seconds', float('nan')):.1f} s,"
+        f" {len(ref_doc.get('mismatches') or [])} mismatches named in vLLM's log)",
+        file=out,
+    )
+    if not ref_doc.get("ok"):
+        errors.append(f"incompatible peer: {ref_doc}")
     held = int(doc.get("held_after_run", -1))
     if held:
         errors.append(f"the prefill daemon still holds {held} requests after the run")
@@ -693,6 +711,63 @@ def run(args: argparse.Namespace) -> int:
     if temporary and not errors:
         shutil.rmtree(workdir, ignore_errors=True)
     return 0 if not errors else 1
+
+
+def _refusal(decode: EngineProc, stranger: Any, transfers: TransferLog, say: Any) -> dict[str, Any]:
+    """Send decode a ticket held on an incompatible daemon: the request must end (vLLM's
+    ``kv_load_failure_policy``), with the daemon's explanation in the engine's log."""
+    from kvxferd.vllm.daemon import EngineLink
+    from kvxferd.vllm.params import Ticket
+
+    ready = stranger.ready
+    link = EngineLink(ready.engine_socket)
+    try:
+        held = link.hold("stranger-0", [[1, 2]], readers=1, ttl_ms=30_000)
+    finally:
+        link.close()
+    ticket = Ticket(held.peer_address, held.request_id, ((1, 2),), (0,), held.expires_unix_ns, 64)
+    before = decode.log.stat().st_size if decode.log.exists() else 0
+    t0 = time.perf_counter()
+    out = decode.generate(
+        [
+            {
+                "id": "refusal",
+                "tokens": _tokens(64, 11),
+                "max_tokens": 4,
+                "kv_transfer_params": ticket.to_params(),
+            }
+        ]
+    )[0]
+    seconds = time.perf_counter() - t0
+    st = transfers.wait("stranger-0")
+    time.sleep(0.5)  # let the engine's log line land
+    with open(decode.log, "rb") as f:
+        f.seek(before)
+        logged = [
+            ln for ln in f.read().decode(errors="replace").splitlines() if "kvxferd: pulling" in ln
+        ]
+    state = scheduler_pb2.TransferState.Name(st.state).removeprefix("TRANSFER_STATE_") if st else ""
+    mismatches = [m.what for m in st.error.mismatches] if st is not None else []
+    text = logged[0] if logged else ""
+    if not mismatches and "mismatch(es)" in text:
+        head = text.split("mismatch(es)", 1)[0].rsplit(" ", 2)[-2]
+        mismatches = [f"mismatch {i + 1}" for i in range(int(head))] if head.isdigit() else []
+    refused = state == "FAILED" or "refused" in text
+    result = {
+        "finish_reason": out.get("finish_reason"),
+        "tokens": out.get("tokens"),
+        "seconds": seconds,
+        "transfer_state": state,
+        "mismatches": mismatches,
+        "logged": logged[:1],
+        "ok": bool(logged) and refused and bool(mismatches) and seconds < 60,
+    }
+    say(
+        f"  kvxferd  incompatible peer: the pull was {state or 'refused'} in {seconds:.1f} s,"
+        f" the request finished with {result['finish_reason']!r}; vLLM's log: "
+        + (logged[0].split("kvxferd: ", 1)[-1][:300] if logged else "(nothing logged)")
+    )
+    return result
 
 
 def _block_bytes(engine_socket: str) -> int:

@@ -57,12 +57,13 @@ _REASONS = {v: k.removeprefix("RELEASE_REASON_") for k, v in common_pb2.ReleaseR
 
 
 def explain(detail: common_pb2.ErrorDetail) -> str:
-    """One line: the daemon's message, every mismatch with its fix, and the fix."""
+    """One line: the daemon's message, every mismatch (unless the message lists them already)
+    and its fix."""
     parts = [detail.message or "(no message)"]
-    for m in detail.mismatches:
-        parts.append(
-            f"{m.what}: local {m.local}, remote {m.remote}" + (f" ({m.fix})" if m.fix else "")
-        )
+    if "mismatch" not in detail.message:
+        for m in detail.mismatches:
+            fix = f" ({m.fix})" if m.fix else ""
+            parts.append(f"{m.what}: local {m.local}, remote {m.remote}{fix}")
     if detail.fix and not detail.mismatches:
         parts.append(f"fix: {detail.fix}")
     return "; ".join(parts)
@@ -78,10 +79,13 @@ def rpc_error(method: str, where: str, exc: grpc.RpcError) -> KvxferdError:
                 with contextlib.suppress(Exception):
                     text = explain(common_pb2.ErrorDetail.FromString(value))
     name = code.name if code is not None else "ERROR"
-    fix = f"check that the kvxferd daemon runs and serves {where} (see {DOC})"
     if code == grpc.StatusCode.UNAVAILABLE:
-        fix = f"start the daemon beside this engine, or fix the address {where} (see {DOC})"
-    return KvxferdError(f"{method} at {where} failed ({name}): {text}", fix=fix)
+        fix = f"start the kvxferd daemon beside this engine, or fix the address {where}"
+    elif code == grpc.StatusCode.FAILED_PRECONDITION:
+        fix = "serve the same model with the same KV cache layout on both engines"
+    else:
+        fix = "read the daemon's log"
+    return KvxferdError(f"{method} at {where} failed ({name}): {text}", fix=f"{fix} (see {DOC})")
 
 
 def _metadata(token: str) -> tuple[tuple[str, str], ...]:

@@ -102,6 +102,7 @@ def main() -> int:
                     "tokens": list(o.outputs[0].token_ids),
                     "kv_transfer_params": o.kv_transfer_params,
                     "ttft_s": ttft,
+                    "finish_reason": o.outputs[0].finish_reason,
                 }
             )
         _say({"op": "result", "outputs": result})
