@@ -31,13 +31,13 @@ UNARY_TIMEOUT_S = 5.0
 STREAM_WINDOW_S = 0.05  # a stream still open after this is fine: we cancel it
 STREAM_MAX_MESSAGES = 16
 
-DEFAULT_SECONDS = 45.0
+DEFAULT_SECONDS = 40.0
 ENV_SECONDS = "KVXFERD_FUZZ_SECONDS"
 ENV_REPORT = "KVXFERD_FUZZ_REPORT"
 
 
 def budget_s() -> float:
-    """Total fuzzing time of the suite, seconds (``KVXFERD_FUZZ_SECONDS``, default 45)."""
+    """Total fuzzing time of the suite, seconds (``KVXFERD_FUZZ_SECONDS``, default 40)."""
     raw = os.environ.get(ENV_SECONDS, "").strip()
     if not raw:
         return DEFAULT_SECONDS

@@ -5,9 +5,10 @@ For each RPC two tests run: generated messages (Hypothesis strategies built from
 descriptors, plus mutations of valid requests that get past the first validation) and raw
 bodies (bytes that need not decode: random, crafted, damaged encodings). Every call must end
 with a status other than INTERNAL and UNKNOWN, and every daemon process must still be alive
-after it. The suite fuzzes for ``KVXFERD_FUZZ_SECONDS`` seconds in all (default 45; generated
-messages get twice the share of raw bodies); the counts are printed at the end of the run and
-written as JSON to ``KVXFERD_FUZZ_REPORT`` when set. docs/reliability.md has the figures.
+after it. A third part has the decode daemon pull from a malicious owner whose every answer is
+fuzzed (tests/fuzz/fakepeer.py). The suite fuzzes for ``KVXFERD_FUZZ_SECONDS`` seconds in all
+(default 40), shared by weight (harness.WEIGHTS); the counts are printed at the end of the run
+and written as JSON to ``KVXFERD_FUZZ_REPORT`` when set. docs/reliability.md has the figures.
 
 What is *not* fuzzed, and why: nothing stops a daemon on purpose over gRPC (there is no
 shutdown RPC), so every RPC is fuzzed. Engine.Attach, Session and Detach go mostly to ``att``,

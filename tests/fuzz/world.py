@@ -90,7 +90,7 @@ def rpc(rpc_id: str) -> Rpc:
 
 @dataclass
 class World:
-    SETTLE_S = 15.0
+    SETTLE_S = 10.0
 
     daemons: dict[str, Daemon]
     caller: Caller = field(default_factory=Caller)
