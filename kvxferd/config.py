@@ -100,7 +100,8 @@ class TransferConfig:
     handshake_timeout_ms: int = 5_000
     """Timeout of a handshake or lease call to a peer."""
     strategy: str = "auto"
-    """``auto`` (cost model picks), ``direct`` or ``staged`` (forced; see docs/strategies.md)."""
+    """``auto`` (cost model picks), ``direct``, ``staged`` or ``kernel`` (forced where possible;
+    see docs/strategies.md)."""
     staging_chunk_bytes: int = 64 << 20
     """Bytes of one staging slot (one chunk of a STAGED pull)."""
     staging_chunks: int = 8
@@ -115,6 +116,15 @@ class TransferConfig:
     """Cost model: link bandwidth, GB/s (0: 394 on VRAM, 3.6 on DRAM)."""
     cost_gather_gbps: float = 0.0
     """Cost model: gather and scatter bandwidth, GB/s (0: 873 on VRAM, 1.6 on DRAM)."""
+    cuda_ipc: bool = True
+    """Publish the VRAM pool's CUDA IPC handles in the handshake and read same-host GPU peers
+    with KERNEL pulls (SM copies over CUDA IPC); false: neither."""
+    kernel_max_ctas: int = 64
+    """KERNEL pulls: most CUDA thread blocks one copy launches (0: two per multiprocessor);
+    the rest of the GPU stays free for the engine."""
+    allow_slow_transport: bool = False
+    """Allow DIRECT and STAGED pulls of GPU memory over a link probed at TCP speed (refused by
+    default, with the fix; docs/nixl.md §7)."""
 
 
 @dataclass(frozen=True)
@@ -528,11 +538,17 @@ def _validate_listeners(cfg: Config) -> None:
 
 
 def _validate_staging(t: TransferConfig) -> None:
-    if t.strategy not in ("auto", "direct", "staged"):
+    if t.strategy not in ("auto", "direct", "staged", "kernel"):
         raise ConfigError(
             f"unknown strategy {t.strategy!r}",
             field="transfer.strategy",
-            fix="auto, direct or staged",
+            fix="auto, direct, staged or kernel",
+        )
+    if not 0 <= t.kernel_max_ctas <= 65535:
+        raise ConfigError(
+            f"kernel_max_ctas must be between 0 and 65535, got {t.kernel_max_ctas}",
+            field="transfer.kernel_max_ctas",
+            fix="use 0 (two thread blocks per multiprocessor) or a cap such as 64",
         )
     if t.staging_chunks < 0 or t.staging_chunks == 1:
         raise ConfigError(

@@ -23,6 +23,7 @@ is no scratch memory to probe into, and the transport is ``unknown``.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -30,10 +31,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvxferd.errors import DeadlineExceeded, SlowTransport
+from kvxferd.errors import DeadlineExceeded, KvxferdError, SlowTransport
+from kvxferd.logs import kv
+from kvxferd.nixl.types import MemType
 
 if TYPE_CHECKING:
-    from kvxferd.nixl import MemType, NixlAgent
+    from kvxferd.nixl import NixlAgent
+    from kvxferd.staging.ring import StagingRing
+
+log = logging.getLogger(__name__)
 
 SLOW_GBPS = 2.0  # VRAM: cuda_ipc and RDMA move a probe at >= ~10 GB/s, TCP at ~0.4
 SLOW_DRAM_GBPS = 0.3
@@ -146,3 +152,52 @@ async def probe_read(
         return one(deadline)
 
     return await asyncio.to_thread(both)
+
+
+async def probe_peer(
+    agent: NixlAgent,
+    ring: StagingRing | None,
+    *,
+    peer_agent: str,
+    remote_region: tuple[int, int, int],
+    local_vram: bool,
+    remote_vram: bool,
+    same_host: bool,
+) -> TransportReport:
+    """Probe READs from ``peer_agent`` (its region ``(addr, len, dev)``) into one slot of our
+    ring and classify the link; never raises (an unprobed link is ``unknown``, with why)."""
+
+    def report(gbps: float, nbytes: int = PROBE_BYTES, why_not: str = "") -> TransportReport:
+        return classify(
+            local_vram=local_vram,
+            remote_vram=remote_vram,
+            same_host=same_host,
+            gbps=gbps,
+            nbytes=nbytes,
+            why_not=why_not,
+        )
+
+    if ring is None:
+        return report(
+            math.nan,
+            why_not="this daemon has no staging ring to probe into (transfer.staging_chunks = 0)",
+        )
+    addr, length, dev = remote_region
+    n = min(PROBE_BYTES, ring.info.chunk_bytes, length)
+    local_mem = MemType.VRAM if local_vram else MemType.DRAM
+    remote_mem = MemType.VRAM if remote_vram else MemType.DRAM
+    try:
+        async with ring.reader_slot() as slot:
+            seconds = await probe_read(
+                agent,
+                peer=peer_agent,
+                local=(ring.info.base + ring.info.slot_offset(slot), ring.info.device),
+                remote=(addr, dev),
+                nbytes=n,
+                local_mem=local_mem,
+                remote_mem=remote_mem,
+            )
+    except KvxferdError as err:
+        log.warning("transport probe failed", extra=kv(peer=peer_agent, error=str(err)))
+        return report(math.nan, why_not=f"the probe READ failed: {err}")
+    return report(n / seconds / 1e9 if seconds > 0 else math.inf, n)

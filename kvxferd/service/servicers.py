@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -24,6 +25,7 @@ from kvxferd.daemon.peers import LinkState, decode_envelope
 from kvxferd.daemon.pulls import PullRecord, PullState
 from kvxferd.daemon.sessions import SESSION_METADATA, PeerSession
 from kvxferd.errors import InvalidRequest, KvxferdError
+from kvxferd.ipc.host import host_id
 from kvxferd.logs import kv
 from kvxferd.service.attaching import attach_request_from_proto, pool_info
 from kvxferd.service.staging import gather, release_staging, stage_times_to_proto
@@ -66,6 +68,7 @@ _LINK = {
 _STRATEGY = {
     "DIRECT": scheduler_pb2.TRANSFER_STRATEGY_DIRECT,
     "STAGED": scheduler_pb2.TRANSFER_STRATEGY_STAGED,
+    "KERNEL": scheduler_pb2.TRANSFER_STRATEGY_KERNEL,
 }
 _REASON = {
     ReleaseReason.DONE: common_pb2.RELEASE_REASON_DONE,
@@ -339,6 +342,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                     p.registration_generation = r.generation
                     p.daemon_id = r.daemon_id
                     p.instance_id = r.instance_id
+                    p.same_host = bool(r.host_id) and r.host_id == host_id()
+                t = link.transport
+                if t is not None:
+                    p.read_transport = t.name
+                    p.read_probe_gbps = 0.0 if math.isnan(t.read_gbps) else t.read_gbps
+                    p.read_transport_detail = t.detail
             return out
 
         return await _rpc(self.d, "ListPeers", context, call)

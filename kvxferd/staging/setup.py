@@ -1,15 +1,26 @@
-"""Per pull: DIRECT or STAGED, and the STAGED job; the daemon's staging parts as one value."""
+"""Per pull: DIRECT, STAGED or KERNEL, and the job; the daemon's strategy parts as one value.
+
+KERNEL (same-host GPU peers, :mod:`kvxferd.ipc`) is picked whenever it is eligible; a DIRECT or
+STAGED pull of GPU memory over a link probed at TCP speed is refused here, before a transfer
+exists, unless ``transfer.allow_slow_transport``.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
 
 from kvxferd.blocks.plan import PullPlan
 from kvxferd.blocks.ranges import TransferPlan
-from kvxferd.layout.spec import KVCacheSpec
+from kvxferd.ipc.eligibility import kernel_ineligible
+from kvxferd.ipc.mapping import MappingCache, Opener, cuda_opener
+from kvxferd.ipc.publish import IpcPool, Publisher
+from kvxferd.ipc.reader import KernelJob, KernelReader
+from kvxferd.ipc.transport import refusal
+from kvxferd.layout.spec import KVCacheSpec, MemoryType
 from kvxferd.pool import KVPool
 from kvxferd.staging.chunks import Chunk, RingInfo, split_chunks
 from kvxferd.staging.owner import StagingOwner
@@ -17,6 +28,7 @@ from kvxferd.staging.reader import StagedReader
 from kvxferd.staging.ring import StagingRing
 from kvxferd.transfer.engine import TransferEngine
 from kvxferd.transfer.leases import LeaseTable
+from kvxferd.transfer.state import TransferResult
 from kvxferd.transfer.strategy import (
     Choice,
     CostModel,
@@ -28,6 +40,24 @@ from kvxferd.transfer.strategy import (
     whole_blocks_bytes,
 )
 
+if TYPE_CHECKING:
+    from kvxferd.daemon.peers import PeerLink, RemoteDescription
+    from kvxferd.staging.device import Int64Array
+
+
+@dataclass(frozen=True)
+class IpcSide:
+    """The daemon's CUDA IPC policy and parts, for its whole life (``transfer.cuda_ipc``,
+    ``transfer.kernel_max_ctas``, ``transfer.allow_slow_transport``)."""
+
+    enabled: bool = True
+    host_id: str = ""
+    max_ctas: int = 0
+    allow_slow_transport: bool = False
+    idle_s: float = 10.0
+    publisher: Publisher = field(default_factory=Publisher)
+    opener: Opener = cuda_opener
+
 
 @dataclass(frozen=True)
 class Staging:
@@ -38,10 +68,41 @@ class Staging:
     ring: StagingRing | None = None
     owner: StagingOwner | None = None
     reader: StagedReader | None = None
+    ipc: IpcSide = field(default_factory=IpcSide)
+    kernel: KernelReader | None = None  # KERNEL pulls into this pool (VRAM pools only)
 
     @property
     def info(self) -> RingInfo | None:
         return self.ring.info if self.ring is not None else None
+
+    def ipc_export(self, pool: KVPool, generation: int) -> IpcPool | None:
+        """Our regions over CUDA IPC for the handshake (None for a DRAM pool)."""
+        return self.ipc.publisher.export(pool, generation)
+
+    def close(self) -> None:
+        """The pool went away (engine detached, or shutdown): stop the owner, drop mappings."""
+        if self.owner is not None:
+            self.owner.stop()
+        if self.kernel is not None:
+            self.kernel.close()
+
+    async def kernel_pull(
+        self,
+        transfer_id: str,
+        remote: RemoteDescription,
+        *,
+        peer_address: str,
+        plan: TransferPlan,
+        local_blocks: tuple[Int64Array, ...],
+        deadline: float,
+    ) -> TransferResult:
+        """Run a KERNEL pull against ``remote`` as it is *now* (a re-registration during the
+        lease confirmation moved its regions: the new generation is mapped)."""
+        assert self.kernel is not None and remote.ipc is not None
+        job = KernelJob(
+            transfer_id, remote.agent_name, peer_address, remote.key, remote.ipc, deadline
+        )
+        return await self.kernel.pull(job, plan, local_blocks)
 
 
 @dataclass(frozen=True)
@@ -61,8 +122,12 @@ def decide(
     plan: PullPlan,
     part: TransferPlan,
     peer: str,
+    link: PeerLink | None = None,
 ) -> Decision:
-    """Pick the strategy of one pull and, for STAGED, cut it into chunks."""
+    """Pick the strategy of one pull and, for STAGED, cut it into chunks. ``link``: the peer
+    as handshaken (its host, CUDA IPC export and probed transport), for KERNEL and the slow
+    transport refusal; raises :class:`~kvxferd.errors.SlowTransport` for that refusal."""
+    kernel_why = _kernel_why(staging, local, link, part, peer)
     why = staged_ineligible(
         local,
         remote,
@@ -87,10 +152,51 @@ def decide(
         nbytes=part.nbytes,
         chunks=len(chunks),
         ineligible=why,
+        kernel_ineligible=kernel_why,
     )
-    if choice.strategy is Strategy.DIRECT or part.nbytes == 0:
+    report = link.transport if link is not None else None
+    if (
+        choice.strategy is not Strategy.KERNEL
+        and part.nbytes > 0
+        and report is not None
+        and report.slow
+        and not staging.ipc.allow_slow_transport
+    ):
+        raise refusal(report, peer, choice.strategy.value)
+    if choice.strategy is not Strategy.STAGED or part.nbytes == 0:
         return Decision(choice)
     return Decision(choice, tuple(chunks))
+
+
+def _kernel_why(
+    staging: Staging, local: KVCacheSpec, link: PeerLink | None, part: TransferPlan, peer: str
+) -> str | None:
+    """Why this pull cannot be KERNEL; opens the peer generation's mappings (once) if it can."""
+    if part.nbytes == 0:
+        return "nothing to copy"
+    if link is None or link.remote is None:
+        return "not considered"
+    remote = link.remote
+    why = kernel_ineligible(
+        enabled=staging.ipc.enabled,
+        local_memory=local.regions[0].memory,
+        remote_memory=remote.info.spec.regions[0].memory,
+        my_host=staging.ipc.host_id,
+        remote_host=remote.host_id,
+        remote_ipc=remote.ipc,
+        remote_regions=int(remote.regions.shape[0]),
+        open_failure=None,
+        peer=peer,
+    )
+    if why is not None:
+        return why
+    if staging.kernel is None:
+        return "this daemon has no pool to copy into on a GPU"
+    assert remote.ipc is not None
+    failed = staging.kernel.prepare(remote.key, remote.ipc)
+    if failed is not None:
+        return f"opening peer {peer}'s CUDA IPC handles failed: {failed}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -109,6 +215,7 @@ class StagingFactory:
     leases: LeaseTable
     grant_timeout_s: float
     max_block_ids: int
+    ipc: IpcSide = field(default_factory=IpcSide)
 
     def local_rows(self, pool_rows: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
         """The engine's local region table for a pool: its regions, then the ring's row."""
@@ -117,10 +224,12 @@ class StagingFactory:
         return np.vstack([pool_rows, np.array([self.ring.info.row()], dtype=np.int64)])
 
     def build(self, pool: KVPool | None) -> Staging:
-        """The staging parts around ``pool``; call on the event loop (the owner subscribes to
-        lease ends). Without a pool (detached) or a ring, every pull is DIRECT."""
+        """The strategy parts around ``pool``; call on the event loop (the owner subscribes to
+        lease ends, the kernel reader sweeps idle mappings). Without a pool (detached) every
+        pull is DIRECT; without a ring none is STAGED; KERNEL needs a VRAM pool."""
+        kernel = self._kernel(pool)
         if self.ring is None or pool is None:
-            return Staging(Mode(self.mode), self.model)
+            return Staging(Mode(self.mode), self.model, ipc=self.ipc, kernel=kernel)
         owner = StagingOwner(
             self.ring,
             pool,
@@ -135,4 +244,15 @@ class StagingFactory:
             self.engine,
             staging_region=len(pool.spec.regions),
         )
-        return Staging(Mode(self.mode), self.model, self.ring, owner, reader)
+        return Staging(
+            Mode(self.mode), self.model, self.ring, owner, reader, ipc=self.ipc, kernel=kernel
+        )
+
+    def _kernel(self, pool: KVPool | None) -> KernelReader | None:
+        if pool is None or not self.ipc.enabled or pool.memory_type is not MemoryType.VRAM:
+            return None
+        device = next(iter(pool.tensors.values())).device.index or 0
+        cache = MappingCache(device=device, opener=self.ipc.opener, idle_s=self.ipc.idle_s)
+        reader = KernelReader(pool, cache, max_ctas=self.ipc.max_ctas)
+        reader.start()
+        return reader

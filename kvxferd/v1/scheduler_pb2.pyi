@@ -80,6 +80,10 @@ class _TransferStrategyEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Tran
     """Remote blocks read straight into local blocks, one descriptor per coalesced run."""
     TRANSFER_STRATEGY_STAGED: _TransferStrategy.ValueType  # 2
     """Read into a staging buffer, then gathered/scattered or permuted into place by kernels."""
+    TRANSFER_STRATEGY_KERNEL: _TransferStrategy.ValueType  # 3
+    """Same-host GPU peers: the owner's regions mapped over CUDA IPC, every (region, block run)
+    of the pull copied by SM kernels in one launch (no NIXL descriptors).
+    """
 
 class TransferStrategy(_TransferStrategy, metaclass=_TransferStrategyEnumTypeWrapper):
     """How descriptors were built for a transfer."""
@@ -90,6 +94,10 @@ TRANSFER_STRATEGY_DIRECT: TransferStrategy.ValueType  # 1
 """Remote blocks read straight into local blocks, one descriptor per coalesced run."""
 TRANSFER_STRATEGY_STAGED: TransferStrategy.ValueType  # 2
 """Read into a staging buffer, then gathered/scattered or permuted into place by kernels."""
+TRANSFER_STRATEGY_KERNEL: TransferStrategy.ValueType  # 3
+"""Same-host GPU peers: the owner's regions mapped over CUDA IPC, every (region, block run)
+of the pull copied by SM kernels in one launch (no NIXL descriptors).
+"""
 Global___TransferStrategy: _TypeAlias = TransferStrategy  # noqa: Y015
 
 class _HandshakeState:
@@ -625,6 +633,10 @@ class PeerInfo(_message.Message):
     LAST_HEARTBEAT_UNIX_NS_FIELD_NUMBER: _builtins.int
     LAST_HANDSHAKE_UNIX_NS_FIELD_NUMBER: _builtins.int
     ACTIVE_TRANSFERS_FIELD_NUMBER: _builtins.int
+    READ_TRANSPORT_FIELD_NUMBER: _builtins.int
+    READ_PROBE_GBPS_FIELD_NUMBER: _builtins.int
+    READ_TRANSPORT_DETAIL_FIELD_NUMBER: _builtins.int
+    SAME_HOST_FIELD_NUMBER: _builtins.int
     address: _builtins.str
     """The peer's address, "host:port"."""
     nixl_agent_name: _builtins.str
@@ -643,6 +655,19 @@ class PeerInfo(_message.Message):
     """Last successful handshake, unix time in ns; 0 if never."""
     active_transfers: _builtins.int
     """Pulls from this peer not yet terminal."""
+    read_transport: _builtins.str
+    """Which transport serves READs from this peer into this daemon, measured at the last
+    handshake by one timed probe READ: "cuda_ipc", "rdma", "tcp" (UCX active messages; a GPU
+    link at this speed refuses DIRECT and STAGED pulls unless transfer.allow_slow_transport),
+    "cma", or "unknown" (not probed). The name is inferred from the rate, the memory types and
+    whether the peers share a host. Empty before a handshake.
+    """
+    read_probe_gbps: _builtins.float
+    """The probe READ's rate, GB/s; 0 when not probed."""
+    read_transport_detail: _builtins.str
+    """How read_transport was found (probe size, rate, memory types, host), or why not probed."""
+    same_host: _builtins.bool
+    """Whether the peer runs on this host and IPC namespace (it can share CUDA IPC handles)."""
     @_builtins.property
     def last_error(self) -> _common_pb2.ErrorDetail:
         """The last error talking to this peer; unset if none."""
@@ -660,10 +685,14 @@ class PeerInfo(_message.Message):
         last_heartbeat_unix_ns: _builtins.int = ...,
         last_handshake_unix_ns: _builtins.int = ...,
         active_transfers: _builtins.int = ...,
+        read_transport: _builtins.str = ...,
+        read_probe_gbps: _builtins.float = ...,
+        read_transport_detail: _builtins.str = ...,
+        same_host: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["last_error", b"last_error"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_transfers", b"active_transfers", "address", b"address", "daemon_id", b"daemon_id", "handshake_state", b"handshake_state", "instance_id", b"instance_id", "last_error", b"last_error", "last_handshake_unix_ns", b"last_handshake_unix_ns", "last_heartbeat_unix_ns", b"last_heartbeat_unix_ns", "nixl_agent_name", b"nixl_agent_name", "registration_generation", b"registration_generation"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_transfers", b"active_transfers", "address", b"address", "daemon_id", b"daemon_id", "handshake_state", b"handshake_state", "instance_id", b"instance_id", "last_error", b"last_error", "last_handshake_unix_ns", b"last_handshake_unix_ns", "last_heartbeat_unix_ns", b"last_heartbeat_unix_ns", "nixl_agent_name", b"nixl_agent_name", "read_probe_gbps", b"read_probe_gbps", "read_transport", b"read_transport", "read_transport_detail", b"read_transport_detail", "registration_generation", b"registration_generation", "same_host", b"same_host"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,150 @@
+"""The per-pull decision with a handshaken peer (CPU): KERNEL when eligible (its mappings opened
+once), the reasons when not, and the refusal of DIRECT/STAGED over a GPU link probed at TCP
+speed unless transfer.allow_slow_transport."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from kvxferd.blocks import plan_pull
+from kvxferd.errors import SlowTransport
+from kvxferd.ipc.mapping import MappingCache
+from kvxferd.ipc.publish import IpcPool
+from kvxferd.ipc.reader import KernelReader
+from kvxferd.ipc.transport import TransportReport, classify
+from kvxferd.layout.presets import preset
+from kvxferd.layout.spec import KVCacheSpec, MemoryType
+from kvxferd.pool import KVPool
+from kvxferd.staging.setup import IpcSide, Staging, decide
+from kvxferd.transfer.strategy import CostModel, Mode, Strategy
+from tests.ipc.fakes import FakeHost, export_pool, ordinal_of
+
+TEXT = "dense:num_blocks=16,num_layers=2,num_kv_heads=1,head_size=16,block_size=4"
+SPEC = preset(TEXT).with_memory(MemoryType.VRAM)
+SLOW = classify(local_vram=True, remote_vram=True, same_host=True, gbps=0.4)
+FAST = classify(local_vram=True, remote_vram=True, same_host=True, gbps=300.0)
+
+
+@dataclass
+class _Info:
+    spec: KVCacheSpec
+    tp_rank: int = 0
+    tp_size: int = 1
+
+
+@dataclass
+class _Remote:
+    info: _Info
+    regions: np.ndarray
+    host_id: str
+    ipc: IpcPool | None
+    agent_name: str = "owner"
+    instance_id: str = "i1"
+    generation: int = 1
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        return self.agent_name, self.instance_id, self.generation
+
+
+@dataclass
+class _Link:
+    remote: _Remote
+    transport: TransportReport | None
+
+
+def _setup(
+    *,
+    host: str = "h1",
+    transport: TransportReport | None = FAST,
+    allow: bool = False,
+    fail: str = "",
+    mode: Mode = Mode.AUTO,
+) -> tuple[Staging, _Link, FakeHost]:
+    owner = KVPool.allocate(preset(TEXT))
+    reader = KVPool.allocate(preset(TEXT))
+    fh = FakeHost(fail=fail)
+    ipc = export_pool(fh, owner, "own")
+    kernel = KernelReader(
+        reader, MappingCache(device=0, opener=fh.open, ordinal_of=ordinal_of), max_ctas=8
+    )
+    staging = Staging(
+        mode,
+        CostModel.defaults(MemoryType.VRAM),
+        ipc=IpcSide(host_id="h1", allow_slow_transport=allow),
+        kernel=kernel,
+    )
+    rows = np.array([[1 << 20, SPEC.regions[0].nbytes, 0]] * len(SPEC.regions), dtype=np.int64)
+    link = _Link(_Remote(_Info(SPEC), rows, host, ipc), transport)
+    return staging, link, fh
+
+
+def _decide(staging: Staging, link: _Link, n: int = 4):  # type: ignore[no-untyped-def]
+    plan = plan_pull(SPEC, SPEC, [list(range(n))], [list(range(8, 8 + n))], prefix_caching=False)
+    return decide(
+        staging,
+        local=SPEC,
+        remote=SPEC,
+        local_tp_size=1,
+        remote_tp_size=1,
+        remote_ring=None,
+        plan=plan,
+        part=plan.per_rank[0],
+        peer="p:1",
+        link=link,  # type: ignore[arg-type]
+    )
+
+
+@pytest.mark.parametrize("transport", [FAST, SLOW, None])
+def test_same_host_gpu_peer_is_kernel_whatever_its_ucx_transport(
+    transport: TransportReport | None,
+) -> None:
+    staging, link, fh = _setup(transport=transport)
+    d = _decide(staging, link)
+    assert d.choice.strategy is Strategy.KERNEL
+    assert len(fh.opened) == len(SPEC.regions)  # opened at decision time ...
+    _decide(staging, link)
+    assert len(fh.opened) == len(SPEC.regions)  # ... once per peer generation
+
+
+def test_another_host_over_a_slow_gpu_link_is_refused_with_the_fix() -> None:
+    staging, link, _ = _setup(host="h2", transport=SLOW)
+    with pytest.raises(SlowTransport) as ei:
+        _decide(staging, link)
+    text = str(ei.value)
+    assert "DIRECT pull from p:1" in text and "UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y" in text
+    assert "transfer.allow_slow_transport = true" in text
+
+
+def test_allow_slow_transport_lets_it_run_direct() -> None:
+    staging, link, _ = _setup(host="h2", transport=SLOW, allow=True)
+    d = _decide(staging, link)
+    assert d.choice.strategy is Strategy.DIRECT
+    assert "another host" not in d.choice.reason  # auto: the reason is the DIRECT/STAGED one
+
+
+def test_forced_kernel_on_another_host_falls_back_and_says_why() -> None:
+    staging, link, _ = _setup(host="h2", transport=FAST, mode=Mode.KERNEL)
+    d = _decide(staging, link)
+    assert d.choice.strategy is Strategy.DIRECT
+    assert "runs on another host" in d.choice.reason
+
+
+def test_a_failed_open_falls_back_and_is_not_retried() -> None:
+    staging, link, fh = _setup(fail="cuIpcOpenMemHandle failed: CUDA_ERROR_INVALID_DEVICE")
+    staging = Staging(Mode.KERNEL, staging.model, ipc=staging.ipc, kernel=staging.kernel)
+    d = _decide(staging, link)
+    assert d.choice.strategy is Strategy.DIRECT
+    assert "CUDA_ERROR_INVALID_DEVICE" in d.choice.reason
+    fh.fail = ""
+    assert _decide(staging, link).choice.strategy is Strategy.DIRECT  # same generation
+    assert fh.opened == []
+
+
+def test_a_full_prefix_hit_moves_nothing_and_is_never_refused() -> None:
+    staging, link, _ = _setup(host="h2", transport=SLOW)
+    d = _decide(staging, link, n=0)
+    assert d.choice.strategy is Strategy.DIRECT
