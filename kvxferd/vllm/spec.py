@@ -233,8 +233,11 @@ def _region(
         shape = (nblocks, kernel, latent)
         region = Region(name, gi, dtype, Layout.MLA, shape)
     else:
-        shape = (nblocks, 2, kernel, int(spec.num_kv_heads), int(spec.head_size))
-        region = Region(name, gi, dtype, layout, shape)
+        heads = int(spec.num_kv_heads)
+        shape = (nblocks, 2, kernel, heads, int(spec.head_size))
+        # One head (or one token) per block: HND and NHD are the same bytes; kvxferd reads
+        # such a tensor as NHD, so declare that.
+        region = Region(name, gi, dtype, Layout.NHD if 1 in (heads, kernel) else layout, shape)
     return region, region.block_len
 
 
