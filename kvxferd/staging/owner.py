@@ -68,7 +68,7 @@ class _Held:
     reader: str
     timer: asyncio.TimerHandle
     busy: bool = True  # the gather thread is still writing the slot (or is about to)
-    revoked: bool = False  # taken back while busy: free it when the gather ends
+    revoked: str = ""  # taken back while busy (why): free it when the gather ends
 
 
 @dataclass(eq=False)
@@ -237,20 +237,28 @@ class StagingOwner:
             seconds = await asyncio.shield(work)
         except asyncio.CancelledError:
             # The caller went away; the thread still writes the slot: free it when it ends.
-            held.revoked = True
+            held.revoked = "the caller went away"
             work.add_done_callback(lambda _: self._drop(slot))
             raise
         except BaseException:
             self._drop(slot)
             raise
         held.busy = False
-        if held.revoked or self._lease_blocks(request_id) is None:
+        ended = self._lease_blocks(request_id) is None
+        if held.revoked or ended:
             self._drop(slot)
+            why = held.revoked or "the lease ended"
             raise LeaseRefused(
-                f"the lease of {request_id!r} ended during the gather",
+                f"staging slot {slot} for {request_id!r} was taken back during the gather"
+                f" ({why}; the gather took {seconds:.3f}s)",
                 field="request_id",
-                fix="hold the request again and retry the pull",
+                fix="hold the request again and retry the pull; if the reader's share lapsed,"
+                " check that it heartbeats (peers.heartbeat_interval_ms < heartbeat_timeout_ms)",
             )
+        # The grant timeout counts from now, when the reader can start reading the slot: a slow
+        # gather (a busy GPU) never eats the reader's time to read it.
+        held.timer.cancel()
+        held.timer = asyncio.get_running_loop().call_later(self.grant_timeout_s, self._expire, slot)
         return Grant(slot, self.ring.info.slot_offset(slot), total, seconds)
 
     def release(self, request_id: str, reader: str, slots: Sequence[int]) -> int:
@@ -449,11 +457,14 @@ class StagingOwner:
             extra=kv(slot=slot, request_id=h.request_id, reader=h.reader, reason=why),
         )
         if h.busy:
-            h.revoked = True  # the gather thread still writes it; freed when it ends
+            h.revoked = why  # the gather thread still writes it; freed when it ends
         else:
             self._drop(slot)
 
     def _expire(self, slot: int) -> None:
+        h = self._grants.get(slot)
+        if h is not None and h.busy:
+            return  # still gathering: the timeout restarts when the slot is answered
         self._reclaim(slot, f"grant timeout {self.grant_timeout_s}s")
 
     def _lease_ended(self, request_id: str) -> None:
