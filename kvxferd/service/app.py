@@ -16,6 +16,7 @@ protobuf message is INVALID_ARGUMENT (grpc's own answer would be UNKNOWN).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import errno
 import inspect
@@ -40,8 +41,6 @@ from grpc import aio
 from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-
 from kvxferd.config import DOCS, Config, is_loopback, split_hostport
 from kvxferd.daemon.attach import Attacher
 from kvxferd.daemon.core import Daemon, DaemonLimits
@@ -56,7 +55,13 @@ from kvxferd.layout.presets import preset
 from kvxferd.layout.spec import KVCacheSpec, MemoryType
 from kvxferd.layout.tomlspec import load_spec
 from kvxferd.logs import kv
-from kvxferd.metrics import Metrics
+from kvxferd.metrics import (
+    ACTIVE_STATES,
+    LiveState,
+    Metrics,
+    PeerRpcMetricsInterceptor,
+    RpcMetricsInterceptor,
+)
 from kvxferd.netpolicy import PeerAllowList
 from kvxferd.nixl import AgentOptions, MemType, NixlAgent
 from kvxferd.peers import PeerInfo
@@ -70,6 +75,7 @@ from kvxferd.service.auth import (
 from kvxferd.service.servicers import EngineService, PeerService, SchedulerService
 from kvxferd.staging.ring import StagingRing
 from kvxferd.staging.setup import IpcSide, StagingFactory
+from kvxferd.staging.stats import Occupancy
 from kvxferd.transfer import EngineOptions, LeaseTable, NotificationPump, TransferEngine
 from kvxferd.transfer.strategy import CostModel
 from kvxferd.v1 import (
@@ -81,6 +87,7 @@ from kvxferd.v1 import (
     scheduler_pb2_grpc,
 )
 from kvxferd.wire.peer_client import GrpcTransport
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +109,25 @@ SERVICE_NAMES = (
     scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name,
     engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name,
 )
+TCP_SERVICES = SERVICE_NAMES[:2]
+"""What the gRPC TCP port serves (with health and reflection); the Engine service is on the
+Unix socket only (with reflection), and each listener's reflection lists only its own."""
+PEER_SERVICE = SERVICE_NAMES[0]
+"""The health service name readiness probes ask: NOT_SERVING while no pool is registered
+(attached mode before the engine attached), SERVING otherwise; "" (overall) is liveness."""
+
+
+def _known_methods() -> frozenset[str]:
+    """Every method a kvxferd listener serves, as ``/service/method`` (metric labels)."""
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    files = (peer_pb2, scheduler_pb2, engine_pb2, health_pb2, reflection_pb2)
+    return frozenset(
+        f"/{svc.full_name}/{m.name}"
+        for f in files
+        for svc in f.DESCRIPTOR.services_by_name.values()
+        for m in svc.methods
+    )
 
 
 class _Undecodable:
@@ -247,8 +273,11 @@ class Running:
     metrics_address: str
     http: ThreadingHTTPServer | None
     registry: CollectorRegistry
+    metrics_task: asyncio.Task[None] | None = None
 
     async def stop(self) -> None:
+        if self.metrics_task is not None:
+            self.metrics_task.cancel()
         await self.health.enter_graceful_shutdown()
         cancelled = await self.daemon.drain(self.cfg.server.drain_timeout_s)
         await self.server.stop(grace=1.0)
@@ -307,6 +336,7 @@ class Listeners:
     engine_socket: str
     socket_ino: int
     http: _MetricsServer | None
+    metrics: Metrics | None = None
 
     async def close(self) -> None:
         """Undo :func:`_bind` when start-up fails: close servers, remove our Engine socket."""
@@ -322,7 +352,12 @@ class Listeners:
 
 
 async def _bind(cfg: Config, token: str) -> Listeners:
-    interceptors: list[aio.ServerInterceptor] = [DecodeGuard()]  # type: ignore[type-arg]
+    # Built here so the per-RPC interceptor (first: it also counts refused calls) can count.
+    metrics = Metrics.create(CollectorRegistry())
+    interceptors: list[aio.ServerInterceptor] = [  # type: ignore[type-arg]
+        RpcMetricsInterceptor(metrics, _known_methods()),
+        DecodeGuard(),
+    ]
     if token:
         interceptors.append(TokenInterceptor(token))
     creds = server_credentials(cfg.auth)  # reads the TLS files: errors name the key
@@ -331,7 +366,7 @@ async def _bind(cfg: Config, token: str) -> Listeners:
     bound = _bind_grpc(
         server, host=host, port=port, creds=creds, key="server.listen", listen=cfg.server.listen
     )
-    listeners = Listeners(server, host, bound, None, cfg.server.engine_socket, 0, None)
+    listeners = Listeners(server, host, bound, None, cfg.server.engine_socket, 0, None, metrics)
     try:
         if cfg.server.engine_socket:
             listeners.engine_server = aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
@@ -557,8 +592,8 @@ async def _build(
     undo: contextlib.AsyncExitStack,
     fill_seed: int | None,
 ) -> Running:
-    registry = CollectorRegistry()
-    metrics = Metrics.create(registry)
+    metrics = listeners.metrics or Metrics.create(CollectorRegistry())
+    registry = metrics.registry
     attached = cfg.pool.mode == "attached"
     pool = (
         None
@@ -606,7 +641,8 @@ async def _build(
         ring_row = np.array([ring.info.row()], dtype=np.int64)
         await asyncio.to_thread(agent.register, ring_row, mem)
     engine_rows = np.vstack([rows, ring_row])
-    metrics.registered_bytes.set(int(engine_rows[:, 1].sum()))
+    metrics.registered_bytes.set(int(rows[:, 1].sum()))  # the KV pool only
+    metrics.staging_ring_bytes.set(int(ring_row[:, 1].sum()))
     engine = TransferEngine(
         agent,
         engine_rows,
@@ -704,10 +740,12 @@ async def _build(
         if kernel is not None:
             kernel.forget(agent_name, why)
 
+    peer_rpcs: list[Any] = [PeerRpcMetricsInterceptor(metrics)]  # grpc-stubs: no aio type
+
     def channel(target: str) -> aio.Channel:
         if ccreds:
-            return aio.secure_channel(target, ccreds, options=GRPC_OPTIONS)
-        return aio.insecure_channel(target, options=GRPC_OPTIONS)
+            return aio.secure_channel(target, ccreds, options=GRPC_OPTIONS, interceptors=peer_rpcs)
+        return aio.insecure_channel(target, options=GRPC_OPTIONS, interceptors=peer_rpcs)
 
     peers = PeerDirectory(
         daemon.describe_self,
@@ -741,18 +779,23 @@ async def _build(
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerService(daemon), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        (*TCP_SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
     engine_server = listeners.engine_server
     if engine_server is not None:
         engine_pb2_grpc.add_EngineServicer_to_server(EngineService(daemon, attacher), engine_server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAMES[2], reflection.SERVICE_NAME), engine_server
+        )
         await engine_server.start()
     await server.start()
-    for name in (*SERVICE_NAMES, ""):
+    for name in (*TCP_SERVICES, ""):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     if attacher is not None:
         health_changed(daemon, health_servicer)
 
+    metrics.add_live(_live_source(daemon, engine, asyncio.get_running_loop()))
+    metrics_task = asyncio.get_running_loop().create_task(_observe_pulls(daemon, metrics))
     http, metrics_address = listeners.http, ""
     if http is not None:
         http.registry, http.daemon = registry, daemon
@@ -800,6 +843,7 @@ async def _build(
         metrics_address,
         http,
         registry,
+        metrics_task,
     )
 
 
@@ -818,6 +862,69 @@ def health_changed(daemon: Daemon, health_servicer: health_aio.HealthServicer) -
 
 
 _background: set[asyncio.Task[None]] = set()
+
+
+def _live_source(
+    daemon: Daemon, engine: TransferEngine, loop: asyncio.AbstractEventLoop
+) -> Callable[[], LiveState | None]:
+    """The live metrics' source: a snapshot taken on the daemon's loop (its state is the
+    loop's alone), asked for from the HTTP thread; None if the loop does not answer in 2 s."""
+
+    def snapshot() -> LiveState:
+        pulls: dict[str, int] = dict.fromkeys(ACTIVE_STATES, 0)
+        for rec in daemon.pulls.active():
+            pulls[rec.state.value] = pulls.get(rec.state.value, 0) + 1
+        links = daemon.peers.links() if daemon.peers is not None else []
+        by_state: dict[str, int] = {}
+        inflight: dict[str, int] = {}
+        for link in links:
+            by_state[link.state.value] = by_state.get(link.state.value, 0) + 1
+            if link.remote is not None:
+                inflight[link.address] = engine.inflight_bytes(link.remote.agent_name)
+        staging = daemon.staging
+        occ = None
+        if staging is not None and staging.owner is not None:
+            occ = staging.owner.occupancy()
+        elif staging is not None and staging.ring is not None:
+            ring = staging.ring
+            occ = Occupancy(
+                slots=ring.info.chunks, free=ring.free_slots, reader_cap=0, local=ring.taken_slots
+            )
+        return LiveState(pulls, inflight, by_state, len(daemon.leases), occ)
+
+    def source() -> LiveState | None:
+        if loop.is_closed():
+            return None
+        try:
+            here = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
+        if here is loop:
+            return snapshot()  # scraped from the loop itself (in-process tests)
+        done: concurrent.futures.Future[LiveState] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                done.set_result(snapshot())
+            except BaseException as exc:
+                done.set_exception(exc)
+
+        try:
+            loop.call_soon_threadsafe(run)
+            return done.result(timeout=2.0)
+        except Exception:
+            log.warning("live metrics unavailable: the daemon's loop did not answer")
+            return None
+
+    return source
+
+
+async def _observe_pulls(daemon: Daemon, metrics: Metrics) -> None:
+    """Per-peer outcome and latency of every pull, from the daemon's pull book."""
+    async for rec in daemon.watch(frozenset()):
+        if rec.state.terminal:
+            seconds = max(0.0, (rec.finished_ns - rec.created_ns) / 1e9)
+            metrics.observe_pull_end(rec.peer_address, rec.state.value, seconds)
 
 
 class _MetricsHandler(BaseHTTPRequestHandler):

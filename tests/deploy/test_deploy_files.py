@@ -1,7 +1,8 @@
 """Deployment files (deploy/, Dockerfile) agree with the code they deploy.
 
 Parse-level checks: every metric and label the dashboard and the alert rules query exists in
-:mod:`kvxferd.metrics`; label values they match exist in the code's enums; the example configs
+:mod:`kvxferd.metrics` (tests/ops checks the same against live daemons); label values they
+match exist in the code's enums; the example configs
 load through :func:`kvxferd.config.load_config`; the systemd unit, the Kubernetes manifests and
 the Dockerfile run ``kvxferd serve`` with the ports, probes and timeouts the config implies.
 With ``promtool`` on PATH (Debian: ``apt-get install prometheus``) the PromQL is also parsed
@@ -24,11 +25,13 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 
+from kvxferd import metrics as m
 from kvxferd.config import documented_keys, load_config, split_hostport
-from kvxferd.metrics import Metrics
+from kvxferd.daemon.peers import LinkState
+from kvxferd.daemon.pulls import PullState
+from kvxferd.metrics import LiveState, Metrics
+from kvxferd.staging.stats import Occupancy
 from kvxferd.transfer.leases import ReleaseReason
-from kvxferd.transfer.state import TransferStatus
-from kvxferd.v1 import scheduler_pb2
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -42,10 +45,10 @@ DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
 
 TARGET_LABELS = frozenset({"job", "instance"})  # added by Prometheus at scrape time
-NAME_RE = re.compile(r"\bkvxferd_[a-z0-9_]+\b")
-SELECTOR_RE = re.compile(r"\b(kvxferd_[a-z0-9_]+|up)\s*\{([^}]*)\}")
+NAME_RE = re.compile(r"\b(?:kvxferd|process)_[a-z0-9_]+\b")
+SELECTOR_RE = re.compile(r"\b((?:kvxferd|process)_[a-z0-9_]+|up)\s*\{([^}]*)\}")
 MATCHER_RE = re.compile(r'([a-zA-Z_]\w*)\s*(=~|!~|!=|=)\s*"((?:[^"\\]|\\.)*)"')
-RATE_RE = re.compile(r"\b(?:rate|irate|increase)\(\s*(kvxferd_[a-z0-9_]+)")
+RATE_RE = re.compile(r"\b(?:rate|irate|increase)\(\s*((?:kvxferd|process)_[a-z0-9_]+)")
 
 
 # --- what kvxferd.metrics exports ------------------------------------------------------
@@ -58,26 +61,39 @@ class Series:
     labels: frozenset[str]
 
 
+LIVE = LiveState(
+    pulls={"PENDING": 1},
+    inflight_bytes={"10.0.0.1:50051": 1},
+    links={"READY": 1},
+    leases=1,
+    staging=Occupancy(slots=2, free=1, reader_cap=1, granted={"r": 1}),
+)
+
+
 def _exported() -> dict[str, Series]:
-    """Sample name -> family: counters as ``_total``, histograms as ``_bucket/_sum/_count``."""
-    metrics = Metrics.create(CollectorRegistry())
-    labels: dict[str, frozenset[str]] = {}
-    for f in dataclasses.fields(Metrics):
-        collector = getattr(metrics, f.name)
-        # prometheus_client keeps label names only on this attribute.
-        labels[collector._name] = frozenset(collector._labelnames)
+    """Sample name -> family: counters as ``_total``, histograms as ``_bucket/_sum/_count``.
+
+    Read from a registry as the daemon builds it (event series, the live collector, process
+    metrics), with one sample of each labelled series so that its label names show."""
     registry = CollectorRegistry()
-    Metrics.create(registry)
+    metrics = Metrics.create(registry)
+    metrics.add_live(lambda: LIVE)
+    metrics.transfer_bytes.labels("10.0.0.1:50051").inc()
+    metrics.observe_pull_end("10.0.0.1:50051", "DONE", 0.1)
+    metrics.rpc_errors.labels("StartPull", "INTERNAL").inc()
+    metrics.rpcs.labels("kvxferd.v1.Scheduler", "StartPull", "OK").inc()
+    metrics.rpc_seconds.labels("kvxferd.v1.Scheduler", "StartPull").observe(0.1)
+    metrics.peer_rpcs.labels("Handshake", "OK").inc()
+    metrics.peer_rpc_seconds.labels("Handshake").observe(0.1)
     out: dict[str, Series] = {}
     for family in registry.collect():
         base = family.name
-        names = {
-            "counter": [f"{base}_total"],
-            "histogram": [f"{base}_bucket", f"{base}_sum", f"{base}_count"],
-        }.get(family.type, [base])
-        for name in names:
-            extra = {"le"} if name.endswith("_bucket") and family.type == "histogram" else set()
-            out[name] = Series(base, family.type, labels[base] | extra)
+        for sample in family.samples:
+            labels = frozenset(sample.labels) - {"quantile"}
+            prev = out.get(sample.name)
+            out[sample.name] = Series(
+                base, family.type, labels | (prev.labels if prev else frozenset())
+            )
     return out
 
 
@@ -85,15 +101,31 @@ EXPORTED = _exported()
 
 # Label values the code produces, for the matchers that select one of them.
 KNOWN_VALUES: dict[tuple[str, str], list[str]] = {
-    ("kvxferd_transfers", "state"): [s.value for s in TransferStatus],
-    ("kvxferd_transfer_duration_seconds", "state"): [s.value for s in TransferStatus],
-    ("kvxferd_lease_releases", "reason"): [r.value for r in ReleaseReason],
-    ("kvxferd_peers", "state"): [
-        *scheduler_pb2.HandshakeState.keys(),
-        *(k.removeprefix("HANDSHAKE_STATE_") for k in scheduler_pb2.HandshakeState.keys()),  # noqa: SIM118
-    ],
+    ("kvxferd_transfers", "state"): list(m.TERMINAL_STATES),
+    ("kvxferd_transfers", "strategy"): list(m.STRATEGIES),
+    ("kvxferd_transfer_duration_seconds", "state"): list(m.TERMINAL_STATES),
+    ("kvxferd_peer_pulls", "state"): list(m.TERMINAL_STATES),
+    ("kvxferd_pulls", "state"): list(m.ACTIVE_STATES),
+    ("kvxferd_lease_releases", "reason"): list(m.RELEASE_REASONS),
+    ("kvxferd_peers", "state"): list(m.LINK_STATES),
+    ("kvxferd_notifications", "result"): list(m.NOTIFICATION_RESULTS),
+    ("kvxferd_handshakes", "result"): sorted({r for v in m.HANDSHAKE_RESULTS.values() for r in v}),
+    ("kvxferd_staging_slots", "use"): ["free", "granted", "local"],
     ("kvxferd_rpc_errors", "code"): [c.name for c in grpc.StatusCode],
+    ("kvxferd_rpcs", "code"): [c.name for c in grpc.StatusCode],
+    ("kvxferd_peer_rpcs", "code"): [c.name for c in grpc.StatusCode],
 }
+
+
+def test_label_value_lists_match_the_code_enums() -> None:
+    from kvxferd.transfer.strategy import Strategy
+
+    assert list(m.STRATEGIES) == [s.value for s in Strategy]
+    assert list(m.LINK_STATES) == [s.value for s in LinkState]
+    assert list(m.RELEASE_REASONS) == [r.value for r in ReleaseReason]
+    states = [s.value for s in PullState]
+    assert [s for s in states if PullState(s).terminal] == list(m.TERMINAL_STATES)
+    assert [s for s in states if not PullState(s).terminal] == list(m.ACTIVE_STATES)
 
 
 def _check_expr(expr: str, where: str) -> None:
@@ -119,8 +151,8 @@ def _check_expr(expr: str, where: str) -> None:
                 f"{where}: {name} has no label {label!r} (labels: {sorted(series.labels)})"
             )
             known = KNOWN_VALUES.get((series.family, label))
-            if known and op in ("=", "=~") and "$" not in value:
-                rx = re.compile(value if op == "=~" else re.escape(value))
+            if known and op in ("=", "=~", "!=", "!~") and "$" not in value:
+                rx = re.compile(value if op in ("=~", "!~") else re.escape(value))
                 assert any(rx.fullmatch(v) for v in known), (
                     f"{where}: {name}{{{label}{op}{value!r}}} matches none of {known}"
                 )
@@ -137,6 +169,8 @@ def test_metric_table_is_what_the_checks_assume() -> None:
         _check_expr('sum(kvxferd_peers{peer="x"})', "self-test")
     with pytest.raises(AssertionError, match="matches none"):
         _check_expr('rate(kvxferd_transfers_total{state="SUCCEEDED"}[5m])', "self-test")
+    with pytest.raises(AssertionError, match="matches none"):
+        _check_expr('kvxferd_peers{state="stale"}', "self-test")  # exact values only
     with pytest.raises(AssertionError, match="rate\\(\\) of gauge"):
         _check_expr("rate(kvxferd_inflight_transfers[5m])", "self-test")
 
@@ -185,13 +219,28 @@ def test_dashboard_covers_every_required_view() -> None:
         "kvxferd_transfer_duration_seconds_bucket",
         "kvxferd_posted_descriptors_total",
         "kvxferd_naive_descriptors_total",
-        "kvxferd_inflight_transfers",
+        "kvxferd_pulls",
         "kvxferd_inflight_bytes",
         "kvxferd_peers",
         "kvxferd_handshakes_total",
+        "kvxferd_handshake_duration_seconds_bucket",
         "kvxferd_leases_active",
         "kvxferd_lease_releases_total",
-        "kvxferd_rpc_errors_total",
+        "kvxferd_rpcs_total",
+        "kvxferd_rpc_duration_seconds_bucket",
+        "kvxferd_peer_rpcs_total",
+        "kvxferd_peer_pulls_total",
+        "kvxferd_peer_pull_duration_seconds_bucket",
+        "kvxferd_pull_stage_seconds_bucket",
+        "kvxferd_strategy_bytes_total",
+        "kvxferd_staged_stage_seconds_sum",
+        "kvxferd_staging_slots",
+        "kvxferd_staging_gathers_waiting",
+        "kvxferd_notifications_total",
+        "kvxferd_registered_bytes",
+        "kvxferd_staging_ring_bytes",
+        "kvxferd_build_info",
+        "process_cpu_seconds_total",
     ):
         assert re.search(rf"\b{name}\b", text), f"no panel queries {name}"
     assert "histogram_quantile(0.5," in text and "histogram_quantile(0.99," in text
@@ -231,6 +280,10 @@ REQUIRED_ALERTS = {
     "KvxferdHandshakeRefusals",
     "KvxferdLeasesExpiring",
     "KvxferdRpcInternalErrors",
+    "KvxferdBackPressure",
+    "KvxferdPeerPullsFailing",
+    "KvxferdStagingSlotsExhausted",
+    "KvxferdUndecodableNotifications",
 }
 
 
@@ -316,16 +369,16 @@ SCENARIOS: dict[str, tuple[list[dict[str, str]], list[dict[str, str]]]] = {
         [_s(T, "5x30", state="EXPIRED"), _s(T, "0+60x30", state="DONE")],
     ),
     "KvxferdNoPeersReady": (
-        # Known peers, no READY series at all (the "or ... * 0" branch).
-        [_s("kvxferd_peers", "2x30", state="UNREACHABLE")],
+        # Known peers, none READY; and (the "or ... * 0" branch) no READY series at all.
+        [_s("kvxferd_peers", "2x30", state="STALE"), _s("kvxferd_peers", "0x30", state="READY")],
         [
-            _s("kvxferd_peers", "1x30", state="HANDSHAKE_STATE_READY"),
+            _s("kvxferd_peers", "1x30", state="READY"),
             _s("kvxferd_peers", "2x30", state="REFUSED"),
         ],
     ),
     "KvxferdHandshakeRefusals": (
-        [_s("kvxferd_handshakes_total", "0+1x30", side="client", result="REFUSED")],
-        [_s("kvxferd_handshakes_total", "0+1x30", side="client", result="OK")],
+        [_s("kvxferd_handshakes_total", "0+1x30", side="client", result="refused")],
+        [_s("kvxferd_handshakes_total", "0+1x30", side="client", result="ok")],
     ),
     "KvxferdLeasesExpiring": (
         [
@@ -338,8 +391,42 @@ SCENARIOS: dict[str, tuple[list[dict[str, str]], list[dict[str, str]]]] = {
         ],
     ),
     "KvxferdRpcInternalErrors": (
-        [_s("kvxferd_rpc_errors_total", "0+1x30", method="StartPull", code="INTERNAL")],
-        [_s("kvxferd_rpc_errors_total", "0+1x30", method="StartPull", code="NOT_FOUND")],
+        [_s("kvxferd_rpcs_total", "0+1x30", method="StartPull", code="INTERNAL")],
+        [
+            _s("kvxferd_rpcs_total", "0+1x30", method="StartPull", code="NOT_FOUND"),
+            _s("kvxferd_rpcs_total", "0x30", method="StartPull", code="INTERNAL"),
+        ],
+    ),
+    "KvxferdBackPressure": (
+        [_s("kvxferd_rpcs_total", "0+60x30", method="StartPull", code="RESOURCE_EXHAUSTED")],
+        [_s("kvxferd_rpcs_total", "0+1x30", method="StartPull", code="RESOURCE_EXHAUSTED")],
+    ),
+    "KvxferdPeerPullsFailing": (
+        [
+            _s("kvxferd_peer_pulls_total", "0+10x30", peer="p:1", state="FAILED"),
+            _s("kvxferd_peer_pulls_total", "0+2x30", peer="p:1", state="DONE"),
+            _s("kvxferd_peer_pulls_total", "0+60x30", peer="p:2", state="DONE"),
+        ],
+        [
+            _s("kvxferd_peer_pulls_total", "0+1x30", peer="p:1", state="FAILED"),
+            _s("kvxferd_peer_pulls_total", "0+60x30", peer="p:1", state="DONE"),
+        ],
+    ),
+    "KvxferdStagingSlotsExhausted": (
+        [_s("kvxferd_staging_gathers_waiting", "3x30")],
+        [
+            _s(
+                "kvxferd_staging_gathers_waiting",
+                " ".join(["0 3"] * 15),
+            )
+        ],
+    ),
+    "KvxferdUndecodableNotifications": (
+        [_s("kvxferd_notifications_total", "0+1x30", result="undecodable")],
+        [
+            _s("kvxferd_notifications_total", "5x30", result="undecodable"),
+            _s("kvxferd_notifications_total", "0+9x30", result="counted"),
+        ],
     ),
 }
 
