@@ -1,0 +1,14 @@
+"""kvxferd beside vLLM: a KV connector (V1 API) backed by the local kvxferd daemon.
+
+vLLM loads :class:`kvxferd.vllm.connector.KvxferdConnector` by module path (docs/vllm.md);
+that module is the only one here that imports vLLM, so ``import kvxferd.vllm`` and its pure
+parts work without it:
+
+* :mod:`kvxferd.vllm.spec`: vLLM's ``KVCacheConfig`` -> a kvxferd spec and where each region
+  sits in vLLM's backing buffer;
+* :mod:`kvxferd.vllm.params`: the ``kv_transfer_params`` ticket and block pairing;
+* :mod:`kvxferd.vllm.memory`: the KV allocation in shared memory the daemon imports;
+* :mod:`kvxferd.vllm.daemon`: the Engine and Scheduler calls to the local daemon;
+* :mod:`kvxferd.vllm.engine_proc` and :mod:`kvxferd.vllm.tiny_model`: what
+  ``kvxferd demo --engine vllm`` runs.
+"""

@@ -1,0 +1,152 @@
+"""The connector's pure parts: tickets in ``kv_transfer_params``, which blocks a finished
+prefill holds, how a decode request's blocks pair with the held ones (prefix-cache hits move
+only the missing blocks), the shared-memory KV allocation, and that kvxferd imports without
+vLLM."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvxferd.errors import InvalidRequest, SpecError
+from kvxferd.layout.spec import GroupKind
+from kvxferd.vllm.memory import SharedKvAllocation
+from kvxferd.vllm.params import (
+    LocalBlock,
+    Ticket,
+    blocks_to_hold,
+    pull_lists,
+    ticket_from_params,
+)
+
+FA, SWA, MAMBA = GroupKind.FULL_ATTENTION, GroupKind.SLIDING_WINDOW, GroupKind.MAMBA
+
+
+def _ticket(ids: list[list[int]], starts: list[int] | None = None) -> Ticket:
+    return Ticket(
+        "127.0.0.1:5000",
+        "req-1",
+        tuple(tuple(g) for g in ids),
+        tuple(starts or [0] * len(ids)),
+        123,
+        100,
+    )
+
+
+def test_ticket_round_trips_through_kv_transfer_params() -> None:
+    t = _ticket([[4, 5, 6], [9]], [0, 2])
+    params = t.to_params()
+    assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+    assert ticket_from_params(params) == t
+    assert ticket_from_params({"do_remote_decode": True}) is None
+    assert ticket_from_params(None) is None
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("peer_address", "nowhere", "host:port"),
+        ("request_id", "", "non-empty"),
+        ("remote_block_ids", [[1, "2"]], "integer"),
+        ("remote_block_ids", "1,2", "list of lists"),
+        ("remote_starts", [0, 0], "one position per group"),
+    ],
+)
+def test_malformed_ticket_names_the_field(field: str, value: object, match: str) -> None:
+    params = _ticket([[1, 2]]).to_params()
+    params["kvxferd"][field] = value
+    with pytest.raises(InvalidRequest, match=match) as ei:
+        ticket_from_params(params)
+    assert "docs/vllm.md" in str(ei.value)
+
+
+def test_blocks_to_hold_clip_to_the_prompt_and_drop_null_placeholders() -> None:
+    # 70 tokens in 32-token blocks: 3 blocks; a 4th (a decode slot) is not held. The SWA
+    # group's first block fell out of the window (null block 0). Mamba keeps its last state.
+    held = blocks_to_hold(
+        [FA, SWA, MAMBA], [[7, 8, 9, 10], [0, 12, 13], [0, 21, 22]], 70, [32, 32, 32]
+    )
+    assert held.ids == ((7, 8, 9), (12, 13), (22,))
+    assert held.starts == (0, 1, 0)
+
+
+def _table(ids: list[int], cached: int) -> list[LocalBlock]:
+    return [LocalBlock(b, i >= cached and b != 0) for i, b in enumerate(ids)]
+
+
+def test_full_pull_pairs_every_position() -> None:
+    lists = pull_lists([FA], _ticket([[4, 5, 6, 7]]), [_table([40, 41, 42, 43], 0)])
+    assert lists.remote == ((4, 5, 6, 7),) and lists.local == ((40, 41, 42, 43),)
+    assert lists.unfillable == () and lists.num_blocks == 4
+
+
+def test_prefix_hit_moves_only_the_missing_blocks_at_their_positions() -> None:
+    # decode already holds positions 0-7 (a cached 256-token prefix); positions 8, 9 move
+    remote = list(range(100, 110))
+    local = list(range(200, 210))
+    lists = pull_lists([FA], _ticket([remote]), [_table(local, 8)])
+    assert lists.remote == ((108, 109),) and lists.local == ((208, 209),)
+
+
+def test_sliding_window_start_offsets_positions_and_gaps_are_unfillable() -> None:
+    # remote holds positions 2.. (0, 1 out of its window); local needs positions 1..3
+    lists = pull_lists([SWA], _ticket([[12, 13]], [2]), [_table([0, 31, 32, 33], 1)])
+    assert lists.remote == ((12, 13),) and lists.local == ((32, 33),)
+    assert lists.unfillable == (31,)  # position 1: nothing held there
+
+
+def test_mamba_pairs_the_latest_state() -> None:
+    lists = pull_lists([FA, MAMBA], _ticket([[1, 2], [9]]), [_table([5, 6], 0), _table([0, 7], 0)])
+    assert lists.remote == ((1, 2), (9,)) and lists.local == ((5, 6), (7,))
+
+
+def test_full_local_hit_pulls_nothing() -> None:
+    lists = pull_lists([FA], _ticket([[1, 2]]), [_table([5, 6], 2)])
+    assert lists.remote == ((),) and lists.num_blocks == 0
+
+
+def test_group_count_mismatch_is_refused() -> None:
+    with pytest.raises(InvalidRequest, match="2 KV cache groups, this engine 1"):
+        pull_lists([FA], _ticket([[1], [2]]), [_table([5], 0)])
+
+
+def test_shared_kv_allocation_serves_vllms_buffer_from_shared_memory() -> None:
+    alloc = SharedKvAllocation(prefix="kvxferd-vllm-test")
+    with alloc:
+        other = torch.zeros(4, dtype=torch.float32)  # not the KV buffer: untouched
+        buf = torch.zeros(8192, dtype=torch.int8, device="cpu")
+        again = torch.zeros(64, dtype=torch.int8)  # only the first one is shared
+    seg, got = alloc.require()
+    assert got is buf and buf.dtype is torch.int8 and int(buf.sum()) == 0
+    assert other.dtype is torch.float32 and again.numel() == 64
+    path = Path("/dev/shm") / seg.name.lstrip("/")
+    assert path.stat().st_size == 8192
+    buf[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.int8)
+    assert seg.tensor(0, 4).tolist() == [1, 2, 3, 4]  # the same memory
+    alloc.unlink()
+    assert not path.exists()
+    buf[4] = 5  # still mapped after the name is gone
+
+
+def test_require_explains_when_vllm_allocated_elsewhere() -> None:
+    with pytest.raises(SpecError, match="get_mem_pool_context"):
+        SharedKvAllocation().require()
+
+
+def test_kvxferd_imports_without_vllm() -> None:
+    code = (
+        "import sys; sys.modules['vllm'] = None\n"
+        "import kvxferd.vllm, kvxferd.vllm.spec, kvxferd.vllm.params, kvxferd.vllm.daemon\n"
+        "import kvxferd.vllm.memory, kvxferd.vllm.tiny_model, kvxferd.commands.demo_vllm\n"
+        "import kvxferd.cli\n"
+        "try:\n"
+        "    import kvxferd.vllm.connector\n"
+        "except ImportError:\n"
+        "    print('connector needs vllm')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "connector needs vllm"
