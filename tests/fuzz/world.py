@@ -304,12 +304,15 @@ class World:
         """Cancel every transfer the fuzz started, give back staging grants; returns the IDs
         of transfers that did not reach a terminal state."""
         stuck = []
+        cancelled: dict[tuple[str, str], str] = {}
         for daemon, tid in sorted(self.transfers):
-            self.setup_call(
+            out = self.setup_call(
                 "Scheduler.CancelTransfer",
                 self.tcp(daemon),
                 scheduler_pb2.CancelTransferRequest(transfer_id=tid),
+                timeout_s=3.0,
             )
+            cancelled[daemon, tid] = out.code
         deadline = time.monotonic() + self.SETTLE_S
         for daemon, tid in sorted(self.transfers):
             while True:
@@ -320,11 +323,13 @@ class World:
                 )
                 if out.code != "OK":
                     break  # forgotten
-                state = scheduler_pb2.GetTransferResponse.FromString(out.body).status.state
-                if state >= scheduler_pb2.TRANSFER_STATE_DONE:
+                status = scheduler_pb2.GetTransferResponse.FromString(out.body).status
+                if status.state >= scheduler_pb2.TRANSFER_STATE_DONE:
                     break
                 if time.monotonic() > deadline:
-                    stuck.append(f"{daemon}:{tid}")
+                    state = scheduler_pb2.TransferState.Name(status.state)
+                    why = f"CancelTransfer {cancelled[daemon, tid]}"
+                    stuck.append(f"{daemon}:{tid} ({state}; {why})")
                     break
                 time.sleep(0.05)
         for target, rid, reader, slot in sorted(self.grants):
