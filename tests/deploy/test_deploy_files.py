@@ -30,6 +30,7 @@ from kvxferd.config import documented_keys, load_config, split_hostport
 from kvxferd.daemon.peers import LinkState
 from kvxferd.daemon.pulls import PullState
 from kvxferd.metrics import LiveState, Metrics
+from kvxferd.service.app import PEER_SERVICE, TCP_SERVICES
 from kvxferd.staging.stats import Occupancy
 from kvxferd.transfer.leases import ReleaseReason
 
@@ -575,6 +576,22 @@ def test_k8s_sidecar_matches_its_config() -> None:
     assert ports == {"grpc": grpc_port, "metrics": metrics_port}
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         assert sidecar[probe]["grpc"]["port"] == grpc_port, probe
+    # Readiness = the Peer service (NOT_SERVING until an engine attached); start-up and
+    # liveness = the overall service, or the engine (started after the sidecar) never starts.
+    assert sidecar["readinessProbe"]["grpc"]["service"] == PEER_SERVICE
+    assert "service" not in sidecar["startupProbe"]["grpc"]
+    assert "service" not in sidecar["livenessProbe"]["grpc"]
+    # The GPU: one DRA claim, listed by the sidecar and every engine container; no
+    # device-plugin GPU (it would reach one container only).
+    (claim,) = spec["resourceClaims"]
+    template = by_kind["ResourceClaimTemplate"][0]
+    assert claim["resourceClaimTemplateName"] == template["metadata"]["name"]
+    (request,) = template["spec"]["spec"]["devices"]["requests"]
+    assert request["exactly"]["count"] == 1
+    for c in containers:
+        res = c.get("resources", {})
+        assert {"name": claim["name"]} in res.get("claims", []), c["name"]
+        assert "nvidia.com/gpu" not in res.get("limits", {}), c["name"]
     assert "IPC_LOCK" in sidecar["securityContext"]["capabilities"]["add"]
     assert pod["metadata"]["annotations"]["prometheus.io/port"] == str(metrics_port)
     assert spec["terminationGracePeriodSeconds"] > cm["server"]["drain_timeout_s"]
@@ -601,6 +618,11 @@ def test_k8s_sidecar_matches_its_config() -> None:
     assert {e["port"] for e in sm["spec"]["endpoints"]} <= svc_ports.keys()
     (kust,) = by_kind["Kustomization"]
     assert all((K8S / r).is_file() for r in kust["resources"])
+
+
+def test_tcp_port_serves_no_engine_service() -> None:
+    assert PEER_SERVICE == "kvxferd.v1.Peer"
+    assert "kvxferd.v1.Engine" not in TCP_SERVICES
 
 
 # --- Docker ----------------------------------------------------------------------------

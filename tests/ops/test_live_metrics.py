@@ -241,10 +241,11 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         DaemonOptions("direct", "dense:num_blocks=64", extra=_staging("direct")),
         DaemonOptions("staged", "dense:num_blocks=64", extra=_staging("staged")),
         DaemonOptions("odd", "mla:num_blocks=16"),
+        DaemonOptions("attached", "dense", extra=("--set", "pool.mode=attached")),
     )
     prom = None
     try:
-        names = ("prefill", "direct", "staged", "odd")
+        names = ("prefill", "direct", "staged", "odd", "attached")
         if PROMETHEUS:
             prom = PromServer(tmp, [ds[n].metrics for n in names])
             prom.wait_scrapes(2)
@@ -469,4 +470,52 @@ def test_alert_expressions_evaluate_and_their_series_exist(world: World) -> None
             sel = f"{name}{{{body}}}" if body else name
             assert world.prom.query(sel), f"{where}: {sel} has no data in Prometheus"
     up = world.prom.query('up{job=~".*kvxferd.*"} == 1')
-    assert len(up) == 4
+    assert len(up) == 5
+
+
+# --- listeners: reflection and health -------------------------------------------------------
+
+
+async def _reflected(target: str) -> set[str]:
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    async def ask() -> Any:
+        yield reflection_pb2.ServerReflectionRequest(list_services="")
+
+    async with aio.insecure_channel(target) as ch:
+        names: set[str] = set()
+        async for resp in reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(ask()):
+            names |= {s.name for s in resp.list_services_response.service}
+        return names
+
+
+def test_reflection_lists_only_what_each_listener_serves(world: World) -> None:
+    d = world.daemons["prefill"]
+    refl = "grpc.reflection.v1alpha.ServerReflection"
+    tcp = asyncio.run(_reflected(d.grpc))
+    assert tcp == {"kvxferd.v1.Peer", "kvxferd.v1.Scheduler", "grpc.health.v1.Health", refl}
+    unix = asyncio.run(_reflected(f"unix:{d.engine_socket}"))
+    assert unix == {"kvxferd.v1.Engine", refl}
+
+
+def test_readiness_is_the_peer_service_in_attached_mode(world: World) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    async def status(target: str, service: str) -> int:
+        async with aio.insecure_channel(target) as ch:
+            resp = await health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service=service)
+            )
+            return int(resp.status)
+
+    serving, not_serving = (
+        health_pb2.HealthCheckResponse.SERVING,
+        health_pb2.HealthCheckResponse.NOT_SERVING,
+    )
+    attached, owned = world.daemons["attached"].grpc, world.daemons["prefill"].grpc
+    assert asyncio.run(status(attached, "")) == serving  # liveness
+    assert asyncio.run(status(attached, "kvxferd.v1.Peer")) == not_serving  # not ready
+    assert asyncio.run(status(attached, "kvxferd.v1.Scheduler")) == serving
+    assert asyncio.run(status(owned, "kvxferd.v1.Peer")) == serving
+    with pytest.raises(aio.AioRpcError):  # the TCP port does not serve Engine
+        asyncio.run(status(owned, "kvxferd.v1.Engine"))
