@@ -750,6 +750,19 @@ class Daemon:
                 invalid_local_blocks=local_blocks if tid in self._posted else (),
             )
             raise
+        except Exception as exc:  # a bug: the pull still ends, listing what it may have written
+            log.exception("pull failed unexpectedly", extra=kv(transfer_id=tid))
+            if tid in self._posted:
+                await asyncio.wrap_future(self.engine.cancel(tid))
+            self.pulls.update(
+                tid,
+                state=PullState.FAILED,
+                error=KvxferdError(
+                    f"internal error ({type(exc).__name__}: {exc}); this is a kvxferd bug,"
+                    " please report it with the daemon's log"
+                ),
+                invalid_local_blocks=local_blocks if tid in self._posted else (),
+            )
         finally:
             link.active -= 1
             self._cancel_requested.discard(tid)

@@ -47,7 +47,7 @@ def attach_request_from_proto(msg: engine_pb2.AttachRequest) -> AttachRequest:
     mode = _MODE.get(msg.memory_mode)
     if mode is None:
         raise InvalidRequest(
-            f"memory_mode {engine_pb2.MemoryMode.Name(msg.memory_mode)} cannot be attached",
+            f"memory_mode {_mode_name(msg.memory_mode)} cannot be attached",
             field="memory_mode",
             fix="send MEMORY_MODE_OWNED (the fast path) or MEMORY_MODE_IMPORTED",
         )
@@ -122,3 +122,9 @@ def pool_info(daemon: Daemon, attacher: Attacher | None) -> engine_pb2.PoolInfo:
     out.exports.extend(_export_to_proto(e) for e in att.exports)
     out.attachment_id = att.attachment_id
     return out
+
+
+def _mode_name(value: int) -> str:
+    """The enum name of a memory mode, or the number when it names none."""
+    names = dict(engine_pb2.MemoryMode.items())
+    return next((k for k, v in names.items() if v == value), str(value))

@@ -18,7 +18,7 @@ from typing import Any, Protocol, TypeVar
 import grpc
 from grpc import aio
 
-from kvxferd.errors import DeadlineExceeded, KvxferdError
+from kvxferd.errors import DeadlineExceeded, KvxferdError, PeerUnavailable
 from kvxferd.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 from kvxferd.wire.errors import error_from_rpc, status_for, trailer_for
 
@@ -133,9 +133,16 @@ class PeerClient:
                 fix="raise the pull's deadline_ms",
             )
         try:
-            return await self._transport(method, request, timeout=timeout, metadata=self.metadata())
+            resp = await self._transport(method, request, timeout=timeout, metadata=self.metadata())
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, what, self.address) from exc
+        if resp is None:  # gRPC hands back None for an answer it could not decode
+            raise PeerUnavailable(
+                f"peer {self.address} answered {what} with an undecodable message",
+                field="peer_address",
+                fix="the peer is not a kvxferd daemon of this protocol version",
+            )
+        return resp
 
     async def handshake(
         self, version: int, digest: bytes, payload: bytes, time_left_s: float | None = None

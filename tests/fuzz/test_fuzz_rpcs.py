@@ -210,29 +210,7 @@ def test_repro_undecodable_body_is_invalid_argument(world: World, rpc_id: str, b
     assert out.code == "INVALID_ARGUMENT", (daemon, out.code, out.details)
 
 
-FOUND_BY_FUZZ = "found by this fuzz; outside tests/fuzz (see docs/reliability.md)"
-
-
-@pytest.mark.parametrize(
-    "method",
-    [
-        pytest.param(
-            "Handshake",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason=f"{FOUND_BY_FUZZ}: StartPull INTERNAL AttributeError on a None answer",
-            ),
-        ),
-        pytest.param(
-            "ConfirmLease",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason=f"{FOUND_BY_FUZZ}: the pull task dies on a None answer; stuck CONFIRMING",
-            ),
-        ),
-        "ReleaseLease",
-    ],
-)
+@pytest.mark.parametrize("method", ["Handshake", "ConfirmLease", "ReleaseLease"])
 def test_repro_undecodable_answer_of_a_peer(world: World, method: str) -> None:
     """A malicious owner answers one Peer call with bytes that do not decode (the rest of its
     answers valid): the reader's StartPull is not INTERNAL and the pull ends on time."""
@@ -260,9 +238,6 @@ def test_repro_undecodable_answer_of_a_peer(world: World, method: str) -> None:
         peer.stop()
 
 
-@pytest.mark.xfail(
-    strict=True, reason=f"{FOUND_BY_FUZZ}: an unknown memory_mode is INTERNAL (ValueError)"
-)
 @pytest.mark.parametrize("memory_mode", [-1, 4, 719506326])
 def test_repro_attach_with_an_unknown_memory_mode_is_invalid_argument(
     world: World, memory_mode: int
