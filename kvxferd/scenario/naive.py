@@ -276,6 +276,35 @@ class NaiveReader:
             raise RuntimeError(f"naive transfer ended {res.status.value}: {res.reason}")
         return NaiveResult(res.nbytes, res.descriptors, dt)
 
+    def floor(self, local: Int64Array, remote: Int64Array) -> NaiveResult:
+        """The bare-NIXL floor of a DIRECT pull: the descriptors DIRECT would post (the naive
+        plan's ranges coalesced where contiguous on both sides, as the daemon builds them),
+        posted as one READ by the raw agent and polled in a plain loop (no engine, no daemon)."""
+        from kvxferd.nixl import XferOp, XferState
+        from kvxferd.transfer.descriptors import RegionTable, build_descriptors
+
+        plan = per_block_plan(
+            local, remote, num_layers=self.shape.num_layers, block_bytes=self.shape.block_bytes
+        )
+        loc, rem = build_descriptors(
+            plan,
+            RegionTable.from_array(_region_rows(self.tensors)),
+            RegionTable.from_array(self.owner.regions),
+            merge=True,
+        )
+        mem = _mem_type(self.device)
+        t0 = time.perf_counter()
+        h = self.agent.post(
+            XferOp.READ, loc, rem, peer=self.owner.name, local_mem=mem, remote_mem=self.owner.mem
+        )
+        try:
+            while self.agent.poll(h) is not XferState.DONE:
+                pass
+            dt = time.perf_counter() - t0
+        finally:
+            self.agent.release(h)
+        return NaiveResult(int(loc[:, 1].sum()), int(loc.shape[0]), dt)
+
     def verify(self, local: Int64Array, remote: Int64Array, samples: int, seed: int) -> int:
         """Compare ``samples`` random (layer, block) pairs with the owner; return mismatches."""
         rng = np.random.default_rng(seed)

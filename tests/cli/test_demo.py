@@ -142,7 +142,9 @@ def test_bench_smoke(tmp_path: Path) -> None:
         cmd, cwd=REPO, capture_output=True, text=True, timeout=DEMO_TIMEOUT_S, check=False
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "limit GB/s" in proc.stdout and "small-request latency" in proc.stdout
+    assert "small-request latency" in proc.stdout
+    for row in ("raw copy (", "naive (1 desc per layer x block)", "floor (DIRECT's descs"):
+        assert row in proc.stdout  # one table: raw, naive, floor, then kvxferd
     doc = json.loads(out.read_text())
     assert doc["ok"] is True and doc["error"] == ""
     assert doc["machine"]["cores"] >= 1 and doc["versions"]["torch"]
@@ -153,8 +155,11 @@ def test_bench_smoke(tmp_path: Path) -> None:
         assert r["limit"]["median_gbps"] > 0 and r["naive"]["median_gbps"] > 0
         assert r["kvxferd"]["median_gbps"] > 0 and r["mismatches"] == 0
         assert r["naive"]["descriptors"] == 32 * 16  # one per (layer, block)
+        assert r["floor"]["median_gbps"] > 0 and r["floor"]["transport"]  # beside naive
+        assert set(r["naive"]) <= set(r["floor"]) and r["kvxferd"]["transport"]
         assert r["kvxferd"]["descriptors_before_coalescing"] == 32 * 16
     assert rows[CONTIGUOUS]["kvxferd"]["descriptors_after_coalescing"] == 32  # one per layer
+    assert rows[CONTIGUOUS]["floor"]["descriptors"] == 32  # what DIRECT posts
     lat = doc["latency"]
     assert lat["pulls"] == 3 and 0 < lat["p50_ms"] <= lat["p99_ms"]
 

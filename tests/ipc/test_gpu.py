@@ -1,0 +1,217 @@
+"""KERNEL on a GPU: the range-copy kernel against the torch twin on owned memory and on memory
+imported over CUDA IPC from another process, bounds refusals, a restarted owner's mappings
+dropped, and pulls between two daemons verified by Checksum for the dense, hybrid and MLA
+presets (GPU only; skipped without CUDA)."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import random
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kvxferd.errors import BlockRangeError
+from kvxferd.ipc.host import device_uuid
+from kvxferd.ipc.mapping import MappingCache
+from kvxferd.ipc.publish import IpcPool, IpcRegion
+from kvxferd.kernels import BackendName, RangeCopy, active_backend, twin
+from kvxferd.kernels.ranges import address_table
+from kvxferd.scenario.daemons import DaemonOptions
+from kvxferd.v1 import scheduler_pb2
+from tests.service.conftest import Daemons, launch
+from tests.service.test_service_staged import Client
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU"),
+]
+
+SIZES = [1 << 20, 3 << 19, 1 << 20]  # three regions, bytes
+
+
+@pytest.fixture(scope="module")
+def ops() -> Any:
+    backend = active_backend()
+    assert backend.name is BackendName.CUDA, backend.describe()  # a failed build fails here
+    from kvxferd.kernels import cuda_ops
+
+    return cuda_ops
+
+
+def _random(n: int, seed: int, device: str = "cuda") -> torch.Tensor:
+    g = torch.Generator(device=device).manual_seed(seed)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, device=device, generator=g)
+
+
+def _pieces(sizes: list[int], n: int, seed: int, align: int) -> RangeCopy:
+    """``n`` random pieces per region, not overlapping on the destination side."""
+    rng = np.random.default_rng(seed)
+    cols: list[list[int]] = [[], [], [], []]
+    for r, size in enumerate(sizes):
+        slots = size // 8192
+        for k, dst_slot in enumerate(rng.choice(slots, n, replace=False)):
+            ln = int(rng.integers(1, 8192 // align)) * align
+            src = int(rng.integers(0, (size - ln) // align)) * align
+            cols[0].append(r)
+            cols[1].append(int(dst_slot) * 8192 + (k % 2) * align)
+            cols[2].append(src)
+            cols[3].append(min(ln, 8192 - align))
+    a = [np.array(c, dtype=np.int64) for c in cols]
+    return RangeCopy(a[0], a[1], a[2], a[3])
+
+
+@pytest.mark.parametrize("align", [16, 4, 1], ids=["v16", "v4", "v1"])
+@pytest.mark.parametrize("max_ctas", [1, 7, 0])
+def test_kernel_matches_the_twin_on_owned_memory(ops: Any, align: int, max_ctas: int) -> None:
+    src = [_random(n, 10 + i) for i, n in enumerate(SIZES)]
+    rc = _pieces(SIZES, 40, seed=align * 100 + max_ctas, align=align)
+    want = [torch.full((n,), 0xA5, dtype=torch.uint8, device="cuda") for n in SIZES]
+    got = [t.clone() for t in want]
+    twin.copy_ranges(want, src, rc)
+    ops.copy_ranges(got, src, rc, max_ctas=max_ctas)
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert ops.copy_vector_width(got, src, rc) == align
+
+
+def test_bounds_and_bad_tables_are_refused_before_launch(ops: Any) -> None:
+    src = [_random(1024, 1)]
+    dst = [torch.zeros(1024, dtype=torch.uint8, device="cuda")]
+    one = np.array([0], dtype=np.int64)
+    past = RangeCopy(one, one, np.array([1000], dtype=np.int64), np.array([100], dtype=np.int64))
+    with pytest.raises(BlockRangeError, match="src region 0, which has 1024 bytes"):
+        ops.copy_ranges(dst, src, past)
+    assert int(dst[0].sum()) == 0
+    # The launcher's own checks (a caller that skipped check_ranges): nothing launched.
+    table = address_table(dst, src, RangeCopy(one, one, one, np.array([8], dtype=np.int64)))
+    table[0, 2] = 0
+    from kvxferd.kernels.loader import cuda_ops
+
+    assert "empty" in cuda_ops().copy_ranges(table, dst[0], 0)
+    table[0, 2], table[0, 1] = 8, 0
+    assert "null" in cuda_ops().copy_ranges(table, dst[0], 0)
+    assert "CPU" in cuda_ops().copy_ranges(table.cuda(), dst[0], 0)
+
+
+# -- memory imported over CUDA IPC from another process -------------------------------------
+
+
+def _owner(conn: Connection, sizes: list[int], seed: int) -> None:
+    from kvxferd.attach.cuda_ipc import export_tensor
+
+    torch.cuda.set_device(0)
+    regions = [_random(n, seed + i) for i, n in enumerate(sizes)]
+    torch.cuda.synchronize()
+    exports = [export_tensor(t, t.numel()) for t in regions]
+    conn.send(([(e.handle, e.offset, e.nbytes) for e in exports], [t.cpu() for t in regions]))
+    conn.recv()  # stay alive (and keep the memory) until told
+
+
+class Owner:
+    """A process exporting random regions over CUDA IPC (a daemon-owned pool stand-in)."""
+
+    def __init__(self, seed: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_owner, args=(child, SIZES, seed), daemon=True)
+        self.proc.start()
+        assert self.conn.poll(120), "owner did not start"
+        handles, self.data = self.conn.recv()
+        uuid = device_uuid(0)
+        assert uuid is not None
+        self.ipc = IpcPool(tuple(IpcRegion(h, o, n, uuid) for h, o, n in handles))
+
+    def stop(self) -> None:
+        self.conn.send("stop")
+        self.proc.join(30)
+
+
+@pytest.fixture
+def owner() -> Iterator[Owner]:
+    o = Owner(seed=50)
+    yield o
+    o.stop()
+
+
+def test_kernel_matches_the_twin_on_imported_memory(ops: Any, owner: Owner) -> None:
+    cache = MappingCache(device=0)
+    maps = cache.get(("owner", "i1", 1), owner.ipc)
+    rc = _pieces(SIZES, 60, seed=3, align=16)
+    got = [torch.zeros(n, dtype=torch.uint8, device="cuda") for n in SIZES]
+    with maps.use() as src:
+        ops.copy_ranges(got, src, rc, max_ctas=16)
+        torch.cuda.synchronize()
+    want = [torch.zeros(n, dtype=torch.uint8) for n in SIZES]
+    twin.copy_ranges(want, owner.data, rc)
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(got, want, strict=True))
+    cache.close()
+    assert maps.closed
+
+
+def test_a_restarted_owner_is_mapped_afresh_and_its_old_mappings_are_dropped(ops: Any) -> None:
+    cache = MappingCache(device=0)
+    first = Owner(seed=1)
+    old = cache.get(("owner", "i1", 1), first.ipc)
+    raw = [m._m for m in old.mappings]  # type: ignore[attr-defined]
+    first.stop()  # the owner "restarts": a new process, new memory, new handles
+    second = Owner(seed=2)
+    try:
+        new = cache.get(("owner", "i2", 1), second.ipc)
+        assert old.closed and all(m.closed for m in raw)  # never pinned by stale mappings
+        got = [torch.zeros(n, dtype=torch.uint8, device="cuda") for n in SIZES]
+        rc = _pieces(SIZES, 10, seed=4, align=16)
+        with new.use() as src:
+            ops.copy_ranges(got, src, rc)
+            torch.cuda.synchronize()
+        want = [torch.zeros(n, dtype=torch.uint8) for n in SIZES]
+        twin.copy_ranges(want, second.data, rc)
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(got, want, strict=True))
+    finally:
+        cache.close()
+        second.stop()
+
+
+# -- through two daemons on one GPU ----------------------------------------------------------
+
+PRESETS = {
+    "dense": ("dense:num_blocks=256", lambda r: [r.sample(range(256), 100)]),
+    "hybrid": (
+        "hybrid:num_blocks=16,ppl=4",
+        lambda r: [r.sample(range(16), 6), r.sample(range(16), 6)],
+    ),
+    "mla": ("mla:num_blocks=64,num_layers=8", lambda r: [r.sample(range(64), 20)]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_kernel_pull_between_daemons_is_byte_exact(
+    name: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    text, ids = PRESETS[name]
+    ds: Daemons = launch(
+        tmp_path_factory.mktemp(f"kernel-{name}"),
+        DaemonOptions("prefill", text, device="cuda:0", fill_seed=6),
+        DaemonOptions("decode", text, device="cuda:0"),
+    )
+    try:
+
+        async def go() -> None:
+            c = Client(ds["prefill"], ds["decode"])
+            rng = random.Random(7)
+            remote, local = ids(rng), ids(rng)
+            st = await c.pull(await c.hold(f"kernel-{name}", remote), local)
+            assert st.state == scheduler_pb2.TRANSFER_STATE_DONE, st.error.message
+            assert st.strategy == scheduler_pb2.TRANSFER_STRATEGY_KERNEL, st.strategy_reason
+            assert await c.same(remote, local)
+            peers = await c.decode.ListPeers(scheduler_pb2.ListPeersRequest())
+            assert peers.peers[0].same_host
+
+        asyncio.run(go())
+    finally:
+        ds.stop()
