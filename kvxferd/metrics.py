@@ -182,6 +182,8 @@ class LiveState:
     links: Mapping[str, int] = field(default_factory=dict)  # peer links by LinkState value
     leases: int = 0
     staging: Occupancy | None = None
+    # peer address -> (transport serving READs from it, probe READ GB/s; kvxferd.ipc.transport)
+    transports: Mapping[str, tuple[str, float]] = field(default_factory=dict)
 
 
 class LiveSource(Protocol):
@@ -253,6 +255,20 @@ class LiveCollector(Collector):
             "Gathers queued for a free staging slot (owner side).",
             value=occ.waiting_total if occ else 0,
         )
+        transport = GaugeMetricFamily(
+            "kvxferd_peer_read_transport",
+            "What serves READs from each handshaken peer (transport label: cuda_ipc, rdma,"
+            " tcp, cma, unknown; tcp for GPU memory refuses DIRECT and STAGED pulls unless"
+            " transfer.allow_slow_transport); the value is the connect-time probe READ's GB/s.",
+            labels=["peer", "transport"],
+        )
+        best: dict[tuple[str, str], float] = {}
+        for peer, (name, gbps) in sorted(state.transports.items()):
+            key = (self._peers.label(peer), name)
+            best[key] = max(best.get(key, 0.0), gbps)
+        for (peer, name), gbps in sorted(best.items()):
+            transport.add_metric([peer, name], gbps)
+        yield transport
 
 
 @dataclass(frozen=True)

@@ -877,10 +877,15 @@ def _live_source(
         links = daemon.peers.links() if daemon.peers is not None else []
         by_state: dict[str, int] = {}
         inflight: dict[str, int] = {}
+        transports: dict[str, tuple[str, float]] = {}
         for link in links:
             by_state[link.state.value] = by_state.get(link.state.value, 0) + 1
             if link.remote is not None:
                 inflight[link.address] = engine.inflight_bytes(link.remote.agent_name)
+            t = link.transport
+            if t is not None:
+                gbps = 0.0 if t.read_gbps != t.read_gbps else t.read_gbps  # NaN: not probed
+                transports[link.address] = (t.name, gbps)
         staging = daemon.staging
         occ = None
         if staging is not None and staging.owner is not None:
@@ -890,7 +895,7 @@ def _live_source(
             occ = Occupancy(
                 slots=ring.info.chunks, free=ring.free_slots, reader_cap=0, local=ring.taken_slots
             )
-        return LiveState(pulls, inflight, by_state, len(daemon.leases), occ)
+        return LiveState(pulls, inflight, by_state, len(daemon.leases), occ, transports)
 
     def source() -> LiveState | None:
         if loop.is_closed():

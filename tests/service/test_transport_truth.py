@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import urllib.request
 from collections.abc import Iterator
 
 import pytest
@@ -54,3 +55,6 @@ def test_list_peers_and_the_handshake_log_say_what_serves_reads(
     log = ds.set["decode"].log_path.read_text()
     lines = [json.loads(x) for x in log.splitlines() if '"handshake done"' in x]
     assert lines and lines[-1]["read_transport"] == p.read_transport and lines[-1]["same_host"]
+    body = urllib.request.urlopen(f"http://{decode.metrics}/metrics", timeout=5).read().decode()
+    want = f'kvxferd_peer_read_transport{{peer="{prefill.grpc}",transport="{p.read_transport}"}}'
+    assert want in body
