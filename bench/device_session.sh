@@ -1,37 +1,56 @@
 #!/usr/bin/env bash
-# One call on the lent GPU machine (issues 6 and 7): GPU tests, then the benches, each table
-# printed as it completes and written as JSON under $OUT. Run from the repository root with
-# the NIXL and grpc wheels carried in .whl/ (see docs/benchmarks.md for how they are built) (the machine has no
-# internet and grpcio 1.84, so the generated code's version guard is lowered on that copy).
+# One call on the lent GPU machine (issue 13: KERNEL, transport truth, STAGED, one table).
+# Run from the repository root with the wheels the machine lacks carried in .whl/
+# (../shared/tools/device-wheels.sh protobuf==7.36.2 grpcio-health-checking==1.85.1
+# grpcio-reflection==1.85.1 pytest-timeout==2.4.0; without the nixl meta wheel, which does not
+# fit beside nixl-cu13 in one call). The machine has grpcio 1.84, so the generated code's grpcio
+# version guard is lowered on that copy (the API used is the same). Each step is time-boxed;
+# full outputs are written under $OUT (at most 8 files come back) and the short table is last.
 set -u
 OUT=${OUT:-/tmp/kvxferd-device}
 mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl >/dev/null 2>&1
+  --target /tmp/site .whl/*.whl >/dev/null 2>&1 || echo "wheel install failed"
 export PYTHONPATH=/tmp/site:$PWD
 sed -i "s/GRPC_GENERATED_VERSION = '1.85.1'/GRPC_GENERATED_VERSION = '1.0'/" \
   kvxferd/v1/*_pb2_grpc.py /tmp/site/grpc_health/v1/*_pb2_grpc.py \
   /tmp/site/grpc_reflection/v1alpha/*_pb2_grpc.py
 date -u
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-python3 -c "import torch, grpc; print('torch', torch.__version__, 'grpc', grpc.__version__)"
+nvidia-smi topo -m 2>&1 | head -4
+python3 -c "import torch, grpc, google.protobuf as pb; print('torch', torch.__version__, \
+'grpc', grpc.__version__, 'protobuf', pb.__version__)"
 
 step() { echo; echo "== $1 ($(date -u +%T))"; }
 
-step "GPU tests"
-python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_cuda.py tests/nixl/test_agent.py \
-  tests/service/test_service_staged_gpu.py tests/attach/test_attach_gpu.py 2>&1 | tail -15
+step "build the CUDA kernels (staging + copy_ranges)"
+timeout 240 python3 -c "from kvxferd.kernels import active_backend as a; print(a().describe())"
 
-step "kvxferd bench, two GPUs"
-python3 -m kvxferd bench --device cuda --sizes "${SIZES:-256,8192}" \
-  --patterns fragmented,contiguous --strategy direct,staged,auto --repeat 5 \
-  --json "$OUT/bench-2gpu.json" 2>&1 | tail -45
+step "kvxferd bench: raw, naive, floor, KERNEL, DIRECT, STAGED, auto (both daemons on cuda:0)"
+timeout "${BENCH_S:-260}" python3 -m kvxferd bench --device cuda --sizes 256,8192 \
+  --patterns fragmented,contiguous --strategy kernel,direct,staged,auto --repeat 5 \
+  --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
+grep -v "^  " "$OUT/bench.log" | tail -32
 
-step "kvxferd bench, one GPU"
-CUDA_VISIBLE_DEVICES=0 python3 -m kvxferd bench --device cuda --sizes 256,8192 \
-  --patterns fragmented --strategy direct,staged,auto --repeat 5 \
-  --json "$OUT/bench-1gpu.json" 2>&1 | tail -35
+step "GPU tests: the kernel against the twin, imported memory, bounds, restarted owner"
+timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ipc/test_gpu.py \
+  -k "not daemons" > "$OUT/tests-unit.log" 2>&1
+tail -6 "$OUT/tests-unit.log"
 
-step "engine-attached vs daemon-owned pulls, two GPUs"
-python3 -m bench.attached_pull --device cuda --json "$OUT/attached.json" 2>&1 | tail -6
+step "KERNEL copy alone: imported vs owned, grid caps (bench/ipc_kernel.py)"
+timeout 120 python3 -m bench.ipc_kernel --json "$OUT/ipc.json" 2>&1 | tail -14
+
+step "default transport refused: UCX_CUDA_IPC_ENABLE_GET_ZCOPY=n (operator's choice kept)"
+UCX_CUDA_IPC_ENABLE_GET_ZCOPY=n timeout 100 python3 -m kvxferd bench --device cuda --sizes 256 \
+  --patterns fragmented --strategy kernel,direct --repeat 1 --latency-pulls 1 \
+  --json "$OUT/bench-tcp.json" > "$OUT/bench-tcp.log" 2>&1
+grep -v "^  " "$OUT/bench-tcp.log" | tail -9
+
+step "GPU tests through daemons: KERNEL dense/hybrid/MLA by Checksum, STAGED in VRAM, kernels"
+timeout "${TESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider -m gpu \
+  tests/ipc/test_gpu.py::test_kernel_pull_between_daemons_is_byte_exact \
+  tests/service/test_service_staged_gpu.py tests/kernels/test_cuda.py \
+  > "$OUT/tests-daemons.log" 2>&1
+tail -8 "$OUT/tests-daemons.log"
 step "done"

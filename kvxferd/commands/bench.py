@@ -265,6 +265,7 @@ class Cell:
     kvxferd_descriptors_naive: int = 0
     kvxferd_descriptors: int = 0
     mismatches: int = 0
+    failed: str = ""  # why this strategy's daemons could not measure the row
     strategy: str = "auto"  # transfer.strategy of the decode daemon
     kvxferd_strategy: str = ""  # what the daemon ran (DIRECT or STAGED), from the status
     stage_seconds: dict[str, list[float]] = field(default_factory=dict)  # STAGED only
@@ -349,6 +350,7 @@ class Cell:
             "naive_vs_limit": naive / limit if limit > 0 else math.nan,
             "floor_vs_limit": floor / limit if limit > 0 else math.nan,
             "mismatches": self.mismatches,
+            "failed": self.failed,
         }
 
 
@@ -758,7 +760,7 @@ def results_table(cells: list[Cell], strategies: list[str]) -> str:
                     f"kvxferd {c.strategy}: {c.kvxferd_strategy or '?'}",
                     c.median("kvxferd_gbps"),
                     f"{c.kvxferd_descriptors:,}" if c.kvxferd_gbps else "-",
-                    c.kvxferd_transport or "?",
+                    "FAILED (see below)" if c.failed else c.kvxferd_transport or "?",
                 )
             )
         for name, gbps, descs, transport in entries:
@@ -864,14 +866,22 @@ def run(args: argparse.Namespace) -> int:
         for i, strategy in enumerate(args.strategy):
             _say(f"kvxferd: prefill and decode daemons, transfer.strategy = {strategy} ...")
             (workdir / strategy).mkdir(parents=True, exist_ok=True)
-            got = measure_daemons(
-                workload,
-                rows_by[strategy],
-                args,
-                workdir / strategy,
-                strategy=strategy,
-                latency_pulls=None if i == 0 else 0,
-            )
+            try:
+                got = measure_daemons(
+                    workload,
+                    rows_by[strategy],
+                    args,
+                    workdir / strategy,
+                    strategy=strategy,
+                    latency_pulls=None if i == 0 else 0,
+                )
+            except (BenchFailure, DaemonError, RpcFailure) as exc:
+                # This strategy's rows say why; the other strategies are still measured.
+                error = error or f"{strategy}: {exc}"
+                for c in rows_by[strategy]:
+                    c.failed = c.failed or str(exc)
+                _say(f"  {strategy} FAILED: {exc}")
+                continue
             latency = latency or got
         # The raw copy once more, now that every other row ran (clocks and caches as warm as
         # theirs): the better pass is the raw copy, so no row of this run can beat it.
@@ -920,6 +930,10 @@ def run(args: argparse.Namespace) -> int:
             f" {latency['max_ms']:.2f} ms (daemon-side p50 {latency['server_p50_ms']:.2f} ms,"
             f" p99 {latency['server_p99_ms']:.2f} ms)"
         )
+    for strategy in args.strategy:
+        failed = next((c.failed for c in rows_by[strategy] if c.failed), "")
+        if failed:
+            print(f"kvxferd {strategy} failed: {failed}")
     print(f"\nresult: {'OK' if not error else 'FAILED: ' + error}  (wall {doc['wall_s']:.1f}s)")
     if args.json is not None:
         try:
