@@ -8,7 +8,12 @@
 #   docker run --rm -e KVXFERD_AUTH_TOKEN=... -p 50051:50051 -p 9400:9400 \
 #     --stop-timeout 30 kvxferd
 #
-# nixl-cu13 (NIXL with its bundled UCX) comes from PyPI as a dependency of the package. The
+#   docker build -t kvxferd:cu12 --build-arg NIXL_EXTRA=cu12 \
+#     --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04 \
+#     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .
+#
+# NIXL (with its bundled UCX) comes from PyPI through the package's [cu13] extra, or [cu12]
+# (NIXL_EXTRA: exactly one of the two). The
 # GPU driver comes from the host through the NVIDIA Container Toolkit (--gpus), the RDMA
 # devices through --device=/dev/infiniband (plus --ulimit memlock=-1 for registration).
 # docker stop waits 10 s by default, the same as server.drain_timeout_s: give it more
@@ -25,6 +30,8 @@ ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 # Userspace RDMA verbs and NUMA libraries, loaded by UCX's InfiniBand/RoCE transports
 # (without them UCX silently uses TCP only).
 ARG RUNTIME_PACKAGES="libibverbs1 ibverbs-providers librdmacm1 libnuma1"
+# Which NIXL build: cu13 (CUDA 13, the default) or cu12.
+ARG NIXL_EXTRA=cu13
 
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
@@ -34,6 +41,9 @@ ENV PYTHONUNBUFFERED=1 \
     PATH=/opt/kvxferd/bin:$PATH \
     CUDA_CACHE_PATH=/tmp/cuda-cache
 
+# The base image decides the distribution, so its packages are not pinned (DL3008); $pkgs is
+# a word list on purpose (SC2086). deploy/check.sh runs hadolint on this file.
+# hadolint ignore=DL3008,SC2086
 RUN set -eux; \
     apt-get update; \
     pkgs="$RUNTIME_PACKAGES"; \
@@ -47,7 +57,7 @@ RUN set -eux; \
     if [ -n "$TORCH_INDEX_URL" ]; then \
         pip install --index-url "$TORCH_INDEX_URL" "torch>=2.4"; \
     fi; \
-    pip install /src; \
+    pip install "/src[${NIXL_EXTRA}]"; \
     rm -rf /src; \
     kvxferd --help >/dev/null
 

@@ -37,8 +37,8 @@ from typing import Any, Generic, Protocol, TypeVar
 import grpc
 from grpc import aio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client import metrics as _pc_metrics
 from prometheus_client import gc_collector as _gc
+from prometheus_client import metrics as _pc_metrics
 from prometheus_client import platform_collector as _platform
 from prometheus_client import process_collector as _process
 from prometheus_client.core import GaugeMetricFamily

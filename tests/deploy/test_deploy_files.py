@@ -632,7 +632,8 @@ def test_dockerfile() -> None:
     text = DOCKERFILE.read_text()
     assert re.search(r"^ARG BASE_IMAGE=python:3\.12-slim$", text, re.M)
     assert re.search(r"^FROM \$\{BASE_IMAGE\}", text, re.M)
-    assert re.search(r"pip install /src|pip install \.", text)
+    assert 'pip install "/src[${NIXL_EXTRA}]"' in text  # exactly one NIXL extra
+    assert re.search(r"^ARG NIXL_EXTRA=cu13$", text, re.M)
     assert re.search(r'^ENTRYPOINT \["kvxferd"\]$', text, re.M)
     assert re.search(r'^CMD \["serve", "--config", "/etc/kvxferd/kvxferd.toml"\]$', text, re.M)
     assert re.search(r"^EXPOSE 50051 9400$", text, re.M)
