@@ -406,7 +406,7 @@ class Attacher:
     def session_ended(self, att: Attachment) -> None:
         """The engine's session stream ended: detach unless it already was."""
         if self.attachment is att and not att.ended.is_set():
-            self.d._spawn(
+            self.d.parts.spawn(
                 self._detach_quietly(
                     att, "the engine's session ended (the engine process exited or died)", "session"
                 )
@@ -415,7 +415,7 @@ class Attacher:
     def _check_session(self, att: Attachment) -> None:
         if self.attachment is att and not att.session_open and not att.ended.is_set():
             why = f"the engine opened no Session within {self.session_grace_s:g}s of Attach"
-            self.d._spawn(self._detach_quietly(att, why, "no_session"))
+            self.d.parts.spawn(self._detach_quietly(att, why, "no_session"))
 
     async def _detach_quietly(self, att: Attachment, why: str, cause: str) -> None:
         try:
@@ -441,7 +441,7 @@ class Attacher:
                     field="attachment_id",
                     fix="detach the attachment you made, or leave attachment_id empty",
                 )
-            held = self.d.held_request_ids()
+            held = self.d.owner.held_request_ids()
             if held and not force:
                 raise InvalidRequest(
                     f"{len(held)} requests are held (e.g. {held[:3]}); detaching would free"

@@ -20,9 +20,11 @@ import grpc
 from grpc import aio
 
 from kvxferd.daemon.attach import Attacher
-from kvxferd.daemon.core import Daemon, HeldRequest, PullRequest, Release
+from kvxferd.daemon.core import Daemon
+from kvxferd.daemon.owner import HeldRequest, Release
 from kvxferd.daemon.peers import LinkState, decode_envelope
 from kvxferd.daemon.pulls import PullRecord, PullState
+from kvxferd.daemon.reader import PullRequest
 from kvxferd.daemon.sessions import SESSION_METADATA, PeerSession
 from kvxferd.errors import InvalidRequest, KvxferdError
 from kvxferd.ipc.host import host_id
@@ -139,7 +141,7 @@ class PeerService(peer_pb2_grpc.PeerServicer):
             key, value = item
             if key == SESSION_METADATA:
                 token = value if isinstance(value, str) else ""
-        return self.d.sessions.get(token)
+        return self.d.owner.sessions.get(token)
 
     async def Handshake(
         self, request: peer_pb2.HandshakeRequest, context: Ctx
@@ -151,7 +153,7 @@ class PeerService(peer_pb2_grpc.PeerServicer):
                 remote = decode_envelope(
                     request.protocol_version, request.compat_digest, request.payload, me, who
                 )
-                session = self.d.accept_handshake(remote, who)
+                session = self.d.owner.accept_handshake(remote, who)
             except KvxferdError:
                 self.d.metrics.handshakes.labels("server", "refused").inc()
                 raise
@@ -189,7 +191,9 @@ class PeerService(peer_pb2_grpc.PeerServicer):
     ) -> peer_pb2.ConfirmLeaseResponse:
         async def call() -> peer_pb2.ConfirmLeaseResponse:
             session = self._session(context)
-            held, view = self.d.confirm_lease(session, request.request_id, request.extend_ms / 1000)
+            held, view = self.d.owner.confirm_lease(
+                session, request.request_id, request.extend_ms / 1000
+            )
             return peer_pb2.ConfirmLeaseResponse(
                 lease=self._lease(held, view), ticket=view.ticket, instance_id=self.d.instance_id
             )
@@ -201,7 +205,9 @@ class PeerService(peer_pb2_grpc.PeerServicer):
     ) -> peer_pb2.ExtendLeaseResponse:
         async def call() -> peer_pb2.ExtendLeaseResponse:
             session = self._session(context)
-            held, view = self.d.extend_lease(session, request.request_id, request.extend_ms / 1000)
+            held, view = self.d.owner.extend_lease(
+                session, request.request_id, request.extend_ms / 1000
+            )
             return peer_pb2.ExtendLeaseResponse(lease=self._lease(held, view))
 
         return await _rpc(self.d, "ExtendLease", context, call)
@@ -220,7 +226,7 @@ class PeerService(peer_pb2_grpc.PeerServicer):
                     field="reason",
                     fix="a reader releases its share as DONE (it read) or CANCELLED (gave up)",
                 )
-            held, view, released = self.d.release_lease(
+            held, view, released = self.d.owner.release_lease(
                 session, request.request_id, done=request.reason == common_pb2.RELEASE_REASON_DONE
             )
             return peer_pb2.ReleaseLeaseResponse(lease=self._lease(held, view, active=not released))
@@ -232,7 +238,7 @@ class PeerService(peer_pb2_grpc.PeerServicer):
     ) -> peer_pb2.HeartbeatResponse:
         async def call() -> peer_pb2.HeartbeatResponse:
             session = self._session(context)
-            lost, granted_s = self.d.heartbeat(
+            lost, granted_s = self.d.owner.heartbeat(
                 session, list(request.renew_request_ids), request.renew_ms / 1000
             )
             return peer_pb2.HeartbeatResponse(
@@ -285,7 +291,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 deadline_s=deadline_ms / 1000,
                 notify=not request.options.skip_notify,
             )
-            rec, created = await self.d.start_pull(req)
+            rec, created = await self.d.reader.start_pull(req)
             return scheduler_pb2.StartPullResponse(status=status_to_proto(rec), created=created)
 
         return await _rpc(self.d, "StartPull", context, call)
@@ -295,7 +301,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     ) -> AsyncIterator[scheduler_pb2.WatchTransfersResponse]:
         ids = frozenset(request.transfer_ids)
         try:
-            stream = self.d.watch(ids)
+            stream = self.d.reader.watch(ids)
             async for rec in stream:
                 yield scheduler_pb2.WatchTransfersResponse(status=status_to_proto(rec))
         except KvxferdError as err:
@@ -306,7 +312,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self, request: scheduler_pb2.GetTransferRequest, context: Ctx
     ) -> scheduler_pb2.GetTransferResponse:
         async def call() -> scheduler_pb2.GetTransferResponse:
-            rec = self.d.pulls.get(request.transfer_id)
+            rec = self.d.reader.pulls.get(request.transfer_id)
             return scheduler_pb2.GetTransferResponse(status=status_to_proto(rec))
 
         return await _rpc(self.d, "GetTransfer", context, call)
@@ -315,7 +321,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self, request: scheduler_pb2.CancelTransferRequest, context: Ctx
     ) -> scheduler_pb2.CancelTransferResponse:
         async def call() -> scheduler_pb2.CancelTransferResponse:
-            rec = await self.d.cancel(request.transfer_id)
+            rec = await self.d.reader.cancel(request.transfer_id)
             return scheduler_pb2.CancelTransferResponse(status=status_to_proto(rec))
 
         return await _rpc(self.d, "CancelTransfer", context, call)
@@ -326,7 +332,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         async def call() -> scheduler_pb2.ListPeersResponse:
             out = scheduler_pb2.ListPeersResponse()
             links = self.d.peers.links() if self.d.peers else []
-            active = self.d.pulls.active()
+            active = self.d.reader.pulls.active()
             for link in links:
                 r = link.remote
                 p = out.peers.add(
@@ -414,7 +420,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
 
     async def Hold(self, request: engine_pb2.HoldRequest, context: Ctx) -> engine_pb2.HoldResponse:
         async def call() -> engine_pb2.HoldResponse:
-            held = self.d.hold(
+            held = self.d.owner.hold(
                 request.request_id,
                 group_ids_from_proto(request.block_ids),
                 request.expected_readers or 1,
@@ -433,12 +439,12 @@ class EngineService(engine_pb2_grpc.EngineServicer):
     async def WatchReleases(
         self, request: engine_pb2.WatchReleasesRequest, context: Ctx
     ) -> AsyncIterator[engine_pb2.WatchReleasesResponse]:
-        q = self.d.watch_releases(frozenset(request.request_ids))
+        q = self.d.owner.watch_releases(frozenset(request.request_ids))
         try:
             while True:
                 yield _release_to_proto(await q.get())
         finally:
-            self.d.unwatch_releases(q)
+            self.d.owner.unwatch_releases(q)
 
     async def Session(
         self, request: engine_pb2.SessionRequest, context: Ctx
@@ -456,7 +462,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             context.set_trailing_metadata(trailer_for(err))
             await context.abort(status_for(err), message_for(err))
             return
-        q = self.d.watch_releases(frozenset())
+        q = self.d.owner.watch_releases(frozenset())
         log.info("engine session opened", extra=kv(attachment=att.attachment_id))
         ended = asyncio.ensure_future(att.ended.wait())
         get: asyncio.Future[Release] | None = None
@@ -472,7 +478,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             ended.cancel()
             if get is not None:
                 get.cancel()
-            self.d.unwatch_releases(q)
+            self.d.owner.unwatch_releases(q)
             log.info("engine session closed", extra=kv(attachment=att.attachment_id))
             self.attacher.session_ended(att)
 
@@ -494,7 +500,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                     fix="set force = true to cancel every held request",
                 )
             n = 0
-            for rid in self.d.held_request_ids():
+            for rid in self.d.owner.held_request_ids():
                 self.d.leases.cancel(rid)
                 n += 1
             return engine_pb2.DetachResponse(released_requests=n)

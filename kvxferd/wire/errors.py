@@ -92,16 +92,34 @@ def message_for(exc: BaseException) -> str:
     return f"internal error ({type(exc).__name__}: {exc}); this is a kvxferd bug, please report it"
 
 
+# The status message already carries the whole text; the trailer carries the structure and
+# stays small, since gRPC refuses metadata over 8 KiB in all (message and trailer together).
+TRAILER_BUDGET = 2048
+_TEXT_LIMIT = 512
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= _TEXT_LIMIT else text[: _TEXT_LIMIT - 3] + "..."
+
+
 def detail_for(err: e.KvxferdError) -> common_pb2.ErrorDetail:
     detail = common_pb2.ErrorDetail(
         kind=_KIND_OF.get(type(err), common_pb2.ERROR_KIND_UNSPECIFIED),  # type: ignore[arg-type]
-        message=err.message,
-        field=err.field,
-        fix=err.fix,
+        message=_short(err.message),
+        field=_short(err.field),
+        fix=_short(err.fix),
     )
     if isinstance(err, e.IncompatiblePeer):
         for m in err.mismatches:
-            detail.mismatches.add(what=m.what, local=m.local, remote=m.remote, fix=m.fix)
+            detail.mismatches.add(
+                what=_short(m.what),
+                local=_short(m.local),
+                remote=_short(m.remote),
+                fix=_short(m.fix),
+            )
+            if detail.ByteSize() > TRAILER_BUDGET:
+                del detail.mismatches[-1]  # the rest are in the status message
+                break
     return detail
 
 

@@ -1,0 +1,210 @@
+"""The owner role (prefill side): holds, leases, peer sessions, releases to the engine.
+
+An engine holds a request's blocks (:meth:`Owner.hold`); readers confirm, extend, release and
+heartbeat their own share under the session their handshake opened
+(:mod:`kvxferd.daemon.sessions`), never under a name they put in a request; every lease end
+reaches the engine's release watchers once. Pure asyncio on the service loop; the lease table
+(:mod:`kvxferd.transfer.leases`) is the authority.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from kvxferd.blocks import check_block_ids, expand_group
+from kvxferd.daemon.parts import Parts
+from kvxferd.daemon.peers import RemoteDescription
+from kvxferd.daemon.sessions import PeerSession, Sessions
+from kvxferd.errors import InvalidRequest, LeaseRefused, NotFound
+from kvxferd.logs import kv
+from kvxferd.transfer import ReleaseFeed, ReleaseReason, notify
+from kvxferd.transfer.leases import Lease, LeaseView
+
+log = logging.getLogger(__name__)
+
+Int64Array = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True)
+class Release:
+    """A held request the engine may now free: the logical IDs it held, and why."""
+
+    request_id: str
+    reason: ReleaseReason
+    logical_ids: tuple[Int64Array, ...]
+
+
+@dataclass(frozen=True)
+class HeldRequest:
+    request_id: str
+    logical_ids: tuple[Int64Array, ...]
+    lease: Lease
+
+
+class Owner:
+    """The owner side of one daemon."""
+
+    def __init__(self, parts: Parts) -> None:
+        self.p = parts
+        self.sessions = Sessions(
+            liveness_s=parts.limits.heartbeat_timeout_s,
+            reading=parts.leases.reading,
+            on_retire=self._retire_session,
+        )
+        self._held: dict[str, HeldRequest] = {}
+        self._release_watchers: list[tuple[frozenset[str], asyncio.Queue[Release]]] = []
+
+    async def start_release_pump(self) -> None:
+        """Forward lease releases (from any thread) to engine watchers on this loop."""
+        feed = ReleaseFeed(asyncio.get_running_loop())
+        self.p.leases.subscribe(feed)
+        self.p.spawn(self._pump_releases(feed))
+
+    async def _pump_releases(self, feed: ReleaseFeed) -> None:
+        async for rel in feed:
+            held = self._held.pop(rel.request_id, None)
+            if held is None:
+                continue  # not held through this daemon (cannot happen; be safe)
+            release = Release(rel.request_id, rel.reason, held.logical_ids)
+            self.p.metrics.lease_releases.labels(rel.reason.value).inc()
+            self.p.metrics.leases_active.set(len(self.p.leases))
+            log.info(
+                "lease released",
+                extra=kv(request_id=rel.request_id, reason=rel.reason.value, readers=rel.readers),
+            )
+            for ids, q in self._release_watchers:
+                if not ids or rel.request_id in ids:
+                    q.put_nowait(release)
+
+    def hold(
+        self,
+        request_id: str,
+        logical_ids: Sequence[Sequence[int] | Int64Array],
+        readers: int,
+        ttl_s: float | None,
+    ) -> HeldRequest:
+        notify.check_request_id(request_id)  # every reader's notification must carry it
+        spec = self.p.pool.spec
+        if len(logical_ids) != len(spec.groups):
+            raise InvalidRequest(
+                f"{len(logical_ids)} block-ID lists for {len(spec.groups)} KV cache groups",
+                field="block_ids.groups",
+                fix=f"send one list per group, in order: {[g.name for g in spec.groups]}",
+            )
+        checked: list[Int64Array] = []
+        kernel: list[Int64Array] = []
+        for g, ids in enumerate(logical_ids):
+            group = spec.groups[g]
+            limit = spec.num_kernel_blocks(g) if group.kind.is_state else spec.num_logical_blocks(g)
+            arr = check_block_ids(
+                ids, limit, f"block_ids.groups[{g}].ids", max_ids=self.p.limits.max_block_ids
+            )
+            checked.append(arr)
+            kernel.append(expand_group(group, arr))
+        lease = self.p.leases.hold(
+            request_id, kernel, readers=max(1, readers), ttl_s=ttl_s or self.p.limits.lease_ttl_s
+        )
+        held = HeldRequest(request_id, tuple(checked), lease)
+        self._held[request_id] = held
+        self.p.metrics.leases_active.set(len(self.p.leases))
+        log.info(
+            "request held",
+            extra=kv(request_id=request_id, blocks=[int(a.size) for a in checked], readers=readers),
+        )
+        return held
+
+    def held(self, request_id: str) -> HeldRequest:
+        h = self._held.get(request_id)
+        if h is None or request_id not in self.p.leases:
+            reason = self.p.leases.ended(request_id)
+            if reason is None:
+                raise NotFound(
+                    f"request {request_id!r} is not held here (never held, or released long ago)",
+                    field="request_id",
+                    fix="the prefill engine must Hold the request before the decode side pulls it",
+                )
+            raise LeaseRefused(
+                f"request {request_id!r} is no longer held ({reason.value}); its blocks may be"
+                " reused",
+                field="request_id",
+                fix="do not read: re-run the prefill (or hold with a longer TTL)",
+            )
+        return h
+
+    # Every reader call below names the caller by its handshake session (kvxferd.daemon.sessions),
+    # never by a field of the request.
+
+    def accept_handshake(self, remote: RemoteDescription, who: str) -> PeerSession:
+        """A peer handshook: give it a session. Its NIXL metadata is not loaded here: an owner
+        only answers READs and receives notifications, and a reader loads what it reads from
+        when it handshakes itself (so a handshake never disturbs this daemon's own pulls)."""
+        return self.sessions.open(
+            remote.agent_name, remote.instance_id, remote.daemon_id, remote.address or who
+        )
+
+    def _share_s(self, requested_s: float) -> float:
+        """A reader's share lasts what it asked, capped by the heartbeat timeout (heartbeats
+        renew it), so a reader that dies frees its blocks within that timeout."""
+        cap = self.p.limits.heartbeat_timeout_s
+        return cap if requested_s <= 0 else min(requested_s, cap)
+
+    def confirm_lease(
+        self, session: PeerSession, request_id: str, extend_s: float
+    ) -> tuple[HeldRequest, LeaseView]:
+        self.p.slot.current()  # EngineDetached: say why, rather than "not held"
+        view = self.p.leases.confirm(request_id, session.reader, self._share_s(extend_s))
+        return self.held(request_id), view
+
+    def extend_lease(
+        self, session: PeerSession, request_id: str, extend_s: float
+    ) -> tuple[HeldRequest, LeaseView]:
+        if extend_s <= 0:
+            raise InvalidRequest(
+                "extend_ms must be > 0", field="extend_ms", fix="send how long to extend, in ms"
+            )
+        view = self.p.leases.extend(request_id, session.reader, self._share_s(extend_s))
+        return self.held(request_id), view
+
+    def release_lease(
+        self, session: PeerSession, request_id: str, *, done: bool
+    ) -> tuple[HeldRequest, LeaseView, bool]:
+        held = self.held(request_id)
+        view, released = self.p.leases.finish(request_id, session.reader, done=done)
+        return held, view, released
+
+    def heartbeat(
+        self, session: PeerSession, request_ids: Sequence[str], renew_s: float
+    ) -> tuple[list[str], float]:
+        """Renew the caller's shares; returns the lost request IDs and how long each renewed
+        share now lasts (renew_ms is clamped to the heartbeat timeout, never refused)."""
+        granted = self._share_s(renew_s) if renew_s > 0 else 0.0
+        return self.p.leases.renew(session.reader, request_ids, granted), granted
+
+    def _retire_session(self, session: PeerSession) -> None:
+        """A reader restarted or was evicted: its shares lapse now, its staging slots return."""
+        n = self.p.leases.reader_gone(session.reader)
+        owner = self.p.staging.owner if self.p.staging else None
+        if owner is not None:
+            owner.release_reader(session.reader)
+        if n:
+            log.warning(
+                "reader replaced while reading; its shares lapsed",
+                extra=kv(agent=session.agent_name, instance=session.instance_id, shares=n),
+            )
+
+    def held_request_ids(self) -> list[str]:
+        return list(self._held)
+
+    def watch_releases(self, request_ids: frozenset[str]) -> asyncio.Queue[Release]:
+        q: asyncio.Queue[Release] = asyncio.Queue()
+        self._release_watchers.append((request_ids, q))
+        return q
+
+    def unwatch_releases(self, q: asyncio.Queue[Release]) -> None:
+        self._release_watchers = [(i, w) for i, w in self._release_watchers if w is not q]
