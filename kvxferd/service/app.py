@@ -41,6 +41,8 @@ from grpc import aio
 from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
 from kvxferd.config import DOCS, Config, is_loopback, split_hostport
 from kvxferd.daemon.attach import Attacher
 from kvxferd.daemon.core import Daemon, DaemonLimits
@@ -87,7 +89,6 @@ from kvxferd.v1 import (
     scheduler_pb2_grpc,
 )
 from kvxferd.wire.peer_client import GrpcTransport
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 log = logging.getLogger(__name__)
 
@@ -279,7 +280,7 @@ class Running:
         if self.metrics_task is not None:
             self.metrics_task.cancel()
         await self.health.enter_graceful_shutdown()
-        cancelled = await self.daemon.drain(self.cfg.server.drain_timeout_s)
+        cancelled = await self.daemon.reader.drain(self.cfg.server.drain_timeout_s)
         await self.server.stop(grace=1.0)
         if self.engine_server is not None:
             await self.engine_server.stop(grace=1.0)
@@ -691,7 +692,6 @@ async def _build(
             heartbeat_timeout_s=cfg.peers.heartbeat_timeout_ms / 1000,
         ),
         instance_id=cfg.server.instance_id or uuid.uuid4().hex,
-        call_metadata=call_metadata(token),
         staging=StagingFactory(
             mode=cfg.transfer.strategy,
             model=CostModel.defaults(
@@ -760,7 +760,7 @@ async def _build(
         forget=forget,
     )
     daemon.attach_peers(peers)
-    await daemon.start_release_pump()
+    await daemon.owner.start_release_pump()
     undo.push_async_callback(peers.close)
     undo.push_async_callback(daemon.close)
     attacher = None
@@ -872,7 +872,7 @@ def _live_source(
 
     def snapshot() -> LiveState:
         pulls: dict[str, int] = dict.fromkeys(ACTIVE_STATES, 0)
-        for rec in daemon.pulls.active():
+        for rec in daemon.reader.pulls.active():
             pulls[rec.state.value] = pulls.get(rec.state.value, 0) + 1
         links = daemon.peers.links() if daemon.peers is not None else []
         by_state: dict[str, int] = {}
@@ -926,7 +926,7 @@ def _live_source(
 
 async def _observe_pulls(daemon: Daemon, metrics: Metrics) -> None:
     """Per-peer outcome and latency of every pull, from the daemon's pull book."""
-    async for rec in daemon.watch(frozenset()):
+    async for rec in daemon.reader.watch(frozenset()):
         if rec.state.terminal:
             seconds = max(0.0, (rec.finished_ns - rec.created_ns) / 1e9)
             metrics.observe_pull_end(rec.peer_address, rec.state.value, seconds)
@@ -942,7 +942,7 @@ class _MetricsHandler(BaseHTTPRequestHandler):
         elif self.path == "/metrics":
             body, ctype, code = generate_latest(registry), CONTENT_TYPE_LATEST, 200
         elif self.path == "/healthz":
-            ok = not daemon.draining
+            ok = not daemon.reader.draining
             body, ctype, code = (
                 (b"ok\n" if ok else b"draining\n"),
                 "text/plain",
