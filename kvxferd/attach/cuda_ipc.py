@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from kvxferd.errors import InvalidRequest, SpecError
+from kvxferd.logs import kv
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +209,10 @@ class IpcMapping:
         self.size = int(size.value) if rc == 0 else 0
         self.device = device
         self._closer = weakref.finalize(self, _close, self.base, device)
-        log.info("event=cuda_ipc_opened device=%d base=%#x bytes=%d", device, self.base, self.size)
+        log.info(
+            "CUDA IPC memory opened",
+            extra=kv(device=device, base=f"{self.base:#x}", bytes=self.size),
+        )
 
     @property
     def closed(self) -> bool:
@@ -236,6 +240,9 @@ def _close(base: int, device: int) -> None:
         drv = _Driver.get()
         with drv.context(device):
             drv.check(drv.lib.cuIpcCloseMemHandle(base), "cuIpcCloseMemHandle")
-        log.info("event=cuda_ipc_closed device=%d base=%#x", device, base)
+        log.info("CUDA IPC memory closed", extra=kv(device=device, base=f"{base:#x}"))
     except SpecError as err:
-        log.warning("event=cuda_ipc_close_failed device=%d base=%#x error=%s", device, base, err)
+        log.warning(
+            "closing CUDA IPC memory failed",
+            extra=kv(device=device, base=f"{base:#x}", error=str(err)),
+        )

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from kvxferd.errors import InvalidRequest, ResourceExhausted, SpecError
+from kvxferd.logs import kv
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ class ShmSegment:
                 fix="enlarge /dev/shm (in Kubernetes: an emptyDir with medium Memory)",
             ) from exc
         os.close(fd)
-        log.info("event=shm_created name=%s bytes=%d", path.name, size)
+        log.info("shared memory created", extra=kv(name=path.name, bytes=size))
         return cls(name, mapping, size, created=True)
 
     @classmethod
@@ -123,4 +124,4 @@ class ShmSegment:
         """Remove the name (creator only); mappings stay valid until dropped."""
         with contextlib.suppress(FileNotFoundError):
             shm_path(self.name).unlink()
-            log.info("event=shm_unlinked name=%s", self.name)
+            log.info("shared memory unlinked", extra=kv(name=self.name))

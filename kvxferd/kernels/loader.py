@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from kvxferd.logs import kv
+
 log = logging.getLogger(__name__)
 
 SOURCES = ("staging.cu", "copy_ranges.cu")
@@ -111,12 +113,15 @@ def _build(verbose: bool) -> Backend:
             verbose=verbose,
         )
     for w in caught:
-        log.info("event=kernels_build_warning message=%r", str(w.message))
+        log.info("CUDA kernel build warning", extra=kv(message=str(w.message)))
     ops = torch.ops.kvxferd
     for name in _OPS:
         getattr(ops, name)  # raises if the library did not register the op
     dt = time.monotonic() - t0
-    log.info("event=kernels_built archs=%s dir=%s seconds=%.1f", ",".join(archs), where, dt)
+    log.info(
+        "CUDA kernels built",
+        extra=kv(archs=",".join(archs), dir=str(where), seconds=round(dt, 1)),
+    )
     return Backend(BackendName.CUDA, f"built for sm_{'/sm_'.join(archs)} in {where}", archs, dt)
 
 
@@ -135,10 +140,10 @@ def active_backend(*, verbose: bool = False) -> Backend:
                 try:
                     found = _build(verbose)
                 except Exception as exc:
-                    log.warning("event=kernels_build_failed error=%r", exc)
+                    log.warning("CUDA kernel build failed", extra=kv(error=repr(exc)))
                     found = Backend(BackendName.TORCH, f"CUDA build failed: {exc}")
             _state["active"] = found
-            log.info("event=kernels_backend %s", found.describe())
+            log.info("kernel backend chosen", extra=kv(backend=found.describe()))
         return found
 
 

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from kvxferd.errors import InvalidRequest, PeerUnavailable, TransportError
+from kvxferd.logs import kv
 from kvxferd.nixl._binding import api, nixl_agent, nixl_agent_config
 from kvxferd.nixl.errors import map_nixl_error
 from kvxferd.nixl.types import (
@@ -167,11 +168,13 @@ class NixlAgent:
             # or pump polls, or a peer reading from us would hang.
             self._thread.add_poller(self._progress)
         log.info(
-            "event=nixl_agent_started agent=%s progress=%s delay_us=%d device=%s",
-            self.name,
-            opts.progress.value,
-            opts.progress_delay_us,
-            self.cuda_device,
+            "NIXL agent started",
+            extra=kv(
+                agent=self.name,
+                progress=opts.progress.value,
+                delay_us=opts.progress_delay_us,
+                device=self.cuda_device,
+            ),
         )
 
     def close(self) -> None:
@@ -188,7 +191,7 @@ class NixlAgent:
             try:
                 self._deregister(reg)
             except Exception:
-                log.exception("event=nixl_deregister_failed agent=%s", self.name)
+                log.exception("NIXL deregistration failed", extra=kv(agent=self.name))
         self._agent = None  # the binding's destructor runs here, on the NIXL thread
 
     def __enter__(self) -> NixlAgent:
@@ -249,11 +252,10 @@ class NixlAgent:
         reg = Registration(arr.copy(), mem_type, dlist)
         self._registrations.append(reg)
         log.info(
-            "event=nixl_registered agent=%s regions=%d bytes=%d mem=%s",
-            self.name,
-            arr.shape[0],
-            reg.nbytes,
-            mem_type.value,
+            "memory registered with NIXL",
+            extra=kv(
+                agent=self.name, regions=int(arr.shape[0]), bytes=reg.nbytes, mem=mem_type.value
+            ),
         )
         return reg
 
@@ -305,14 +307,17 @@ class NixlAgent:
             try:
                 agent.remove_remote_agent(loaded)
             except Exception:
-                log.exception("event=nixl_remove_mismatched_failed agent=%s", self.name)
+                log.exception(
+                    "removing a mismatched remote agent failed", extra=kv(agent=self.name)
+                )
             raise PeerUnavailable(
                 f"metadata names agent {loaded_name!r}, expected {name!r}",
                 fix="the peer's handshake and NIXL metadata disagree: restart the peer",
             )
         self._remotes.add(name)
         log.info(
-            "event=nixl_remote_added agent=%s peer=%s md_bytes=%d", self.name, name, len(metadata)
+            "NIXL remote agent loaded",
+            extra=kv(agent=self.name, peer=name, md_bytes=len(metadata)),
         )
 
     def remove_remote(self, name: str) -> None:
@@ -325,7 +330,7 @@ class NixlAgent:
             agent.remove_remote_agent(name)
         except Exception as exc:
             raise map_nixl_error(exc, op="remove remote agent", peer=name) from exc
-        log.info("event=nixl_remote_removed agent=%s peer=%s", self.name, name)
+        log.info("NIXL remote agent removed", extra=kv(agent=self.name, peer=name))
 
     def has_remote(self, name: str) -> bool:
         return name in self._remotes
@@ -439,10 +444,12 @@ class NixlAgent:
             self._live().release_xfer_handle(raw)
         except Exception as exc:
             log.warning(
-                "event=nixl_release_failed agent=%s peer=%s error=%s",
-                self.name,
-                peer,
-                map_nixl_error(exc, op="release", peer=peer),
+                "releasing a NIXL transfer handle failed",
+                extra=kv(
+                    agent=self.name,
+                    peer=peer,
+                    error=str(map_nixl_error(exc, op="release", peer=peer)),
+                ),
             )
             return False
         return True

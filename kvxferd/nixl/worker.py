@@ -19,6 +19,7 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from kvxferd.errors import TransportError
+from kvxferd.logs import kv
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,8 @@ class NixlThread:
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             log.error(
-                "event=nixl_thread_stop_timeout thread=%s timeout_s=%s", self._name, timeout_s
+                "NIXL thread did not stop in time",
+                extra=kv(thread=self._name, timeout_s=timeout_s),
             )
 
     def _run(self) -> None:
@@ -152,7 +154,7 @@ class NixlThread:
             try:
                 want = poller()
             except Exception:
-                log.exception("event=nixl_poller_error thread=%s", self._name)
+                log.exception("NIXL poller failed", extra=kv(thread=self._name))
                 continue
             if want is not None:
                 wait = min(wait, want)
