@@ -35,7 +35,6 @@
 #include "staging.cuh"
 
 namespace kvxferd {
-namespace {
 
 constexpr int kIpcUnroll = 8;
 
@@ -65,6 +64,8 @@ __global__ void __launch_bounds__(kThreads) copy_ranges_kernel(const int64_t* __
     }
   }
 }
+
+namespace {
 
 std::string msg(const char* a) { return std::string(a); }
 std::string msg(const char* a, int64_t v, const char* b) {
@@ -100,7 +101,8 @@ std::string copy_ranges(at::Tensor table, at::Tensor like, int64_t max_ctas) {
   while (align % v) v >>= 1;
   const c10::cuda::CUDAGuard guard(like.device());
   const int dev = like.device().index();
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev).stream();
+  cudaStream_t stream =
+      c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(dev)).stream();
   int sms = 0;
   if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || sms <= 0) {
     sms = 1;

@@ -38,9 +38,9 @@ from kvxferd.errors import (
 from kvxferd.logs import kv
 from kvxferd.staging.reader import StagedJob
 from kvxferd.staging.setup import Decision, decide
+from kvxferd.staging.strategy import Strategy
 from kvxferd.transfer import TransferResult, TransferStatus, notify
 from kvxferd.transfer.engine import Prepared
-from kvxferd.transfer.strategy import Strategy
 
 log = logging.getLogger(__name__)
 

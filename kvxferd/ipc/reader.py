@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from kvxferd.blocks.ranges import TransferPlan
@@ -34,10 +35,10 @@ from kvxferd.kernels import RangeCopy, copy_ranges
 from kvxferd.kernels.ranges import check_ranges
 from kvxferd.logs import kv
 from kvxferd.pool import KVPool
-from kvxferd.staging.device import Int64Array
 from kvxferd.transfer.descriptors import coalesce, split_long
 from kvxferd.transfer.state import TransferResult, TransferStatus
 
+Int64Array = npt.NDArray[np.int64]
 log = logging.getLogger(__name__)
 
 PIECE_BYTES = 256 << 10

@@ -78,8 +78,8 @@ from kvxferd.service.servicers import EngineService, PeerService, SchedulerServi
 from kvxferd.staging.ring import StagingRing
 from kvxferd.staging.setup import IpcSide, StagingFactory
 from kvxferd.staging.stats import Occupancy
+from kvxferd.staging.strategy import CostModel
 from kvxferd.transfer import EngineOptions, LeaseTable, NotificationPump, TransferEngine
-from kvxferd.transfer.strategy import CostModel
 from kvxferd.v1 import (
     engine_pb2,
     engine_pb2_grpc,

@@ -18,7 +18,7 @@ import torch
 from kvxferd.kernels import gather_blocks, scatter_blocks
 from kvxferd.pool import KVPool
 from kvxferd.staging.chunks import span_offsets
-from kvxferd.transfer.strategy import group_row_bytes
+from kvxferd.staging.strategy import group_row_bytes
 
 Int64Array = npt.NDArray[np.int64]
 

@@ -26,10 +26,7 @@ from kvxferd.staging.chunks import Chunk, RingInfo, split_chunks
 from kvxferd.staging.owner import StagingOwner
 from kvxferd.staging.reader import StagedReader
 from kvxferd.staging.ring import StagingRing
-from kvxferd.transfer.engine import TransferEngine
-from kvxferd.transfer.leases import LeaseTable
-from kvxferd.transfer.state import TransferResult
-from kvxferd.transfer.strategy import (
+from kvxferd.staging.strategy import (
     Choice,
     CostModel,
     Mode,
@@ -39,6 +36,9 @@ from kvxferd.transfer.strategy import (
     staged_ineligible,
     whole_blocks_bytes,
 )
+from kvxferd.transfer.engine import TransferEngine
+from kvxferd.transfer.leases import LeaseTable
+from kvxferd.transfer.state import TransferResult
 
 if TYPE_CHECKING:
     from kvxferd.daemon.peers import PeerLink, RemoteDescription

@@ -119,7 +119,7 @@ KNOWN_VALUES: dict[tuple[str, str], list[str]] = {
 
 
 def test_label_value_lists_match_the_code_enums() -> None:
-    from kvxferd.transfer.strategy import Strategy
+    from kvxferd.staging.strategy import Strategy
 
     assert list(m.STRATEGIES) == [s.value for s in Strategy]
     assert list(m.LINK_STATES) == [s.value for s in LinkState]

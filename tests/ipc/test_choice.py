@@ -15,7 +15,7 @@ from kvxferd.ipc.transport import SLOW_GBPS, classify, refusal
 from kvxferd.layout.presets import preset
 from kvxferd.layout.spec import MemoryType
 from kvxferd.pool import KVPool
-from kvxferd.transfer.strategy import CostModel, Mode, Strategy, choose
+from kvxferd.staging.strategy import CostModel, Mode, Strategy, choose
 from kvxferd.v1 import peer_pb2
 from tests.ipc.fakes import UUID, handle
 

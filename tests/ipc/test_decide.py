@@ -19,7 +19,7 @@ from kvxferd.layout.presets import preset
 from kvxferd.layout.spec import KVCacheSpec, MemoryType
 from kvxferd.pool import KVPool
 from kvxferd.staging.setup import IpcSide, Staging, decide
-from kvxferd.transfer.strategy import CostModel, Mode, Strategy
+from kvxferd.staging.strategy import CostModel, Mode, Strategy
 from tests.ipc.fakes import FakeHost, export_pool, ordinal_of
 
 TEXT = "dense:num_blocks=16,num_layers=2,num_kv_heads=1,head_size=16,block_size=4"

@@ -20,8 +20,8 @@ from kvxferd.pool import KVPool
 from kvxferd.staging.owner import Grant, StagingOwner
 from kvxferd.staging.ring import StagingRing
 from kvxferd.staging.stats import Occupancy
+from kvxferd.staging.strategy import group_row_bytes
 from kvxferd.transfer.leases import LeaseTable
-from kvxferd.transfer.strategy import group_row_bytes
 
 SPEC = "dense:num_blocks=64,num_layers=1,num_kv_heads=1,head_size=8,block_size=4"
 

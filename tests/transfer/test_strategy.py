@@ -13,7 +13,7 @@ from kvxferd.errors import InvalidRequest
 from kvxferd.layout.presets import preset
 from kvxferd.layout.spec import MemoryType
 from kvxferd.staging.chunks import RingInfo, span_offsets, split_chunks
-from kvxferd.transfer.strategy import (
+from kvxferd.staging.strategy import (
     STAGED_MARGIN,
     CostModel,
     Mode,

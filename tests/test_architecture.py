@@ -1,0 +1,101 @@
+"""The import graph reads top to bottom (docs/architecture.md): each package imports only the
+packages of lower floors, ``grpc`` only where the daemon's gRPC API is served or called, NIXL
+only in ``kvxferd.nixl``, and nothing but the CLI imports ``kvxferd.commands``.
+
+Imports under ``if TYPE_CHECKING:`` are annotations, not arrows, and are not checked.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1] / "kvxferd"
+
+# Bottom floor first. A package may import packages of lower floors only (not its own floor's
+# other packages).
+FLOORS: tuple[tuple[str, ...], ...] = (
+    ("errors", "logs", "v1"),
+    ("netpolicy",),
+    ("layout", "config"),
+    ("blocks", "kernels", "pool", "attach", "nixl"),
+    ("peers",),
+    ("wire",),
+    ("transfer",),
+    ("ipc",),
+    ("staging",),
+    ("metrics",),
+    ("daemon",),
+    ("service",),
+    ("engine", "client", "scenario", "vllm"),
+    ("commands",),
+    ("cli",),
+    ("__main__",),
+)
+FLOOR = {name: i for i, names in enumerate(FLOORS) for name in names}
+GRPC_USERS = {"wire", "service", "engine", "client", "scenario", "vllm", "commands", "metrics"}
+NIXL_MODULES = ("nixl", "nixl_cu13", "nixl_cu12")
+
+
+def _package(path: Path) -> str:
+    rel = path.relative_to(ROOT)
+    return rel.parts[0].removesuffix(".py") if len(rel.parts) > 1 else rel.stem
+
+
+def _runtime_imports(tree: ast.Module) -> Iterator[str]:
+    def walk(nodes: list[ast.stmt]) -> Iterator[str]:
+        for node in nodes:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                yield from walk(node.orelse)
+                continue
+            for sub in ast.walk(node):
+                if isinstance(sub, ast.Import):
+                    yield from (a.name for a in sub.names)
+                elif isinstance(sub, ast.ImportFrom) and sub.module and not sub.level:
+                    yield sub.module
+
+    yield from walk(tree.body)
+
+
+def _modules() -> Iterator[tuple[Path, str, list[str]]]:
+    for path in sorted(ROOT.rglob("*.py")):
+        if "v1" in path.relative_to(ROOT).parts:
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        yield path, _package(path), list(_runtime_imports(tree))
+
+
+def test_every_package_has_a_floor() -> None:
+    packages = {pkg for _, pkg, _ in _modules()} - {"__init__"}
+    assert packages <= set(FLOOR), f"add to FLOORS: {sorted(packages - set(FLOOR))}"
+
+
+def test_imports_only_point_down() -> None:
+    upward = []
+    for path, pkg, imports in _modules():
+        if pkg == "__init__":
+            continue
+        for mod in imports:
+            parts = mod.split(".")
+            if parts[0] != "kvxferd" or len(parts) < 2 or parts[1] == pkg:
+                continue
+            target = parts[1]
+            if FLOOR.get(target, -1) >= FLOOR[pkg]:
+                upward.append(f"{path.relative_to(ROOT.parent)}: {pkg} -> {target}")
+    assert not upward, "imports that point up or sideways:\n" + "\n".join(upward)
+
+
+def test_grpc_nixl_and_commands_stay_in_their_places() -> None:
+    wrong = []
+    for path, pkg, imports in _modules():
+        where = path.relative_to(ROOT.parent)
+        for mod in imports:
+            top = mod.split(".")[0]
+            if top in ("grpc", "grpc_health", "grpc_reflection") and pkg not in GRPC_USERS:
+                wrong.append(f"{where}: imports {mod}")
+            if top in NIXL_MODULES and pkg != "nixl":
+                wrong.append(f"{where}: imports {mod} (only kvxferd.nixl may)")
+            if mod.startswith("kvxferd.commands") and pkg not in ("commands", "cli", "__main__"):
+                wrong.append(f"{where}: imports {mod} (only the CLI may)")
+    assert not wrong, "\n".join(wrong)
