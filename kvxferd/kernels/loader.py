@@ -56,8 +56,10 @@ _state: dict[str, Backend] = {}  # "active" once decided
 
 
 def cuda_source_dir() -> Path:
-    """``cuda/`` at the repository root (the only place kernels live)."""
-    return Path(__file__).resolve().parents[2] / "cuda"
+    """The kernels' sources: ``kvxferd/kernels/cuda``, a link to ``cuda/`` at the repository
+    root that ships in the wheel as package data, so an installed kvxferd (the Docker image
+    too) builds the same kernels."""
+    return Path(__file__).resolve().parent / "cuda"
 
 
 def _nvcc() -> str | None:
