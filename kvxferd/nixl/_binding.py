@@ -12,6 +12,7 @@ from types import ModuleType
 from typing import Any
 
 from kvxferd.errors import ConfigError
+from kvxferd.logs import adopt
 
 _CANDIDATES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
 
@@ -28,11 +29,15 @@ def _load() -> tuple[Any, ModuleType]:
         return api, bindings
     raise ConfigError(
         "cannot import NIXL (" + "; ".join(errors) + ")",
-        fix="install the NIXL wheel: pip install nixl-cu13==1.5.1 (or kvxferd[cu12])",
+        fix="install the daemon's extra: pip install 'kvxferd[cu13]' (CUDA 13) or"
+        " 'kvxferd[cu12]' (CUDA 12), not both",
     )
 
 
 api, bindings = _load()
+# NIXL's Python logger configured itself (a stdout handler) on import: route it into
+# kvxferd's stream (a no-op unless `kvxferd serve` set up logging).
+adopt("nixl")
 
 nixl_agent: Any = api.nixl_agent
 nixl_agent_config: Any = api.nixl_agent_config

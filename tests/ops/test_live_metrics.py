@@ -24,6 +24,7 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
 import time
 import urllib.parse
 import urllib.request
@@ -519,3 +520,49 @@ def test_readiness_is_the_peer_service_in_attached_mode(world: World) -> None:
     assert asyncio.run(status(owned, "kvxferd.v1.Peer")) == serving
     with pytest.raises(aio.AioRpcError):  # the TCP port does not serve Engine
         asyncio.run(status(owned, "kvxferd.v1.Engine"))
+
+
+# --- logs ---------------------------------------------------------------------------------
+
+
+def test_daemon_logs_are_json_objects_with_fields(world: World) -> None:
+    """Every line a daemon wrote (stdout and stderr) is one JSON object, NIXL's own lines
+    included; messages carry no ``event=...`` text in the modules converted so far."""
+    converted = ("kvxferd.nixl", "kvxferd.attach", "kvxferd.kernels", "kvxferd.staging")
+    nixl_lines = 0
+    for d in world.daemons.set:
+        for raw in d.log_path.read_text().splitlines():
+            try:
+                rec = json.loads(raw)
+            except ValueError:
+                raise AssertionError(f"{d.name}: not a JSON line: {raw!r}") from None
+            assert {"ts", "level", "logger", "msg"} <= rec.keys(), rec
+            if rec["logger"].startswith(converted):
+                assert "event=" not in rec["msg"], rec
+            nixl_lines += rec["logger"].startswith("nixl")
+    assert nixl_lines >= 5  # NIXL's "Backend UCX was instantiated" etc., one set per daemon
+
+
+def test_native_output_becomes_log_records(tmp_path: Path) -> None:
+    code = """
+import logging, os, sys
+from kvxferd.logs import setup_logging
+setup_logging("INFO", "json")
+os.write(2, b"E1123 12:00:00.000000 77 core.cc:1] native failure\\n")
+os.write(1, b"plain stdout line\\n")
+print("a traceback-like line", file=sys.stderr)
+logging.getLogger("kvxferd.test").info("own", extra={"kv": {"n": 1}})
+"""
+    res = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert res.returncode == 0, res.stderr
+    recs = [json.loads(x) for x in res.stderr.splitlines()]
+    assert not res.stdout, res.stdout
+    by_msg = {r["msg"]: r for r in recs}
+    native = by_msg["E1123 12:00:00.000000 77 core.cc:1] native failure"]
+    assert native["level"] == "error" and native["logger"] == "kvxferd.native"
+    assert native["stream"] == "stderr"
+    assert by_msg["plain stdout line"]["stream"] == "stdout"
+    assert by_msg["a traceback-like line"]["level"] == "info"
+    assert by_msg["own"]["n"] == 1
