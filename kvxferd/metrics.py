@@ -190,19 +190,40 @@ class LiveSource(Protocol):
     def __call__(self) -> LiveState | None: ...
 
 
+class _ScrapeStart(Collector):
+    """Registered first, so it runs first in every scrape: takes the live snapshot and
+    expires idle peers before any series is collected (an expired peer's series are then
+    gone from this very scrape)."""
+
+    def __init__(self, peers: PeerLabels) -> None:
+        self.peers = peers
+        self.source: LiveSource | None = None
+        self.state: LiveState | None = None
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return []
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        state = self.source() if self.source is not None else None
+        self.state = state
+        busy = [p for p, n in state.inflight_bytes.items() if n] if state is not None else []
+        self.peers.expire(busy)
+        return iter(())
+
+
 class LiveCollector(Collector):
-    """Series read from the daemon at scrape time (``source`` returns None while the daemon
+    """Series read from the daemon at scrape time (the source returns None while the daemon
     is not up, or its loop did not answer in time: those series are then left out)."""
 
-    def __init__(self, source: LiveSource, peers: PeerLabels) -> None:
-        self._source = source
+    def __init__(self, start: _ScrapeStart, peers: PeerLabels) -> None:
+        self._start = start
         self._peers = peers
 
     def describe(self) -> list[GaugeMetricFamily]:
         return []  # no samples at registration time (the daemon may not exist yet)
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        state = self._source()
+        state = self._start.state
         if state is None:
             return
         pulls = GaugeMetricFamily(
@@ -214,8 +235,6 @@ class LiveCollector(Collector):
         for s in ACTIVE_STATES:
             pulls.add_metric([s], state.pulls.get(s, 0))
         yield pulls
-        busy = [p for p, n in state.inflight_bytes.items() if n]
-        self._peers.expire(busy)
         inflight = GaugeMetricFamily(
             "kvxferd_inflight_bytes",
             "Bytes of READs posted and not yet complete, per peer (the budget is"
@@ -305,6 +324,7 @@ class Metrics:
     build_info: Gauge
     peer_labels: PeerLabels
     registry: CollectorRegistry
+    scrape_start: _ScrapeStart
 
     def observe_strategy(self, strategy: str, nbytes: int, times: StageTimes | None) -> None:
         """A completed pull's bytes by strategy; for STAGED, its chunks and stage times."""
@@ -328,7 +348,8 @@ class Metrics:
 
     def add_live(self, source: LiveSource) -> LiveCollector:
         """Register the live series, read from ``source`` at each scrape."""
-        collector = LiveCollector(source, self.peer_labels)
+        self.scrape_start.source = source
+        collector = LiveCollector(self.scrape_start, self.peer_labels)
         self.registry.register(collector)
         return collector
 
@@ -344,8 +365,11 @@ class Metrics:
         ``process_*`` and ``python_*`` series of this process."""
         r = registry
         # No ``*_created`` series (one per labelled child): they double the series count.
-        _pc_metrics.disable_created_metrics()
+        disable_created: Callable[[], None] = _pc_metrics.disable_created_metrics
+        disable_created()
         peers = peer_labels or PeerLabels()
+        start = _ScrapeStart(peers)
+        r.register(start)
         m = cls(
             transfers=Counter(
                 "kvxferd_transfers",
@@ -392,7 +416,9 @@ class Metrics:
             inflight_transfers=Gauge(
                 "kvxferd_inflight_transfers", "Pulls not yet terminal.", registry=r
             ),
-            peers=Gauge("kvxferd_peers", "(superseded by the live series)", ["state"]),
+            peers=Gauge(
+                "kvxferd_peers", "(superseded by the live series)", ["state"], registry=None
+            ),
             handshakes=Counter(
                 "kvxferd_handshakes",
                 "Handshakes by side (client: this daemon reading; server: a reader asking)"
@@ -400,7 +426,9 @@ class Metrics:
                 ["side", "result"],
                 registry=r,
             ),
-            leases_active=Gauge("kvxferd_leases_active", "(superseded by the live series)"),
+            leases_active=Gauge(
+                "kvxferd_leases_active", "(superseded by the live series)", registry=None
+            ),
             lease_releases=Counter(
                 "kvxferd_lease_releases",
                 "Held requests released, by reason.",
@@ -532,6 +560,7 @@ class Metrics:
             ),
             peer_labels=peers,
             registry=r,
+            scrape_start=start,
         )
         m._initialise()
         if process:
