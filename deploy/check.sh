@@ -3,7 +3,7 @@
 #
 #   promtool check rules      deploy/prometheus/kvxferd-alerts.yaml
 #   systemd-analyze verify    deploy/systemd/kvxferd.service, ExecStart pointed at an installed
-#                             kvxferd entry point ($KVXFERD_BIN, default .venv/bin/kvxferd)
+#                             kvxferd entry point ($SERVE_BIN, default .venv/bin/kvxferd)
 #   kubectl kustomize         deploy/k8s, then kubernetes-validate --strict on the result for
 #                             each Kubernetes version in $K8S_VERSIONS (default "1.34 1.37":
 #                             the DRA ResourceClaimTemplate is resource.k8s.io/v1, 1.34+)
@@ -21,7 +21,7 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-KVXFERD_BIN="${KVXFERD_BIN:-$ROOT/.venv/bin/kvxferd}"
+SERVE_BIN="${SERVE_BIN:-$ROOT/.venv/bin/kvxferd}"
 K8S_VERSIONS="${K8S_VERSIONS:-1.34 1.37}"
 PROTO_RELEASE="tests/deploy/proto-release-0.1.0.binpb"
 
@@ -45,12 +45,12 @@ promtool check rules deploy/prometheus/kvxferd-alerts.yaml \
 
 # --- systemd unit -----------------------------------------------------------------------------
 need systemd-analyze "Debian: apt-get install systemd"
-[[ -x "$KVXFERD_BIN" ]] || fail "no kvxferd entry point at $KVXFERD_BIN (pip install -e . into .venv, or set KVXFERD_BIN)"
-step "systemd-analyze verify deploy/systemd/kvxferd.service (ExecStart=$KVXFERD_BIN)"
+[[ -x "$SERVE_BIN" ]] || fail "no kvxferd entry point at $SERVE_BIN (pip install -e . into .venv, or set SERVE_BIN)"
+step "systemd-analyze verify deploy/systemd/kvxferd.service (ExecStart=$SERVE_BIN)"
 mkdir -p "$TMP/systemd"
-sed "s#^ExecStart=/opt/kvxferd/bin/kvxferd #ExecStart=$KVXFERD_BIN #" \
+sed "s#^ExecStart=/opt/kvxferd/bin/kvxferd #ExecStart=$SERVE_BIN #" \
   deploy/systemd/kvxferd.service >"$TMP/systemd/kvxferd.service"
-grep -q "^ExecStart=$KVXFERD_BIN serve " "$TMP/systemd/kvxferd.service" \
+grep -q "^ExecStart=$SERVE_BIN serve " "$TMP/systemd/kvxferd.service" \
   || fail "deploy/systemd/kvxferd.service: ExecStart no longer starts with /opt/kvxferd/bin/kvxferd serve (update deploy/check.sh)"
 systemd-analyze verify "$TMP/systemd/kvxferd.service" 2>"$TMP/systemd.err" || {
   cat "$TMP/systemd.err" >&2
