@@ -36,6 +36,7 @@ from kvxferd.errors import (
     UnknownSession,
 )
 from kvxferd.logs import kv
+from kvxferd.peers import compat_digest
 from kvxferd.staging.reader import StagedJob
 from kvxferd.staging.setup import Decision, decide
 from kvxferd.staging.strategy import Strategy
@@ -358,10 +359,11 @@ class Reader:
                 )
                 result = await self._staged_pull(job, plan)
             else:
-                if prepared is None:
-                    prepared = self.p.engine.prepare(
-                        tid, link.remote.agent_name if link.remote else "", plan
-                    )
+                agent = link.remote.agent_name if link.remote else ""
+                if prepared is None or prepared.peer != agent:
+                    # Built before the confirmation, which may have found a restarted owner
+                    # (a new NIXL agent): build against the peer we confirmed with.
+                    prepared = self.p.engine.prepare(tid, agent, plan)
                 xfer = self.p.engine.submit_prepared(
                     prepared, notif=note, timeout_s=max(1e-3, deadline - time.monotonic())
                 )
@@ -542,9 +544,22 @@ class Reader:
     async def _rehandshake(self, link: PeerLink, why: str) -> None:
         assert self.p.peers is not None
         log.info("peer restarted; handshaking again", extra=kv(peer=link.address, why=why))
+        before = link.remote
         await self.p.peers.invalidate(link.address, why, LinkState.STALE)
         await self.p.peers.ready(link.address)
         self.p.peer_gauge()
+        after = link.remote
+        if before is not None and after is not None and (
+            compat_digest(before.info.spec) != compat_digest(after.info.spec)
+            or (before.info.tp_rank, before.info.tp_size)
+            != (after.info.tp_rank, after.info.tp_size)
+        ):
+            raise PeerUnavailable(
+                f"peer {link.address} restarted with a different KV layout or TP rank than this"
+                " pull was planned for",
+                field="peer_address",
+                fix="start the pull again: it is planned against the new layout",
+            )
 
     async def _notify_done(self, link: PeerLink, request_id: str, ticket: int) -> None:
         """Tell the owner we read (the NIXL notification with our ticket; the RPC if NIXL
