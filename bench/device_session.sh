@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine (issue 13: KERNEL, transport truth, STAGED, one table).
 # Run from the repository root with the wheels the machine lacks carried in .whl/
-# (../shared/tools/device-wheels.sh protobuf==7.36.2 grpcio-health-checking==1.85.1
-# grpcio-reflection==1.85.1 pytest-timeout==2.4.0; without the nixl meta wheel, which does not
+# (`pip download --no-deps --only-binary=:all: --python-version 3.12 --platform
+# manylinux_2_28_x86_64 -d .whl nixl-cu13==1.5.1 protobuf==7.36.2 grpcio-health-checking==1.85.1
+# grpcio-reflection==1.85.1 pytest-timeout==2.4.0`; without the nixl meta wheel, which does not
 # fit beside nixl-cu13 in one call). The machine has grpcio 1.84, so the generated code's grpcio
 # version guard is lowered on that copy (the API used is the same). Each step is time-boxed;
 # full outputs are written under $OUT (at most 8 files come back) and the short table is last.
