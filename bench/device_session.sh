@@ -32,7 +32,7 @@ step "kvxferd bench: raw, naive, floor, KERNEL, DIRECT, STAGED, auto (both daemo
 timeout "${BENCH_S:-260}" python3 -m kvxferd bench --device cuda --sizes 256,8192 \
   --patterns fragmented,contiguous --strategy kernel,direct,staged,auto --repeat 5 \
   --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
-grep -v "^  " "$OUT/bench.log" | tail -32
+sed -n '/^tokens /,$p' "$OUT/bench.log"
 
 step "GPU tests: the kernel against the twin, imported memory, bounds, restarted owner"
 timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ipc/test_gpu.py \
@@ -40,13 +40,19 @@ timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ipc/test_gpu.p
 tail -6 "$OUT/tests-unit.log"
 
 step "KERNEL copy alone: imported vs owned, grid caps (bench/ipc_kernel.py)"
-timeout 120 python3 -m bench.ipc_kernel --json "$OUT/ipc.json" 2>&1 | tail -14
+timeout 120 python3 -m bench.ipc_kernel --caps 16,32,64,132,0 --json "$OUT/ipc.json" 2>&1 \
+  | sed -n '/^row /,$p'
 
-step "default transport refused: UCX_CUDA_IPC_ENABLE_GET_ZCOPY=n (operator's choice kept)"
-UCX_CUDA_IPC_ENABLE_GET_ZCOPY=n timeout 100 python3 -m kvxferd bench --device cuda --sizes 256 \
-  --patterns fragmented --strategy kernel,direct --repeat 1 --latency-pulls 1 \
-  --json "$OUT/bench-tcp.json" > "$OUT/bench-tcp.log" 2>&1
-grep -v "^  " "$OUT/bench-tcp.log" | tail -9
+if [ -n "${TCP_CHECK:-}" ]; then
+  step "default transport refused: UCX_CUDA_IPC_ENABLE_GET_ZCOPY=n (operator's choice kept)"
+  UCX_CUDA_IPC_ENABLE_GET_ZCOPY=n timeout 100 python3 -m kvxferd bench --device cuda --sizes 256 \
+    --patterns fragmented --strategy kernel,direct --repeat 1 --latency-pulls 1 \
+    --json "$OUT/bench-tcp.json" > "$OUT/bench-tcp.log" 2>&1
+  grep -v "^kvxferd: \|^naive\|^raw\|^ *kvxferd \+[0-9]\|^  naive" "$OUT/bench-tcp.log" | tail -12
+fi
+
+step "engine-attached (OWNED) pool vs daemon-owned, pulled by KERNEL (bench/attached_pull.py)"
+timeout 120 python3 -m bench.attached_pull --device cuda --json "$OUT/attached.json" 2>&1 | tail -6
 
 step "GPU tests through daemons: KERNEL dense/hybrid/MLA by Checksum, STAGED in VRAM, kernels"
 timeout "${TESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider -m gpu \

@@ -685,12 +685,15 @@ def measure_daemons(
             _say(f"  latency  {pulls} pulls of {SMALL_BLOCKS} blocks ({strategy})")
             client_ms: list[float] = []
             server_ms: list[float] = []
+            stages_ms: dict[str, list[float]] = {}  # the daemon's per-pull stages
             tokens = SMALL_BLOCKS * workload.spec.groups[0].kernel_block_size
             for rep in range(pulls):
                 local, remote = block_ids(workload, tokens, FRAGMENTED, 1000 + rep, args.seed)
                 out = puller.pull(local, remote)
                 client_ms.append(out.seconds * 1e3)
                 server_ms.append(out.server_seconds * 1e3)
+                for stage in out.status.stages:
+                    stages_ms.setdefault(stage.name, []).append(stage.seconds * 1e3)
             latency = {
                 "blocks": SMALL_BLOCKS,
                 "tokens": tokens,
@@ -705,6 +708,7 @@ def measure_daemons(
                 "max_ms": max(client_ms),
                 "server_p50_ms": percentile(server_ms, 50),
                 "server_p99_ms": percentile(server_ms, 99),
+                "stages_p50_ms": {k: percentile(v, 50) for k, v in stages_ms.items()},
             }
             daemons.check_alive()
         finally:
@@ -930,6 +934,9 @@ def run(args: argparse.Namespace) -> int:
             f" {latency['max_ms']:.2f} ms (daemon-side p50 {latency['server_p50_ms']:.2f} ms,"
             f" p99 {latency['server_p99_ms']:.2f} ms)"
         )
+        if latency.get("stages_p50_ms"):
+            parts = ", ".join(f"{k} {v:.2f}" for k, v in latency["stages_p50_ms"].items())
+            print(f"  where the daemon's time went (p50 per stage, ms): {parts}")
     for strategy in args.strategy:
         failed = next((c.failed for c in rows_by[strategy] if c.failed), "")
         if failed:

@@ -41,7 +41,7 @@ from kvxferd.transfer.state import TransferResult, TransferStatus
 Int64Array = npt.NDArray[np.int64]
 log = logging.getLogger(__name__)
 
-PIECE_BYTES = 256 << 10
+PIECE_BYTES = 64 << 10
 
 
 @dataclass(frozen=True)
