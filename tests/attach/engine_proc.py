@@ -12,7 +12,10 @@ import argparse
 import json
 import sys
 
-from kvxferd.engine import EngineClient, shared_tensors
+import numpy as np
+
+from kvxferd.blocks import expand_group
+from kvxferd.engine import EngineClient, ReleaseEvent, shared_tensors
 from kvxferd.layout.presets import preset
 from kvxferd.pool import KVPool
 
@@ -26,6 +29,13 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=5)
     ap.add_argument("--request", default="req-0")
     ap.add_argument("--blocks", default="0,1,2,3")
+    ap.add_argument("--readers", type=int, default=1)
+    ap.add_argument(
+        "--overwrite-on-release",
+        type=int,
+        metavar="SEED",
+        help="reuse released blocks at once, as a real engine would: restamp them with SEED",
+    )
     args = ap.parse_args()
     client = EngineClient(args.socket)
     tensors = shared_tensors(preset(args.preset), args.device) if args.mode == "imported" else None
@@ -33,7 +43,18 @@ def main() -> int:
     pool = KVPool(att.spec, att.tensors)
     for g in range(len(att.spec.groups)):
         pool.fill_pattern(g, range(att.spec.num_kernel_blocks(g)), args.seed)
-    ticket = att.hold(args.request, [[int(b) for b in args.blocks.split(",")]])
+    if args.overwrite_on_release is not None:
+        seed = args.overwrite_on_release
+
+        def reuse(event: ReleaseEvent) -> None:
+            for g, ids in enumerate(event.block_ids):
+                kernel = expand_group(att.spec.groups[g], np.asarray(ids, dtype=np.int64))
+                pool.fill_pattern(g, kernel.tolist(), seed)
+            print(json.dumps({"released": event.request_id, "reason": event.reason}), flush=True)
+
+        att.on_release(reuse)
+    blocks = [[int(b) for b in args.blocks.split(",")]]
+    ticket = att.hold(args.request, blocks, readers=args.readers)
     out = {
         "ticket": ticket.to_json(),
         "attachment_id": att.attachment_id,
