@@ -66,6 +66,7 @@ _LINK = {
     LinkState.READY: scheduler_pb2.HANDSHAKE_STATE_READY,
     LinkState.REFUSED: scheduler_pb2.HANDSHAKE_STATE_REFUSED,
     LinkState.UNREACHABLE: scheduler_pb2.HANDSHAKE_STATE_UNREACHABLE,
+    LinkState.STALE: scheduler_pb2.HANDSHAKE_STATE_STALE,
 }
 _STRATEGY = {
     "DIRECT": scheduler_pb2.TRANSFER_STRATEGY_DIRECT,
