@@ -11,15 +11,19 @@
 // cannot know the mapped sizes: the caller (kvxferd.kernels.cuda_ops.copy_ranges) checks every
 // piece against its region before calling.
 //
-// Work split. The grid is persistent (at most max_ctas CTAs of 512 threads) and each warp owns
-// a piece at a time: warp w copies pieces w, w + W, w + 2W, ... (W warps in the grid), in steps
-// of 32 x kIpcUnroll vectors of V bytes (V = 16 when every address and length allows it);
-// every lane issues kIpcUnroll independent loads before its first store, and loads and stores
-// are streaming (.cs): each byte is touched once. One warp per piece keeps 16 pieces in flight
-// per CTA, so their table loads and TLB misses overlap (a CTA per piece, copied by all its
-// threads one piece after another, measured 0.27 x the raw copy on an H100 for 64 KiB random
-// pieces: docs/benchmarks.md). The host cuts long ranges into pieces
-// (kvxferd.ipc.reader.PIECE_BYTES) so that a few large runs still spread over every warp.
+// Work split. The grid is persistent: CTA b copies pieces b, b + grid, b + 2 grid, ... Each
+// piece is moved by all threads of the CTA in tiles of kThreads * kIpcUnroll vectors of V bytes
+// (V = 16 when every address and length allows it); every thread issues kIpcUnroll independent
+// loads before its first store, and loads and stores are streaming (.cs): each byte is touched
+// once. The host cuts long ranges into pieces (kvxferd.ipc.reader.PIECE_BYTES) so that a few
+// large runs still spread over the whole grid.
+//
+// Measured (docs/benchmarks.md, one H100, 1 GiB): 383 GB/s for 64 KiB random pieces and 681
+// GB/s for contiguous 256 KiB pieces, 0.27 / 0.47 of the raw copy: below the goal. One warp per
+// piece (512-thread CTAs, 64 KiB pieces) measured worse (317 / 348 GB/s) and was reverted. Both
+// keep thousands of pieces in flight at 64 KiB-aligned addresses that advance in lockstep;
+// the untested next step is a grid-stride over the concatenated pieces (fixed-size pieces,
+// consecutive threads on consecutive vectors), the raw copy's access pattern.
 //
 // Errors: "" on success or a message, as in staging.cu (and for the same reason: no
 // TORCH_CHECK with numbers; see the comment there).
@@ -39,21 +43,14 @@
 
 namespace kvxferd {
 
-constexpr int kIpcThreads = 512;  // 16 warps: each warp copies its own piece
-constexpr int kIpcWarps = kIpcThreads / 32;
 constexpr int kIpcUnroll = 8;
 
-// Warp per piece: warp w of the grid copies pieces w, w + warps, w + 2 warps, ... so a CTA has
-// 16 pieces in flight (their table loads, TLB misses and first loads overlap), and each lane
-// issues kIpcUnroll independent 16-byte loads (a warp: 4 KiB) before its first store.
 template <int V>
-__global__ void __launch_bounds__(kIpcThreads) copy_ranges_kernel(const int64_t* __restrict__ table,
-                                                                  int64_t n) {
+__global__ void __launch_bounds__(kThreads) copy_ranges_kernel(const int64_t* __restrict__ table,
+                                                               int64_t n) {
   using Vec = typename VecOf<V>::T;
-  constexpr int64_t kTile = int64_t{32} * kIpcUnroll;  // vectors per warp per step
-  const int lane = threadIdx.x & 31;
-  const int64_t warps = int64_t{gridDim.x} * kIpcWarps;
-  for (int64_t p = int64_t{blockIdx.x} * kIpcWarps + (threadIdx.x >> 5); p < n; p += warps) {
+  constexpr int64_t kTile = int64_t{kThreads} * kIpcUnroll;
+  for (int64_t p = blockIdx.x; p < n; p += gridDim.x) {
     const int64_t dst_addr = table[3 * p];
     const int64_t src_addr = table[3 * p + 1];
     const int64_t nvec = table[3 * p + 2] / V;
@@ -63,12 +60,12 @@ __global__ void __launch_bounds__(kIpcThreads) copy_ranges_kernel(const int64_t*
       Vec tmp[kIpcUnroll];
 #pragma unroll
       for (int u = 0; u < kIpcUnroll; ++u) {
-        const int64_t v = t0 + u * 32 + lane;
+        const int64_t v = t0 + u * kThreads + threadIdx.x;
         if (v < nvec) tmp[u] = __ldcs(src + v);
       }
 #pragma unroll
       for (int u = 0; u < kIpcUnroll; ++u) {
-        const int64_t v = t0 + u * 32 + lane;
+        const int64_t v = t0 + u * kThreads + threadIdx.x;
         if (v < nvec) __stcs(dst + v, tmp[u]);
       }
     }
@@ -118,9 +115,7 @@ std::string copy_ranges(at::Tensor table, at::Tensor like, int64_t max_ctas) {
     sms = 1;
   }
   const int64_t cap = max_ctas > 0 ? max_ctas : int64_t{2} * sms;
-  const int64_t wanted = (n + kIpcWarps - 1) / kIpcWarps;  // one warp per piece at most
-  const unsigned grid =
-      static_cast<unsigned>(std::min<int64_t>(std::min<int64_t>(wanted, cap), 65535));
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(std::min<int64_t>(n, cap), 65535));
   // One upload of the table from pinned memory, ordered on this stream; the caching host
   // allocator keeps the pinned block alive until the copy has run.
   auto host = at::empty({n, 3}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
@@ -131,7 +126,7 @@ std::string copy_ranges(at::Tensor table, at::Tensor like, int64_t max_ctas) {
   switch (v) {
 #define KVX_CASE(W)                                                        \
   case W:                                                                  \
-    copy_ranges_kernel<W><<<grid, kIpcThreads, 0, stream>>>(d, n);         \
+    copy_ranges_kernel<W><<<grid, kThreads, 0, stream>>>(d, n);            \
     break;
     KVX_CASE(16)
     KVX_CASE(8)

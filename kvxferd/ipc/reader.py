@@ -32,16 +32,14 @@ from kvxferd.errors import DeadlineExceeded, KvxferdError, TransportError
 from kvxferd.ipc.mapping import Key, MappingCache
 from kvxferd.ipc.publish import IpcPool
 from kvxferd.kernels import RangeCopy, copy_ranges
-from kvxferd.kernels.ranges import check_ranges
 from kvxferd.logs import kv
 from kvxferd.pool import KVPool
-from kvxferd.transfer.descriptors import coalesce, split_long
 from kvxferd.transfer.state import TransferResult, TransferStatus
 
 Int64Array = npt.NDArray[np.int64]
 log = logging.getLogger(__name__)
 
-PIECE_BYTES = 64 << 10
+PIECE_BYTES = 256 << 10
 
 
 @dataclass(frozen=True)
@@ -58,31 +56,32 @@ class KernelJob:
 
 def pieces(plan: TransferPlan, piece_bytes: int = PIECE_BYTES) -> tuple[RangeCopy, int]:
     """The plan's ranges as kernel pieces, and the number of (region, run) pairs before the
-    cut (what DIRECT would post as descriptors)."""
-    parts: list[tuple[Int64Array, Int64Array, Int64Array, Int64Array]] = []
-    runs = 0
-    for rr in plan.ranges:
-        if rr.num_ranges == 0:
-            continue
-        lo, ro, ln = coalesce(
-            rr.local_offset.astype(np.int64, copy=False),
-            rr.remote_offset.astype(np.int64, copy=False),
-            rr.length.astype(np.int64, copy=False),
-        )
-        runs += int(ln.size)
-        lo, ro, ln = split_long(lo, ro, ln, piece_bytes)
-        parts.append((np.full(ln.shape, rr.region, dtype=np.int64), lo, ro, ln))
+    cut (what DIRECT would post as descriptors). Vectorised over every region at once (a
+    per-region loop cost ~1.5 ms for 32 regions on the 2-core machine): sort by (region, local
+    offset), merge ranges contiguous on both sides within a region, cut runs longer than
+    ``piece_bytes``."""
+    parts = [rr for rr in plan.ranges if rr.num_ranges]
     if not parts:
         return RangeCopy.empty(), 0
-    return (
-        RangeCopy(
-            np.concatenate([p[0] for p in parts]),
-            np.concatenate([p[1] for p in parts]),
-            np.concatenate([p[2] for p in parts]),
-            np.concatenate([p[3] for p in parts]),
-        ),
-        runs,
-    )
+    region = np.concatenate([np.full(rr.num_ranges, rr.region, dtype=np.int64) for rr in parts])
+    lo = np.concatenate([rr.local_offset.astype(np.int64, copy=False) for rr in parts])
+    ro = np.concatenate([rr.remote_offset.astype(np.int64, copy=False) for rr in parts])
+    ln = np.concatenate([rr.length.astype(np.int64, copy=False) for rr in parts])
+    order = np.lexsort((lo, region))
+    region, lo, ro, ln = region[order], lo[order], ro[order], ln[order]
+    ends = lo[:-1] + ln[:-1]
+    joins = (region[:-1] == region[1:]) & (ends == lo[1:]) & (ro[:-1] + ln[:-1] == ro[1:])
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    region, lo, ro, ln = region[starts], lo[starts], ro[starts], np.add.reduceat(ln, starts)
+    runs = int(ln.size)
+    cut = (ln + piece_bytes - 1) // piece_bytes
+    if int(cut.max()) > 1:
+        idx = np.repeat(np.arange(runs), cut)
+        first = np.cumsum(cut) - cut
+        skip = (np.arange(idx.size, dtype=np.int64) - np.repeat(first, cut)) * piece_bytes
+        region, lo, ro = region[idx], lo[idx] + skip, ro[idx] + skip
+        ln = np.minimum(ln[idx] - skip, piece_bytes)
+    return RangeCopy(region, lo, ro, ln), runs
 
 
 def region_bytes(pool: KVPool) -> list[torch.Tensor]:
@@ -163,7 +162,8 @@ class KernelReader:
             maps = self.cache.get(job.key, job.ipc)
             rc, runs = pieces(plan, self.piece_bytes)
             with maps.use() as src:
-                check_ranges(self.local, src, rc)  # bounds against the mapped sizes
+                # copy_ranges checks every piece against the local regions and the *mapped*
+                # sizes before anything is launched (kvxferd.kernels.ranges.check_ranges).
                 self.backend = await asyncio.to_thread(self._copy, src, rc)
             if time.monotonic() > job.deadline:
                 status = TransferStatus.EXPIRED

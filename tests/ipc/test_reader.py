@@ -158,3 +158,52 @@ def test_a_new_peer_generation_is_mapped_afresh_and_the_old_one_dropped() -> Non
     assert len(host.closed) == 3 and all(h.startswith(b"gen1") for h in host.closed)
     reader.close()
     assert host.open_now == 0
+
+
+def _pieces_reference(plan: TransferPlan, piece_bytes: int) -> tuple[set[tuple[int, ...]], int]:
+    """Per region: DIRECT's coalescing (kvxferd.transfer.descriptors), then the cut."""
+    from kvxferd.transfer.descriptors import coalesce, split_long
+
+    out: set[tuple[int, ...]] = set()
+    runs = 0
+    for rr in plan.ranges:
+        if rr.num_ranges == 0:
+            continue
+        lo, ro, ln = coalesce(rr.local_offset, rr.remote_offset, rr.length)
+        runs += int(ln.size)
+        for a, b, n in zip(*split_long(lo, ro, ln, piece_bytes), strict=True):
+            out.add((rr.region, int(a), int(b), int(n)))
+    return out, runs
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_vectorised_pieces_equal_per_region_coalescing(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    ranges = []
+    for r in rng.choice(8, int(rng.integers(1, 6)), replace=False):
+        n = int(rng.integers(0, 40))
+        blocks = rng.permutation(64)[:n] if seed % 2 else np.sort(rng.choice(64, n, replace=False))
+        other = blocks if seed % 3 == 0 else rng.permutation(64)[:n]
+        size = int(rng.choice([512, 4096]))
+        ranges.append(
+            RegionRanges(
+                int(r),
+                f"r{r}",
+                (blocks * size).astype(np.int64),
+                (other * size).astype(np.int64),
+                np.full(n, size, dtype=np.int64),
+            )
+        )
+    plan = TransferPlan(tuple(ranges))
+    rc, runs = pieces(plan, piece_bytes=3000)
+    got = set(
+        zip(
+            rc.region.tolist(),
+            rc.dst_offset.tolist(),
+            rc.src_offset.tolist(),
+            rc.length.tolist(),
+            strict=True,
+        )
+    )
+    want, want_runs = _pieces_reference(plan, 3000)
+    assert got == want and runs == want_runs and rc.pieces == len(want)
