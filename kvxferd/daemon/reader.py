@@ -549,10 +549,14 @@ class Reader:
         await self.p.peers.ready(link.address)
         self.p.peer_gauge()
         after = link.remote
-        if before is not None and after is not None and (
-            compat_digest(before.info.spec) != compat_digest(after.info.spec)
-            or (before.info.tp_rank, before.info.tp_size)
-            != (after.info.tp_rank, after.info.tp_size)
+        if (
+            before is not None
+            and after is not None
+            and (
+                compat_digest(before.info.spec) != compat_digest(after.info.spec)
+                or (before.info.tp_rank, before.info.tp_size)
+                != (after.info.tp_rank, after.info.tp_size)
+            )
         ):
             raise PeerUnavailable(
                 f"peer {link.address} restarted with a different KV layout or TP rank than this"
