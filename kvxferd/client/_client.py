@@ -12,7 +12,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
-from importlib.abc import Traversable
+from importlib.resources.abc import Traversable
 from types import TracebackType
 from typing import Any, Self
 
