@@ -6,9 +6,10 @@ sizes); the formatter writes them as keys. Importing kvxferd never configures lo
 With the JSON format, :func:`setup_logging` also makes sure nothing else reaches the log
 stream as a bare line: NIXL's Python logger (``nixl``, which configures its own stdout
 handler) is routed through kvxferd's handler (:func:`adopt`), and whatever native code writes
-to file descriptors 1 and 2 (NIXL's and UCX's C++ logging, a library's warning, a traceback
-Python prints) is read back line by line and logged as ``kvxferd.native`` records
-(:class:`NativeCapture`).
+to file descriptors 1 and 2 (NIXL's and UCX's C++ logging) is read back line by line and
+logged as ``kvxferd.native`` records (:class:`NativeCapture`). Python's own ``sys.stdout``
+and ``sys.stderr`` keep writing to the real streams (the CLI's one-line ``kvxferd: error:``
+stays a plain line).
 
 Values often come from callers (request and transfer IDs, peer addresses), so neither format
 lets them forge lines or fields: JSON escapes everything; text escapes control and line-break
@@ -100,18 +101,22 @@ def adopt(name: str) -> None:
 
 # glog-style ("E1123 12:00:00.000000 123 file.cc:45] ...") and UCX ("... UCX  ERROR ...").
 _NATIVE_LEVELS = (
-    (re.compile(r"^F\d{4} "), logging.CRITICAL),
-    (re.compile(r"^E\d{4} |\bUCX\s+ERROR\b|\berror\b", re.I), logging.ERROR),
-    (re.compile(r"^W\d{4} |\bUCX\s+WARN|\bwarning\b", re.I), logging.WARNING),
+    (re.compile(r"^F\d{4} "), "fatal"),
+    (re.compile(r"^E\d{4} |\bUCX\s+ERROR\b"), "error"),
+    (re.compile(r"^W\d{4} |\bUCX\s+WARN"), "warning"),
 )
 
 
-def native_level(line: str) -> int:
-    """The level a native output line is logged at (INFO unless it looks worse)."""
-    for rx, level in _NATIVE_LEVELS:
+def native_level(line: str) -> tuple[int, str]:
+    """The level a native output line is logged at, and the level the line itself names.
+
+    A native error is logged as a WARNING (CRITICAL for a fatal one): NIXL and UCX report
+    conditions kvxferd handles (a peer sending its own agent name, a refused connection) as
+    errors, and what kvxferd makes of them is its own log line at its own level."""
+    for rx, named in _NATIVE_LEVELS:
         if rx.search(line):
-            return level
-    return logging.INFO
+            return (logging.CRITICAL if named == "fatal" else logging.WARNING), named
+    return logging.INFO, ""
 
 
 class NativeCapture:
@@ -136,7 +141,9 @@ class NativeCapture:
     def _emit(self, raw: bytes) -> None:
         line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
         if line.strip():
-            self._log.log(native_level(line), line, extra=kv(stream=self.stream))
+            level, named = native_level(line)
+            fields = {"stream": self.stream, **({"native_level": named} if named else {})}
+            self._log.log(level, line, extra=kv(**fields))
 
     def _run(self) -> None:
         pending = b""
@@ -176,15 +183,21 @@ def _stop_captures() -> None:
 
 
 def capture_native_output() -> IO[str]:
-    """Capture file descriptors 1 and 2 (see :class:`NativeCapture`); returns a text stream
-    on the original stderr for kvxferd's own handler. Idempotent."""
+    """Capture file descriptors 1 and 2 (see :class:`NativeCapture`); Python's
+    ``sys.stdout``/``sys.stderr`` move to the original streams. Returns the original stderr,
+    for kvxferd's own handler. Idempotent."""
     if not _original:
-        stream = os.fdopen(os.dup(2), "w", buffering=1, encoding="utf-8", errors="replace")
-        _original.append(stream)
+        for f in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                f.flush()
+        out = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8", errors="replace")
+        err = os.fdopen(os.dup(2), "w", buffering=1, encoding="utf-8", errors="replace")
+        _original.append(err)
         if faulthandler.is_enabled():
-            faulthandler.enable(file=stream)  # a crash dump must not go into the pipe
+            faulthandler.enable(file=err)  # a crash dump must not go into the pipe
         _captures.append(NativeCapture(1, "stdout"))
         _captures.append(NativeCapture(2, "stderr"))
+        sys.stdout, sys.stderr = out, err
         atexit.register(_stop_captures)
     return _original[0]
 

@@ -550,19 +550,24 @@ from kvxferd.logs import setup_logging
 setup_logging("INFO", "json")
 os.write(2, b"E1123 12:00:00.000000 77 core.cc:1] native failure\\n")
 os.write(1, b"plain stdout line\\n")
-print("a traceback-like line", file=sys.stderr)
+os.write(2, b"[1700000000.1] [h:1:2] ucp_ep.c:1 UCX  WARN  a native warning\\n")
+print("kvxferd: error: a CLI line stays plain", file=sys.stderr)
 logging.getLogger("kvxferd.test").info("own", extra={"kv": {"n": 1}})
 """
     res = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
     )
     assert res.returncode == 0, res.stderr
-    recs = [json.loads(x) for x in res.stderr.splitlines()]
-    assert not res.stdout, res.stdout
+    lines = res.stderr.splitlines()
+    assert "kvxferd: error: a CLI line stays plain" in lines  # Python's own stderr
+    recs = [json.loads(x) for x in lines if x.startswith("{")]
+    assert len(recs) == len(lines) - 1 and not res.stdout, res.stdout + res.stderr
     by_msg = {r["msg"]: r for r in recs}
     native = by_msg["E1123 12:00:00.000000 77 core.cc:1] native failure"]
-    assert native["level"] == "error" and native["logger"] == "kvxferd.native"
-    assert native["stream"] == "stderr"
+    assert native["level"] == "warning" and native["native_level"] == "error"
+    assert native["logger"] == "kvxferd.native" and native["stream"] == "stderr"
     assert by_msg["plain stdout line"]["stream"] == "stdout"
-    assert by_msg["a traceback-like line"]["level"] == "info"
+    assert by_msg["plain stdout line"]["level"] == "info"
+    warn = by_msg["[1700000000.1] [h:1:2] ucp_ep.c:1 UCX  WARN  a native warning"]
+    assert warn["level"] == "warning" and warn["native_level"] == "warning"
     assert by_msg["own"]["n"] == 1
