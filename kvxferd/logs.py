@@ -84,8 +84,9 @@ class _TextFormatter(logging.Formatter):
 
 
 _HANDLERS: list[logging.Handler] = []  # kvxferd's handler once setup_logging ran
-ADOPTED = ("nixl",)
-"""Libraries whose own loggers are routed into kvxferd's stream."""
+ADOPTED = ("nixl", "py.warnings")
+"""Loggers routed into kvxferd's stream: NIXL's, and Python's warnings (with the JSON
+format, :func:`setup_logging` turns warnings into ``py.warnings`` records)."""
 
 
 def adopt(name: str) -> None:
@@ -219,6 +220,8 @@ def setup_logging(level: str = "INFO", fmt: str = "json", *, capture: bool | Non
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     root.propagate = False
+    if capture:
+        logging.captureWarnings(True)  # a library's UserWarning becomes a record, not text
     for name in ADOPTED:
         adopt(name)
 

@@ -552,6 +552,8 @@ os.write(2, b"E1123 12:00:00.000000 77 core.cc:1] native failure\\n")
 os.write(1, b"plain stdout line\\n")
 os.write(2, b"[1700000000.1] [h:1:2] ucp_ep.c:1 UCX  WARN  a native warning\\n")
 print("kvxferd: error: a CLI line stays plain", file=sys.stderr)
+import warnings
+warnings.warn("a library warning")
 logging.getLogger("kvxferd.test").info("own", extra={"kv": {"n": 1}})
 """
     res = subprocess.run(
@@ -571,3 +573,5 @@ logging.getLogger("kvxferd.test").info("own", extra={"kv": {"n": 1}})
     warn = by_msg["[1700000000.1] [h:1:2] ucp_ep.c:1 UCX  WARN  a native warning"]
     assert warn["level"] == "warning" and warn["native_level"] == "warning"
     assert by_msg["own"]["n"] == 1
+    (pywarn,) = [r for r in recs if r["logger"] == "py.warnings"]
+    assert "a library warning" in pywarn["msg"] and pywarn["level"] == "warning"
