@@ -34,7 +34,8 @@ class _ProtocolVersionEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Proto
 
 class ProtocolVersion(_ProtocolVersion, metaclass=_ProtocolVersionEnumTypeWrapper):
     """The daemon-to-daemon control plane: handshake, leases on held blocks, heartbeats.
-    The data plane (RDMA READs) and the transfer-done notification go through NIXL, not here.
+    The data plane (RDMA READs, or WRITEs in push mode) and the transfer-done notifications go
+    through NIXL, not here.
 
     PROTOCOL_VERSION history (HandshakeRequest.protocol_version; one line per bump, never reuse):
       1: initial: version + compat digest + nested HandshakePayload; leases; heartbeat.
@@ -51,6 +52,30 @@ PROTOCOL_VERSION_UNSPECIFIED: ProtocolVersion.ValueType  # 0
 PROTOCOL_VERSION_V1: ProtocolVersion.ValueType  # 1
 """v1: initial."""
 Global___ProtocolVersion: _TypeAlias = ProtocolVersion  # noqa: Y015
+
+class _TransferMode:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _TransferModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TransferMode.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    TRANSFER_MODE_UNSPECIFIED: _TransferMode.ValueType  # 0
+    """Not set: read as TRANSFER_MODE_PULL (what every peer without this field does)."""
+    TRANSFER_MODE_PULL: _TransferMode.ValueType  # 1
+    """The decode daemon READs the held blocks (RDMA GET)."""
+    TRANSFER_MODE_PUSH: _TransferMode.ValueType  # 2
+    """The decode daemon asks the prefill daemon (Peer.Push) to WRITE them (RDMA PUT)."""
+
+class TransferMode(_TransferMode, metaclass=_TransferModeEnumTypeWrapper):
+    """Who moves a request's bytes between a prefill (owner) and a decode (reader) daemon."""
+
+TRANSFER_MODE_UNSPECIFIED: TransferMode.ValueType  # 0
+"""Not set: read as TRANSFER_MODE_PULL (what every peer without this field does)."""
+TRANSFER_MODE_PULL: TransferMode.ValueType  # 1
+"""The decode daemon READs the held blocks (RDMA GET)."""
+TRANSFER_MODE_PUSH: TransferMode.ValueType  # 2
+"""The decode daemon asks the prefill daemon (Peer.Push) to WRITE them (RDMA PUT)."""
+Global___TransferMode: _TypeAlias = TransferMode  # noqa: Y015
 
 class _LeaseState:
     ValueType = _typing.NewType("ValueType", _builtins.int)
@@ -174,6 +199,7 @@ class HandshakePayload(_message.Message):
     STAGING_FIELD_NUMBER: _builtins.int
     HOST_ID_FIELD_NUMBER: _builtins.int
     CUDA_IPC_FIELD_NUMBER: _builtins.int
+    TRANSFER_MODE_FIELD_NUMBER: _builtins.int
     nixl_agent_name: _builtins.str
     """The NIXL agent's name (unique per daemon process)."""
     nixl_agent_metadata: _builtins.bytes
@@ -196,6 +222,10 @@ class HandshakePayload(_message.Message):
     """Who can open this daemon's CUDA IPC handles: a digest of the host's boot ID and this
     process's IPC namespace. Two daemons with the same host_id share a host (and an IPC
     namespace); only then may a reader use cuda_ipc (KERNEL pulls). Empty from old peers.
+    """
+    transfer_mode: Global___TransferMode.ValueType
+    """Who moves the bytes (transfer.mode): both peers must advertise the same mode or the
+    handshake is refused. Old peers leave it unset, which means TRANSFER_MODE_PULL.
     """
     @_builtins.property
     def spec(self) -> _spec_pb2.KvCacheSpec:
@@ -235,10 +265,11 @@ class HandshakePayload(_message.Message):
         staging: Global___StagingRing | None = ...,
         host_id: _builtins.str = ...,
         cuda_ipc: Global___CudaIpcExport | None = ...,
+        transfer_mode: Global___TransferMode.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["cuda_ipc", b"cuda_ipc", "spec", b"spec", "staging", b"staging"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cuda_ipc", b"cuda_ipc", "daemon_id", b"daemon_id", "host_id", b"host_id", "instance_id", b"instance_id", "nixl_agent_metadata", b"nixl_agent_metadata", "nixl_agent_name", b"nixl_agent_name", "peer_address", b"peer_address", "prefix_caching", b"prefix_caching", "registration_generation", b"registration_generation", "registrations", b"registrations", "spec", b"spec", "staging", b"staging", "tp_rank", b"tp_rank", "tp_size", b"tp_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cuda_ipc", b"cuda_ipc", "daemon_id", b"daemon_id", "host_id", b"host_id", "instance_id", b"instance_id", "nixl_agent_metadata", b"nixl_agent_metadata", "nixl_agent_name", b"nixl_agent_name", "peer_address", b"peer_address", "prefix_caching", b"prefix_caching", "registration_generation", b"registration_generation", "registrations", b"registrations", "spec", b"spec", "staging", b"staging", "tp_rank", b"tp_rank", "tp_size", b"tp_size", "transfer_mode", b"transfer_mode"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -420,6 +451,95 @@ class GatherResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GatherResponse: _TypeAlias = GatherResponse  # noqa: Y015
+
+@_typing.final
+class PushRequest(_message.Message):
+    """Ask the owner to WRITE a held request into the caller's blocks (push mode)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    REMOTE_BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    LOCAL_BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    NOTIF_TICKET_FIELD_NUMBER: _builtins.int
+    WRITE_TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    TRANSFER_ID_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """The held request; the caller must have confirmed its share (ConfirmLease)."""
+    notif_ticket: _builtins.int
+    """Carried back in the WRITE_DONE notification so the caller can tell its pushes apart; any
+    non-zero value the caller chooses (a random 64-bit number).
+    """
+    write_timeout_ms: _builtins.int
+    """The WRITE must complete within this many ms of its arrival, or it is cancelled and the call
+    fails with DEADLINE_EXCEEDED; must be > 0. The caller keeps it shorter than its own
+    deadline, so no WRITE outlives the pull that asked for it.
+    """
+    transfer_id: _builtins.str
+    """The caller's transfer ID, for logs only."""
+    @_builtins.property
+    def remote_block_ids(self) -> _common_pb2.GroupBlockIds:
+        """The owner's logical block IDs per group, exactly as Hold returned them (every one must be
+        held under request_id).
+        """
+
+    @_builtins.property
+    def local_block_ids(self) -> _common_pb2.GroupBlockIds:
+        """The caller's (decode's) logical block IDs per group, as StartPull gave them; with prefix
+        caching the owner trims the remote IDs exactly as a pull would (kvxferd.blocks.plan_pull).
+        """
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        remote_block_ids: _common_pb2.GroupBlockIds | None = ...,
+        local_block_ids: _common_pb2.GroupBlockIds | None = ...,
+        notif_ticket: _builtins.int = ...,
+        write_timeout_ms: _builtins.int = ...,
+        transfer_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["local_block_ids", b"local_block_ids", "remote_block_ids", b"remote_block_ids"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["local_block_ids", b"local_block_ids", "notif_ticket", b"notif_ticket", "remote_block_ids", b"remote_block_ids", "request_id", b"request_id", "transfer_id", b"transfer_id", "write_timeout_ms", b"write_timeout_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PushRequest: _TypeAlias = PushRequest  # noqa: Y015
+
+@_typing.final
+class PushResponse(_message.Message):
+    """Result of Push, sent once the WRITE completed."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NBYTES_FIELD_NUMBER: _builtins.int
+    DESCRIPTORS_FIELD_NUMBER: _builtins.int
+    ELAPSED_US_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    nbytes: _builtins.int
+    """Bytes written."""
+    descriptors: _builtins.int
+    """Descriptors posted (after coalescing)."""
+    elapsed_us: _builtins.int
+    """From the call's arrival to the WRITE's completion on the owner, us."""
+    instance_id: _builtins.str
+    """The owner's instance_id (for the caller's logs; a restart shows as another value)."""
+    def __init__(
+        self,
+        *,
+        nbytes: _builtins.int = ...,
+        descriptors: _builtins.int = ...,
+        elapsed_us: _builtins.int = ...,
+        instance_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["descriptors", b"descriptors", "elapsed_us", b"elapsed_us", "instance_id", b"instance_id", "nbytes", b"nbytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PushResponse: _TypeAlias = PushResponse  # noqa: Y015
 
 @_typing.final
 class ReleaseStagingRequest(_message.Message):

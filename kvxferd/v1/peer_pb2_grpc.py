@@ -70,6 +70,11 @@ class PeerStub:
                 request_serializer=kvxferd_dot_v1_dot_peer__pb2.ReleaseStagingRequest.SerializeToString,
                 response_deserializer=kvxferd_dot_v1_dot_peer__pb2.ReleaseStagingResponse.FromString,
                 _registered_method=True)
+        self.Push = channel.unary_unary(
+                '/kvxferd.v1.Peer/Push',
+                request_serializer=kvxferd_dot_v1_dot_peer__pb2.PushRequest.SerializeToString,
+                response_deserializer=kvxferd_dot_v1_dot_peer__pb2.PushResponse.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -145,6 +150,25 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Push(self, request, context):
+        """Push mode (transfer.mode = "push" on both sides): the reader, having confirmed its share of
+        a held request (ConfirmLease), asks this daemon to WRITE the held blocks into the reader's
+        own registered blocks. The server checks the caller's share is still reading
+        (PERMISSION_DENIED if it never confirmed, FAILED_PRECONDITION once the lease ended,
+        NOT_FOUND if never held), that every remote_block_ids entry is held under the request
+        (FAILED_PRECONDITION), and plans the byte ranges itself from both handshakes' specs and
+        registrations (INVALID_ARGUMENT when an ID or range leaves either side's pool): nothing is
+        written before every check passed. It then posts one NIXL WRITE to the caller's agent with a
+        WRITE_DONE notification carrying notif_ticket, answers once the WRITE completed (the caller's
+        share then ends as by a READ_DONE), and fails with the usual error table otherwise
+        (DEADLINE_EXCEEDED when the WRITE outlasted write_timeout_ms, UNAVAILABLE when NIXL failed).
+        Cancelling the call cancels the WRITE. FAILED_PRECONDITION when this daemon is not in push
+        mode.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -182,6 +206,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.ReleaseStaging,
                     request_deserializer=kvxferd_dot_v1_dot_peer__pb2.ReleaseStagingRequest.FromString,
                     response_serializer=kvxferd_dot_v1_dot_peer__pb2.ReleaseStagingResponse.SerializeToString,
+            ),
+            'Push': grpc.unary_unary_rpc_method_handler(
+                    servicer.Push,
+                    request_deserializer=kvxferd_dot_v1_dot_peer__pb2.PushRequest.FromString,
+                    response_serializer=kvxferd_dot_v1_dot_peer__pb2.PushResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -374,6 +403,33 @@ class Peer:
             '/kvxferd.v1.Peer/ReleaseStaging',
             kvxferd_dot_v1_dot_peer__pb2.ReleaseStagingRequest.SerializeToString,
             kvxferd_dot_v1_dot_peer__pb2.ReleaseStagingResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Push(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxferd.v1.Peer/Push',
+            kvxferd_dot_v1_dot_peer__pb2.PushRequest.SerializeToString,
+            kvxferd_dot_v1_dot_peer__pb2.PushResponse.FromString,
             options,
             channel_credentials,
             insecure,

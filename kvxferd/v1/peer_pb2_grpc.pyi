@@ -73,6 +73,21 @@ class PeerStub:
     """
     ReleaseStaging: _grpc.UnaryUnaryMultiCallable[_peer_pb2.ReleaseStagingRequest, _peer_pb2.ReleaseStagingResponse]
     """Return granted staging slots to the ring (the reader has read them)."""
+    Push: _grpc.UnaryUnaryMultiCallable[_peer_pb2.PushRequest, _peer_pb2.PushResponse]
+    """Push mode (transfer.mode = "push" on both sides): the reader, having confirmed its share of
+    a held request (ConfirmLease), asks this daemon to WRITE the held blocks into the reader's
+    own registered blocks. The server checks the caller's share is still reading
+    (PERMISSION_DENIED if it never confirmed, FAILED_PRECONDITION once the lease ended,
+    NOT_FOUND if never held), that every remote_block_ids entry is held under the request
+    (FAILED_PRECONDITION), and plans the byte ranges itself from both handshakes' specs and
+    registrations (INVALID_ARGUMENT when an ID or range leaves either side's pool): nothing is
+    written before every check passed. It then posts one NIXL WRITE to the caller's agent with a
+    WRITE_DONE notification carrying notif_ticket, answers once the WRITE completed (the caller's
+    share then ends as by a READ_DONE), and fails with the usual error table otherwise
+    (DEADLINE_EXCEEDED when the WRITE outlasted write_timeout_ms, UNAVAILABLE when NIXL failed).
+    Cancelling the call cancels the WRITE. FAILED_PRECONDITION when this daemon is not in push
+    mode.
+    """
 
 @_typing.type_check_only
 class PeerAsyncStub(PeerStub):
@@ -119,6 +134,21 @@ class PeerAsyncStub(PeerStub):
     """
     ReleaseStaging: _aio.UnaryUnaryMultiCallable[_peer_pb2.ReleaseStagingRequest, _peer_pb2.ReleaseStagingResponse]  # type: ignore[assignment]
     """Return granted staging slots to the ring (the reader has read them)."""
+    Push: _aio.UnaryUnaryMultiCallable[_peer_pb2.PushRequest, _peer_pb2.PushResponse]  # type: ignore[assignment]
+    """Push mode (transfer.mode = "push" on both sides): the reader, having confirmed its share of
+    a held request (ConfirmLease), asks this daemon to WRITE the held blocks into the reader's
+    own registered blocks. The server checks the caller's share is still reading
+    (PERMISSION_DENIED if it never confirmed, FAILED_PRECONDITION once the lease ended,
+    NOT_FOUND if never held), that every remote_block_ids entry is held under the request
+    (FAILED_PRECONDITION), and plans the byte ranges itself from both handshakes' specs and
+    registrations (INVALID_ARGUMENT when an ID or range leaves either side's pool): nothing is
+    written before every check passed. It then posts one NIXL WRITE to the caller's agent with a
+    WRITE_DONE notification carrying notif_ticket, answers once the WRITE completed (the caller's
+    share then ends as by a READ_DONE), and fails with the usual error table otherwise
+    (DEADLINE_EXCEEDED when the WRITE outlasted write_timeout_ms, UNAVAILABLE when NIXL failed).
+    Cancelling the call cancels the WRITE. FAILED_PRECONDITION when this daemon is not in push
+    mode.
+    """
 
 class PeerServicer(metaclass=_abc_1.ABCMeta):
     """Daemon-to-daemon control service, served on the daemon's peer address (TCP, authenticated)."""
@@ -204,5 +234,26 @@ class PeerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_peer_pb2.ReleaseStagingResponse, _abc.Awaitable[_peer_pb2.ReleaseStagingResponse]]:
         """Return granted staging slots to the ring (the reader has read them)."""
+
+    @_abc_1.abstractmethod
+    def Push(
+        self,
+        request: _peer_pb2.PushRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_peer_pb2.PushResponse, _abc.Awaitable[_peer_pb2.PushResponse]]:
+        """Push mode (transfer.mode = "push" on both sides): the reader, having confirmed its share of
+        a held request (ConfirmLease), asks this daemon to WRITE the held blocks into the reader's
+        own registered blocks. The server checks the caller's share is still reading
+        (PERMISSION_DENIED if it never confirmed, FAILED_PRECONDITION once the lease ended,
+        NOT_FOUND if never held), that every remote_block_ids entry is held under the request
+        (FAILED_PRECONDITION), and plans the byte ranges itself from both handshakes' specs and
+        registrations (INVALID_ARGUMENT when an ID or range leaves either side's pool): nothing is
+        written before every check passed. It then posts one NIXL WRITE to the caller's agent with a
+        WRITE_DONE notification carrying notif_ticket, answers once the WRITE completed (the caller's
+        share then ends as by a READ_DONE), and fails with the usual error table otherwise
+        (DEADLINE_EXCEEDED when the WRITE outlasted write_timeout_ms, UNAVAILABLE when NIXL failed).
+        Cancelling the call cancels the WRITE. FAILED_PRECONDITION when this daemon is not in push
+        mode.
+        """
 
 def add_PeerServicer_to_server(servicer: PeerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

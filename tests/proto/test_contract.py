@@ -303,6 +303,7 @@ def test_services_and_streaming_shape() -> None:
                 "Heartbeat",
                 "Gather",
                 "ReleaseStaging",
+                "Push",
             },
             set(),
         ),
