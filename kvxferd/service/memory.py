@@ -1,0 +1,118 @@
+"""The daemon's memory: the KV pool (owned mode), the NIXL agent, its registrations, the
+staging ring, and the transfer engine over them.
+
+Built in that order, each undone in reverse through the caller's exit stack when a later
+step fails. In attached mode there is no pool yet: the attacher registers the engine's
+memory when it attaches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvxferd.config import Config
+from kvxferd.ipc.host import prepare_ucx_env
+from kvxferd.kernels import active_backend
+from kvxferd.layout.presets import preset
+from kvxferd.layout.spec import KVCacheSpec, MemoryType
+from kvxferd.layout.tomlspec import load_spec
+from kvxferd.metrics import Metrics
+from kvxferd.nixl import AgentOptions, MemType, NixlAgent
+from kvxferd.pool import KVPool
+from kvxferd.staging.ring import StagingRing
+from kvxferd.transfer import EngineOptions, TransferEngine
+
+
+def pool_spec(cfg: Config) -> KVCacheSpec:
+    return load_spec(cfg.pool.spec_file) if cfg.pool.spec_file else preset(cfg.pool.preset)
+
+
+def agent_name(cfg: Config) -> str:
+    return cfg.nixl.agent_name or f"kvxferd-{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass(frozen=True)
+class Memory:
+    """What :func:`open_memory` built: ``pool`` is None in attached mode until Attach."""
+
+    pool: KVPool | None
+    agent: NixlAgent
+    mem: MemType
+    ring: StagingRing | None
+    engine: TransferEngine
+
+
+async def open_memory(
+    cfg: Config, metrics: Metrics, undo: contextlib.AsyncExitStack, fill_seed: int | None
+) -> Memory:
+    """Allocate, register and start; each step pushes its undo onto ``undo``."""
+    attached = cfg.pool.mode == "attached"
+    pool = (
+        None
+        if attached
+        else await asyncio.to_thread(KVPool.allocate, pool_spec(cfg), cfg.pool.device)
+    )
+    if pool is not None and fill_seed is not None:
+        for g in range(len(pool.spec.groups)):
+            await asyncio.to_thread(
+                pool.fill_pattern, g, range(pool.spec.num_kernel_blocks(g)), fill_seed
+            )
+    cuda = None
+    if cfg.pool.device.startswith("cuda"):
+        cuda = int(cfg.pool.device.partition(":")[2] or 0)
+        # Before NIXL starts (UCX reads its environment then): cuda_ipc GET zero-copy on a GPU
+        # without NVLink (docs/nixl.md §7). Then the CUDA kernels, built once here and never on
+        # a pull's path (a first build takes tens of seconds).
+        prepare_ucx_env(cfg.pool.device)
+        await asyncio.to_thread(active_backend)
+    agent = NixlAgent(
+        agent_name(cfg),
+        cuda_device=cuda,
+        options=AgentOptions(
+            progress_delay_us=cfg.nixl.progress_delay_us, num_threads=cfg.nixl.num_threads
+        ),
+    )
+    agent.start()
+    undo.callback(agent.close)
+    mem = MemType.DRAM
+    if cfg.pool.device.startswith("cuda"):
+        mem = MemType.VRAM
+    rows = np.zeros((0, 3), dtype=np.int64)
+    if pool is not None:
+        mem = MemType.VRAM if pool.spec.regions[0].memory is MemoryType.VRAM else MemType.DRAM
+        rows = pool.region_rows()
+        await asyncio.to_thread(agent.register, rows, mem)
+    ring, ring_row = None, np.zeros((0, 3), dtype=np.int64)
+    if cfg.transfer.staging_chunks:
+        # One staging ring, registered once for the daemon's life (attached pools come and
+        # go); it is always the engine's last local region, after the pool's regions.
+        t = cfg.transfer
+        ring = await asyncio.to_thread(
+            StagingRing.allocate, t.staging_chunk_bytes, t.staging_chunks, cfg.pool.device
+        )
+        ring_row = np.array([ring.info.row()], dtype=np.int64)
+        await asyncio.to_thread(agent.register, ring_row, mem)
+    engine_rows = np.vstack([rows, ring_row])
+    metrics.registered_bytes.set(int(rows[:, 1].sum()))  # the KV pool only
+    metrics.staging_ring_bytes.set(int(ring_row[:, 1].sum()))
+    engine = TransferEngine(
+        agent,
+        engine_rows,
+        local_mem=mem,
+        options=EngineOptions(
+            max_inflight_bytes_per_peer=cfg.transfer.max_inflight_bytes_per_peer,
+            default_timeout_s=cfg.transfer.default_deadline_ms / 1000,
+        ),
+    )
+    engine.start()
+    undo.callback(engine.close)
+    return Memory(pool, agent, mem, ring, engine)
+
+
+__all__ = ["Memory", "agent_name", "open_memory", "pool_spec"]
