@@ -109,8 +109,6 @@ OVERSIZE_ALLOWED = {
     "kvxferd/commands/demo.py": "split in progress (issue 12)",
     "kvxferd/commands/bench.py": "split in progress (issue 12)",
     "kvxferd/commands/demo_vllm.py": "split in progress (issue 12)",
-    "kvxferd/service/app.py": "split in progress (issue 12)",
-    "kvxferd/metrics.py": "split in progress (issue 12)",
     "kvxferd/client/_client.py": "split in progress (issue 12)",
     "kvxferd/config.py": "split in progress (issue 12)",
     "kvxferd/service/servicers.py": "split in progress (issue 12)",
