@@ -102,6 +102,9 @@ class TransferConfig:
     strategy: str = "auto"
     """``auto`` (cost model picks), ``direct``, ``staged`` or ``kernel`` (forced where possible;
     see docs/strategies.md)."""
+    mode: str = "pull"
+    """``pull``: the decode daemon READs the held blocks; ``push``: the prefill daemon WRITEs
+    them (Peer.Push). Every daemon of a deployment must use the same (docs/nixl.md)."""
     staging_chunk_bytes: int = 64 << 20
     """Bytes of one staging slot (one chunk of a STAGED pull)."""
     staging_chunks: int = 8
@@ -538,6 +541,13 @@ def _validate_listeners(cfg: Config) -> None:
 
 
 def _validate_staging(t: TransferConfig) -> None:
+    if t.mode not in ("pull", "push"):
+        raise ConfigError(
+            f"unknown transfer mode {t.mode!r}",
+            field="transfer.mode",
+            fix="pull (the decode daemon reads) or push (the prefill daemon writes); the same"
+            " on every daemon of the deployment",
+        )
     if t.strategy not in ("auto", "direct", "staged", "kernel"):
         raise ConfigError(
             f"unknown strategy {t.strategy!r}",

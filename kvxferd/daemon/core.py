@@ -11,6 +11,7 @@ answer. Every method runs on the event loop; NIXL work happens on the agent's th
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import uuid
 from collections.abc import Sequence
@@ -162,7 +163,7 @@ class Daemon:
             for r, m in zip(served.pool.spec.regions, served.pool.memory, strict=True)
         )
         return SelfDescription(
-            info=served.info,
+            info=dataclasses.replace(served.info, transfer_mode=self.limits.transfer_mode),
             agent_name=self.agent_name,
             agent_metadata=self.agent_metadata,
             registrations=regs,

@@ -32,6 +32,7 @@ class DaemonLimits:
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 5.0
     max_deadline_s: float = 600.0  # the longest lease an owner grants (LeaseTable.max_ttl_s)
+    transfer_mode: str = "pull"  # transfer.mode: "pull" (decode READs) or "push" (prefill WRITEs)
 
 
 @dataclass

@@ -42,7 +42,7 @@ from kvxferd.peers import PeerInfo, compat_digest, require_compatible
 from kvxferd.peers.version import PROTOCOL_VERSION
 from kvxferd.staging.chunks import RingInfo
 from kvxferd.v1 import peer_pb2, spec_pb2
-from kvxferd.wire.codec import spec_from_proto, spec_to_proto
+from kvxferd.wire.codec import mode_from_proto, mode_to_proto, spec_from_proto, spec_to_proto
 from kvxferd.wire.peer_client import PeerClient, Transport
 
 log = logging.getLogger(__name__)
@@ -97,6 +97,7 @@ class SelfDescription:
             daemon_id=self.daemon_id,
             instance_id=self.instance_id,
             peer_address=self.address,
+            transfer_mode=mode_to_proto(self.info.transfer_mode),
         )
 
     def envelope(self) -> tuple[int, bytes, bytes]:
@@ -179,6 +180,7 @@ def decode_envelope(
             prefix_caching=msg.prefix_caching,
             protocol_version=version,
             name=who,
+            transfer_mode=mode_from_proto(msg.transfer_mode),
         ),
         agent_name=msg.nixl_agent_name,
         agent_metadata=msg.nixl_agent_metadata,

@@ -8,11 +8,18 @@ Must not import nixl or grpc (nor anything that does I/O); transports use this p
 the reverse.
 """
 
-from kvxferd.peers.compat import CompatReport, PeerInfo, check_compatible, require_compatible
+from kvxferd.peers.compat import (
+    TRANSFER_MODES,
+    CompatReport,
+    PeerInfo,
+    check_compatible,
+    require_compatible,
+)
 from kvxferd.peers.version import PROTOCOL_VERSION, compat_digest
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "TRANSFER_MODES",
     "CompatReport",
     "PeerInfo",
     "check_compatible",

@@ -3,10 +3,10 @@
 Both sides of a handshake run :func:`check_compatible` with themselves as ``local``; every rule
 is symmetric, so the two sides refuse each other or neither does. What is checked (docs/domain.md
 §7): protocol version, model fingerprint, TP sizes dividing each other, prefix caching on or
-off alike, KV cache groups (count, kind, kernel block size, ``ppl`` while prefix caching is
-on), and regions paired by name and position (dtype, layout, shape and KV heads per rank
-against the TP slice arithmetic). Memory type (DRAM/VRAM), block counts and block strides may
-differ.
+off alike, the same transfer mode (``transfer.mode``: pull or push), KV cache groups (count,
+kind, kernel block size, ``ppl`` while prefix caching is on), and regions paired by name and
+position (dtype, layout, shape and KV heads per rank against the TP slice arithmetic). Memory
+type (DRAM/VRAM), block counts and block strides may differ.
 """
 
 from __future__ import annotations
@@ -20,6 +20,10 @@ from kvxferd.peers._regions import RegionContext, check_regions
 from kvxferd.peers._tp import tp_ratio
 from kvxferd.peers.version import PROTOCOL_VERSION, compat_digest
 
+TRANSFER_MODES = ("pull", "push")
+"""``transfer.mode``: the decode daemon READs (``pull``) or the prefill daemon WRITEs
+(``push``); one deployment uses one mode (docs/nixl.md, push mode)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class PeerInfo:
@@ -28,6 +32,7 @@ class PeerInfo:
     ``num_kv_heads`` is the model's KV-head count before TP slicing, when the side knows it;
     without it, it is inferred from the heads per rank (exact unless a rank holds one head,
     which TP > KV heads replicates). ``name`` only labels errors (an address or engine ID).
+    ``transfer_mode`` is one of :data:`TRANSFER_MODES`; both sides must advertise the same.
     """
 
     spec: KVCacheSpec
@@ -37,8 +42,15 @@ class PeerInfo:
     protocol_version: int = PROTOCOL_VERSION
     num_kv_heads: int | None = None
     name: str = ""
+    transfer_mode: str = "pull"
 
     def __post_init__(self) -> None:
+        if self.transfer_mode not in TRANSFER_MODES:
+            raise InvalidRequest(
+                f"unknown transfer mode {self.transfer_mode!r}",
+                field="transfer_mode",
+                fix='advertise transfer.mode = "pull" or "push"',
+            )
         if self.tp_size < 1:
             raise InvalidRequest(
                 f"TP size must be >= 1, got {self.tp_size}",
@@ -166,6 +178,8 @@ def check_compatible(
                 "enable or disable prefix caching on both sides alike",
             )
         )
+    if local.transfer_mode != remote.transfer_mode:
+        out.append(_mode_mismatch(local.transfer_mode, remote.transfer_mode))
     prefix = local.prefix_caching or remote.prefix_caching
     out.extend(_check_groups(local.spec, remote.spec, prefix_caching=prefix))
     ctx = RegionContext(
@@ -187,6 +201,17 @@ def require_compatible(
     report = check_compatible(local, remote, allow_layout_conversion=allow_layout_conversion)
     report.raise_if_incompatible(peer=remote.name)
     return report
+
+
+def _mode_mismatch(local: str, remote: str) -> Mismatch:
+    return Mismatch(
+        "transfer mode (transfer.mode)",
+        repr(local),
+        repr(remote),
+        f"one deployment uses one mode: set transfer.mode = {remote!r} on this daemon (the"
+        f" local side), or {local!r} on the peer, then restart the changed daemon(s); every"
+        " prefill and decode daemon that pair with each other must agree",
+    )
 
 
 def _check_groups(

@@ -17,7 +17,7 @@ import numpy.typing as npt
 from kvxferd.errors import InvalidRequest, KvxferdError, SpecError
 from kvxferd.layout.dtypes import KVDType
 from kvxferd.layout.spec import GroupKind, KVCacheSpec, KVGroup, Layout, MemoryType, Region
-from kvxferd.v1 import common_pb2, spec_pb2
+from kvxferd.v1 import common_pb2, peer_pb2, spec_pb2
 
 _KIND = {
     GroupKind.FULL_ATTENTION: spec_pb2.GROUP_KIND_FULL_ATTENTION,
@@ -134,6 +134,21 @@ def spec_from_proto(msg: spec_pb2.KvCacheSpec, where: str = "spec") -> KVCacheSp
         raise
     except (TypeError, ValueError) as exc:
         raise SpecError(f"malformed spec: {exc}", field=where) from exc
+
+
+_MODE = {"pull": peer_pb2.TRANSFER_MODE_PULL, "push": peer_pb2.TRANSFER_MODE_PUSH}
+
+
+def mode_to_proto(mode: str) -> peer_pb2.TransferMode.ValueType:
+    """``transfer.mode`` as the handshake carries it."""
+    return _MODE[mode]
+
+
+def mode_from_proto(value: int, where: str = "payload.transfer_mode") -> str:
+    """The handshake's transfer mode; unset (an older peer, which only pulls) is ``pull``."""
+    if value == peer_pb2.TRANSFER_MODE_UNSPECIFIED:
+        return "pull"
+    return _inverse(_MODE, "transfer mode", value, where)
 
 
 def group_ids_to_proto(
