@@ -35,22 +35,20 @@ This package needs only ``grpcio`` and ``protobuf`` (not torch, NIXL or numpy): 
 
 from __future__ import annotations
 
-from kvxferd.client._client import (
-    SERVICE_CONFIG,
-    AsyncSchedulerClient,
+from kvxferd.client.async_client import AsyncSchedulerClient
+from kvxferd.client.errors import KvxferdRpcError
+from kvxferd.client.requests import SERVICE_CONFIG, proto_dir, proto_files
+from kvxferd.client.sync_client import SchedulerClient
+from kvxferd.client.values import (
     ChecksumAlgorithm,
     ErrorInfo,
-    KvxferdRpcError,
     Mismatch,
     PeerState,
     PeerStatus,
-    SchedulerClient,
     StartedPull,
     TransferState,
     TransferStatus,
     TransferStrategy,
-    proto_dir,
-    proto_files,
 )
 
 __all__ = [
@@ -70,3 +68,4 @@ __all__ = [
     "proto_dir",
     "proto_files",
 ]
+from kvxferd.client import ranks as ranks  # multi-rank pulls (docs/tp.md)
