@@ -107,9 +107,7 @@ OVERSIZE_ALLOWED = {
     "kvxferd/daemon/reader.py": "split in progress (issue 12)",
     "kvxferd/daemon/peers.py": "split in progress (issue 12)",
     "kvxferd/commands/demo.py": "split in progress (issue 12)",
-    "kvxferd/commands/bench.py": "split in progress (issue 12)",
     "kvxferd/commands/demo_vllm.py": "split in progress (issue 12)",
-    "kvxferd/client/_client.py": "split in progress (issue 12)",
     "kvxferd/config.py": "split in progress (issue 12)",
     "kvxferd/service/servicers.py": "split in progress (issue 12)",
     "kvxferd/transfer/engine.py": "split in progress (issue 12)",
@@ -149,4 +147,54 @@ def test_oversize_allow_list_names_only_modules_that_need_it() -> None:
     ]
     assert not stale, (
         f"remove from OVERSIZE_ALLOWED (gone or within {MAX_MODULE_LINES} lines): {stale}"
+    )
+
+
+REPO = ROOT.parent
+SOURCE_DIRS = ("kvxferd", "bench", "tests", "scripts")
+
+
+def _repo_python_files() -> Iterator[Path]:
+    for top in SOURCE_DIRS:
+        yield from sorted((REPO / top).rglob("*.py"))
+
+
+def test_nothing_edits_sys_path() -> None:
+    """Code runs as modules from the repository root (``python -m bench.x``) or as the
+    installed package; a ``sys.path`` edit hides a layout problem instead of fixing it."""
+    edits = []
+    for path in _repo_python_files():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr in {"insert", "append", "extend"}
+                and ast.unparse(node.value) == "sys.path"
+            ):
+                edits.append(f"{path.relative_to(REPO)}:{node.lineno}: sys.path.{node.attr}")
+    assert not edits, (
+        "sys.path edits; run scripts as modules from the repository root, load a script file "
+        "with importlib.util.spec_from_file_location, or move shared code into kvxferd/:\n"
+        + "\n".join(edits)
+    )
+
+
+def test_bench_is_imported_by_nothing_in_kvxferd_or_tests() -> None:
+    """``bench/`` is what a user runs; what benchmarks and tests share lives in
+    ``kvxferd.scenario``, so tests never depend on a benchmark script."""
+    wrong = []
+    for top in ("kvxferd", "tests"):
+        for path in sorted((REPO / top).rglob("*.py")):
+            tree = ast.parse(path.read_text(), filename=str(path))
+            for node in ast.walk(tree):
+                names: list[str] = []
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                    names = [node.module]
+                bad = [n for n in names if n == "bench" or n.startswith("bench.")]
+                wrong += [f"{path.relative_to(REPO)}:{node.lineno}: {n}" for n in bad]
+    assert not wrong, (
+        "kvxferd/ and tests/ must not import bench/; move what they share into "
+        "kvxferd/scenario/:\n" + "\n".join(wrong)
     )

@@ -1,0 +1,190 @@
+"""The blocking Scheduler client (``grpc`` channels)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from types import TracebackType
+from typing import Any, Self
+
+import grpc
+
+from kvxferd.client.errors import KvxferdRpcError
+from kvxferd.client.requests import BlockIds, channel_options, metadata, start_request
+from kvxferd.client.values import (
+    ChecksumAlgorithm,
+    PeerStatus,
+    StartedPull,
+    TransferStatus,
+)
+from kvxferd.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+
+class SchedulerClient:
+    """A daemon's Scheduler service over a blocking gRPC channel.
+
+    ``target``: the daemon's ``server.listen``/``server.advertise`` address. ``token``: its
+    ``auth.token``. ``credentials``: TLS (``grpc.ssl_channel_credentials``) when the daemon
+    has ``auth.tls_cert``. ``timeout_s``: per call (streams: none)."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str = "",
+        credentials: grpc.ChannelCredentials | None = None,
+        timeout_s: float = 30.0,
+        retry: bool = True,
+        options: Sequence[tuple[str, Any]] = (),
+    ) -> None:
+        opts = channel_options(retry, options)
+        self._channel = (
+            grpc.secure_channel(target, credentials, options=opts)
+            if credentials is not None
+            else grpc.insecure_channel(target, options=opts)
+        )
+        self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
+        self._md = metadata(token)
+        self.timeout_s = timeout_s
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def start_pull(
+        self,
+        *,
+        request_id: str,
+        peer_address: str,
+        remote_block_ids: BlockIds,
+        local_block_ids: BlockIds,
+        transfer_id: str = "",
+        deadline_ms: int = 0,
+        skip_notify: bool = False,
+    ) -> StartedPull:
+        """Start pulling ``remote_block_ids`` (logical block IDs per group, as the prefill
+        engine's ``Hold`` returned them) from ``peer_address`` into ``local_block_ids``.
+        Returns at once; follow the pull with :meth:`wait` or :meth:`watch_transfers`."""
+        req = start_request(
+            request_id=request_id,
+            peer_address=peer_address,
+            remote_block_ids=remote_block_ids,
+            local_block_ids=local_block_ids,
+            transfer_id=transfer_id,
+            deadline_ms=deadline_ms,
+            skip_notify=skip_notify,
+        )
+        try:
+            resp = self._stub.StartPull(req, timeout=self.timeout_s, metadata=self._md)
+        except grpc.RpcError as exc:
+            raise KvxferdRpcError.wrap("StartPull", exc) from exc
+        return StartedPull(TransferStatus.from_proto(resp.status), resp.created)
+
+    def get_transfer(self, transfer_id: str) -> TransferStatus:
+        try:
+            resp = self._stub.GetTransfer(
+                scheduler_pb2.GetTransferRequest(transfer_id=transfer_id),
+                timeout=self.timeout_s,
+                metadata=self._md,
+            )
+        except grpc.RpcError as exc:
+            raise KvxferdRpcError.wrap("GetTransfer", exc) from exc
+        return TransferStatus.from_proto(resp.status)
+
+    def cancel_transfer(self, transfer_id: str) -> TransferStatus:
+        """Cancel a pull; returns its terminal status (DONE if it completed first)."""
+        try:
+            resp = self._stub.CancelTransfer(
+                scheduler_pb2.CancelTransferRequest(transfer_id=transfer_id),
+                timeout=self.timeout_s,
+                metadata=self._md,
+            )
+        except grpc.RpcError as exc:
+            raise KvxferdRpcError.wrap("CancelTransfer", exc) from exc
+        return TransferStatus.from_proto(resp.status)
+
+    def watch_transfers(self, transfer_ids: Iterable[str] = ()) -> Iterator[TransferStatus]:
+        """Every change of the named pulls (all pulls when none are named), after a snapshot;
+        with names, the stream ends once every named pull is terminal."""
+        call = self._stub.WatchTransfers(
+            scheduler_pb2.WatchTransfersRequest(transfer_ids=list(transfer_ids)),
+            metadata=self._md,
+        )
+        try:
+            for msg in call:
+                yield TransferStatus.from_proto(msg.status)
+        except grpc.RpcError as exc:
+            raise KvxferdRpcError.wrap("WatchTransfers", exc) from exc
+        finally:
+            call.cancel()  # type: ignore[no-untyped-call]
+
+    def wait(self, transfer_id: str, timeout_s: float = 60.0) -> TransferStatus:
+        """The pull's terminal status; TimeoutError if it is not terminal in ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        call = self._stub.WatchTransfers(
+            scheduler_pb2.WatchTransfersRequest(transfer_ids=[transfer_id]),
+            metadata=self._md,
+            timeout=timeout_s,
+        )
+        try:
+            for msg in call:
+                status = TransferStatus.from_proto(msg.status)
+                if status.terminal:
+                    return status
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise TimeoutError(f"{transfer_id} not terminal after {timeout_s} s") from exc
+            raise KvxferdRpcError.wrap("WatchTransfers", exc) from exc
+        finally:
+            call.cancel()  # type: ignore[no-untyped-call]
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"{transfer_id} not terminal after {timeout_s} s")
+        return self.get_transfer(transfer_id)
+
+    def list_peers(self) -> list[PeerStatus]:
+        try:
+            resp = self._stub.ListPeers(
+                scheduler_pb2.ListPeersRequest(), timeout=self.timeout_s, metadata=self._md
+            )
+        except grpc.RpcError as exc:
+            raise KvxferdRpcError.wrap("ListPeers", exc) from exc
+        return [PeerStatus.from_proto(p) for p in resp.peers]
+
+    def checksum(
+        self,
+        group_index: int,
+        block_ids: Sequence[int],
+        *,
+        kernel_block_ids: bool = False,
+        algorithm: ChecksumAlgorithm = ChecksumAlgorithm.UNSPECIFIED,
+    ) -> list[bytes]:
+        """Digests of blocks of one group (logical IDs, or kernel IDs with
+        ``kernel_block_ids``): compare a pulled block with its source."""
+        try:
+            resp = self._stub.Checksum(
+                scheduler_pb2.ChecksumRequest(
+                    group_index=group_index,
+                    block_ids=list(block_ids),
+                    kernel_block_ids=kernel_block_ids,
+                    algorithm=algorithm.value,  # type: ignore[arg-type]
+                ),
+                timeout=self.timeout_s,
+                metadata=self._md,
+            )
+        except grpc.RpcError as exc:
+            raise KvxferdRpcError.wrap("Checksum", exc) from exc
+        return list(resp.digests)
+
+
+# --- async ----------------------------------------------------------------------------------
+__all__ = ["SchedulerClient"]
