@@ -1,4 +1,6 @@
-"""Benchmarks of kvxferd (run from the repository root: ``python -m bench.<name>``).
+"""Benchmarks of kvxferd, run from the repository root as modules: ``python -m bench.<name>``.
 
-:mod:`bench.peer` is also the separate owner process the two-process tests spawn.
+:mod:`bench.studies` holds the one-off studies whose findings are written up in ``docs/``.
+Nothing in ``kvxferd/`` or ``tests/`` imports this package; what benchmarks and tests share
+(the owner process, the byte pattern, the plans) lives in :mod:`kvxferd.scenario`.
 """

@@ -19,22 +19,18 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import numpy as np
 
-from kvxferd.commands.bench import DaemonPuller
 from kvxferd.engine import EngineClient
 from kvxferd.pool import KVPool
 from kvxferd.scenario.client import DaemonClient
 from kvxferd.scenario.daemons import DaemonOptions, DaemonSet
+from kvxferd.scenario.puller import DaemonPuller
 
 SEED = 7
 

@@ -1,10 +1,11 @@
 """Data-plane benchmark: one 1 GiB Llama-3-8B-shaped request between two processes on CPU.
 
-Run from the repository root: ``python -m bench.dataplane`` (or ``python bench/dataplane.py``).
+Run from the repository root: ``python -m bench.dataplane``.
 
 Shape: 32 layers, per-layer tensor ``(num_blocks, 2, 16, 8, 128)`` bf16, so one block of one
-layer is 64 KiB; the request reads 512 blocks per layer (1 GiB). An owner process (bench.peer)
-holds the pool; this process reads it with kvxferd's TransferEngine over NIXL/UCX loopback.
+layer is 64 KiB; the request reads 512 blocks per layer (1 GiB). An owner process
+(kvxferd.scenario.owner) holds the pool; this process reads it with kvxferd's TransferEngine
+over NIXL/UCX loopback.
 
 Rows (median of ``--repeat`` runs, one table, also written as JSON):
   memcpy        torch ``copy_`` of the same bytes inside this process: the limit
@@ -19,19 +20,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
-
-if __package__ in (None, ""):  # run as a script: make the repo root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
 import torch
 
-from bench.peer import OwnerProcess, OwnerSpec, pattern_words
-from bench.plan import plan_from_blocks
 from kvxferd.nixl import AgentOptions, MemType, NixlAgent
+from kvxferd.scenario.naive import per_block_plan
+from kvxferd.scenario.owner import OwnerProcess, OwnerSpec
+from kvxferd.scenario.pattern import pattern_words
 from kvxferd.transfer import EngineOptions, TransferEngine, TransferStatus
 
 LAYERS = 32
@@ -118,9 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             ("coalesced: contiguous blocks", True, "contiguous"),
             ("fragmented: random blocks", True, "random"),
         ]
-        warm = plan_from_blocks(
-            contiguous[:2], contiguous[:2], num_regions=1, block_len=BLOCK_BYTES
-        )
+        warm = per_block_plan(contiguous[:2], contiguous[:2], num_layers=1, block_bytes=BLOCK_BYTES)
         engines[True].submit("warm", owner.name, warm).result(60)
         n = 0
         for label, merge, pattern in schemes:
@@ -131,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     local = np.sort(rng.choice(nb, REQ_BLOCKS, replace=False)).astype(np.int64)
                     remote = rng.permutation(rng.choice(nb, REQ_BLOCKS, replace=False))
-                plan = plan_from_blocks(local, remote, num_regions=LAYERS, block_len=BLOCK_BYTES)
+                plan = per_block_plan(local, remote, num_layers=LAYERS, block_bytes=BLOCK_BYTES)
                 n += 1
                 t0 = time.perf_counter()
                 res = engines[merge].submit(f"x{n}", owner.name, plan).result(120)

@@ -15,19 +15,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import numpy as np
 import torch
 
-from bench.peer import OwnerProcess, OwnerSpec
 from kvxferd.nixl import MemType, NixlAgent
+from kvxferd.scenario.owner import OwnerProcess, OwnerSpec
 
 LAYERS = 32
 BLOCK = 64 << 10

@@ -8,18 +8,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
-from pathlib import Path
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
 import torch
 
-from bench.peer import OwnerProcess, OwnerSpec
 from kvxferd.nixl import AgentOptions, MemType, NixlAgent, ProgressMode
+from kvxferd.scenario.owner import OwnerProcess, OwnerSpec
 
 
 def _cpu_s() -> float:

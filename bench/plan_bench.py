@@ -5,22 +5,18 @@ blocks per layer. Cases: contiguous and random block IDs, per-layer regions (64 
 cross-layer (one region), and decode TP 2 reading from prefill TP 1 (HND head slices).
 Prints median and p99 planning time over ``--runs`` runs, ranges and naive descriptors.
 
-Run from the repository root: ``python bench/plan_bench.py [--runs 50]``.
+Run from the repository root: ``python -m bench.plan_bench [--runs 50]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from functools import partial
-from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvxferd.blocks import PullPlan, plan_pull
 from kvxferd.layout.dtypes import KVDType

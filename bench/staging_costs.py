@@ -21,21 +21,17 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import numpy as np
 import torch
 
-from bench.peer import OwnerProcess, OwnerSpec
 from kvxferd.kernels import gather_blocks, scatter_blocks
 from kvxferd.nixl import MemType, NixlAgent
+from kvxferd.scenario.owner import OwnerProcess, OwnerSpec
 
 LAYERS = 32
 BLOCK = 64 << 10

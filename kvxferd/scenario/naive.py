@@ -1,34 +1,33 @@
 """The benchmark's baseline: one NIXL descriptor per (layer, block), between two processes.
 
-The same machinery as :mod:`bench.dataplane` and :mod:`bench.peer` (which are not part of the
-installed package), extended to GPU memory: an owner ("prefill") process started with
-multiprocessing ``spawn`` allocates the per-layer tensors of a blocks-first pool, fills them,
-registers them with its own :class:`~kvxferd.nixl.NixlAgent` and answers commands over a pipe;
-this process is the reader, with its own agent and a :class:`~kvxferd.transfer.TransferEngine`
-that does not coalesce (``coalesce=False``), fed a plan of one range per (layer, block). The
-pipe is plumbing between processes this module starts; nothing here is the daemon's wire.
+The owner ("prefill") side is an :class:`~kvxferd.scenario.owner.OwnerProcess` holding the
+per-layer tensors of a blocks-first pool on DRAM or a GPU; this process is the reader, with its
+own agent and a :class:`~kvxferd.transfer.TransferEngine` that does not coalesce
+(``coalesce=False``), fed a plan of one range per (layer, block) (:func:`per_block_plan`, which
+the data-plane benchmark and the two-process tests use too).
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import logging
-import multiprocessing as mp
-import os
 import time
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
 
 from kvxferd.blocks.ranges import RegionRanges, TransferPlan
+from kvxferd.scenario.owner import (
+    OwnerCommand,
+    OwnerProcess,
+    OwnerSpec,
+    cuda_index,
+    mem_type,
+    quiet_nixl,
+)
+from kvxferd.scenario.pattern import block_digests, region_rows
 
 if TYPE_CHECKING:
-    import torch
-
     from kvxferd.nixl import NixlAgent
     from kvxferd.transfer import TransferEngine
 
@@ -63,155 +62,11 @@ def per_block_plan(
     return TransferPlan(ranges, local_kernel_blocks=(lb,), naive_descriptors=num_layers * lb.size)
 
 
-def block_digests(
-    tensors: list[torch.Tensor], layer: int, blocks: Int64Array, bb: int
-) -> list[str]:
-    """BLAKE2b-64 hex digests of blocks of one layer's byte tensor (copied to the host)."""
-    import torch
-
-    rows = tensors[layer].view(-1, bb)
-    picked = rows[torch.from_numpy(np.asarray(blocks, dtype=np.int64)).to(rows.device)].cpu()
-    return [hashlib.blake2b(r.numpy().tobytes(), digest_size=8).hexdigest() for r in picked]
-
-
-def _allocate(shape: PoolShape, device: str) -> list[torch.Tensor]:
-    import torch
-
-    return [
-        torch.zeros(shape.layer_bytes, dtype=torch.uint8, device=device)
-        for _ in range(shape.num_layers)
-    ]
-
-
-def _fill(tensors: list[torch.Tensor], shape: PoolShape, seed: int) -> None:
-    """A pattern distinct per (layer, block): every 8-byte word encodes seed, layer, word."""
-    import torch
-
-    for layer, t in enumerate(tensors):
-        words = t.view(torch.int64)
-        idx = torch.arange(words.numel(), dtype=torch.int64, device=t.device)
-        words.copy_(idx * 0x9E3779B1 + ((seed << 48) + (layer << 40) + 1))
-
-
-def _region_rows(tensors: list[torch.Tensor]) -> Int64Array:
-    return np.array(
-        [[t.data_ptr(), t.numel(), t.device.index or 0] for t in tensors], dtype=np.int64
-    )
-
-
-def _mem_type(device: str) -> Any:
-    from kvxferd.nixl import MemType
-
-    return MemType.VRAM if device.startswith("cuda") else MemType.DRAM
-
-
-def _cuda_index(device: str) -> int | None:
-    if not device.startswith("cuda"):
-        return None
-    _, _, idx = device.partition(":")
-    return int(idx or 0)
-
-
-def _quiet_nixl() -> None:
-    """NIXL logs INFO lines to stdout (its own handler); keep the report clean unless the
-    user asked for a level with ``NIXL_LOG_LEVEL``."""
-    import kvxferd.nixl  # noqa: F401  (configures the "nixl" logger)
-
-    if not os.environ.get("NIXL_LOG_LEVEL"):
-        logging.getLogger("nixl").setLevel(logging.WARNING)
-
-
-def _owner_main(name: str, shape: PoolShape, device: str, seed: int, conn: Connection) -> None:
-    import torch
-
-    from kvxferd.nixl import AgentOptions, NixlAgent
-
-    _quiet_nixl()
-    cuda = _cuda_index(device)
-    if cuda is not None:
-        torch.cuda.set_device(cuda)
-    agent = NixlAgent(name, cuda_device=cuda, options=AgentOptions())
-    try:
-        agent.start()
-        tensors = _allocate(shape, device)
-        _fill(tensors, shape, seed)
-        if cuda is not None:
-            torch.cuda.synchronize()
-        regions = _region_rows(tensors)
-        agent.register(regions, _mem_type(device))
-        conn.send((agent.metadata(), regions))
-        while True:
-            try:
-                cmd, *args = conn.recv()
-            except EOFError:
-                break
-            if cmd == "stop":
-                conn.send(None)
-                break
-            try:
-                if cmd == "digests":
-                    layer, blocks = args
-                    conn.send(block_digests(tensors, layer, blocks, shape.block_bytes))
-                else:
-                    conn.send(ValueError(f"unknown command {cmd!r}"))
-            except Exception as exc:
-                conn.send(exc)
-    except Exception as exc:
-        with contextlib.suppress(Exception):
-            conn.send(exc)
-    finally:
-        agent.close()
-
-
-class NaiveOwner:
-    """The owner process: a pool on ``device`` registered with its own NIXL agent."""
-
-    def __init__(self, name: str, shape: PoolShape, device: str, seed: int = 7) -> None:
-        ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self.proc = ctx.Process(
-            target=_owner_main, args=(name, shape, device, seed, child), daemon=True
-        )
-        self.proc.start()
-        child.close()
-        self.name = name
-        self.mem = _mem_type(device)
-        if not self._conn.poll(START_TIMEOUT_S):
-            self.close()
-            raise TimeoutError(f"the owner process did not start in {START_TIMEOUT_S:.0f}s")
-        try:
-            hello = self._conn.recv()
-        except EOFError:
-            self.proc.join(10)
-            code = self.proc.exitcode
-            self.close()
-            raise RuntimeError(
-                f"the owner process exited (status {code}) before it was ready"
-            ) from None
-        if isinstance(hello, Exception):
-            self.close()
-            raise RuntimeError(f"the owner process failed to start: {hello!r}")
-        self.metadata: bytes = hello[0]
-        self.regions: Int64Array = hello[1]
-
-    def call(self, cmd: str, *args: Any, timeout_s: float = 120.0) -> Any:
-        self._conn.send((cmd, *args))
-        if not self._conn.poll(timeout_s):
-            raise TimeoutError(f"the owner did not answer {cmd} in {timeout_s:.0f}s")
-        out = self._conn.recv()
-        if isinstance(out, Exception):
-            raise out
-        return out
-
-    def close(self) -> None:
-        if self.proc.is_alive():
-            with contextlib.suppress(Exception):
-                self.call("stop", timeout_s=10)
-            self.proc.join(10)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(10)
-        self._conn.close()
+def naive_owner(name: str, shape: PoolShape, device: str, seed: int = 7) -> OwnerProcess:
+    """The owner process of the baseline: ``shape``'s layers on ``device``, no lease table."""
+    regions = (shape.layer_bytes,) * shape.num_layers
+    spec = OwnerSpec(name, regions, seed=seed, device=device, leases=False)
+    return OwnerProcess(spec, start_timeout_s=START_TIMEOUT_S)
 
 
 @dataclass(frozen=True)
@@ -228,25 +83,30 @@ class NaiveResult:
 class NaiveReader:
     """This process's side: a pool on ``device``, an agent and a non-coalescing engine."""
 
-    def __init__(self, name: str, shape: PoolShape, device: str, owner: NaiveOwner) -> None:
+    def __init__(self, name: str, shape: PoolShape, device: str, owner: OwnerProcess) -> None:
+        import torch
+
         from kvxferd.nixl import AgentOptions, NixlAgent
         from kvxferd.transfer import EngineOptions, TransferEngine
 
-        _quiet_nixl()
+        quiet_nixl()
         self.shape = shape
         self.device = device
-        cuda = _cuda_index(device)
-        self.tensors = _allocate(shape, device)
+        cuda = cuda_index(device)
+        self.tensors = [
+            torch.zeros(shape.layer_bytes, dtype=torch.uint8, device=device)
+            for _ in range(shape.num_layers)
+        ]
         self.agent: NixlAgent = NixlAgent(name, cuda_device=cuda, options=AgentOptions())
         self.agent.start()
         self.engine: TransferEngine | None = None
         try:
-            regions = _region_rows(self.tensors)
-            self.agent.register(regions, _mem_type(device))
+            regions = region_rows(self.tensors)
+            self.agent.register(regions, mem_type(device))
             self.engine = TransferEngine(
                 self.agent,
                 regions,
-                local_mem=_mem_type(device),
+                local_mem=mem_type(device),
                 options=EngineOptions(
                     coalesce=False,
                     default_timeout_s=600.0,
@@ -288,11 +148,11 @@ class NaiveReader:
         )
         loc, rem = build_descriptors(
             plan,
-            RegionTable.from_array(_region_rows(self.tensors)),
+            RegionTable.from_array(region_rows(self.tensors)),
             RegionTable.from_array(self.owner.regions),
             merge=True,
         )
-        mem = _mem_type(self.device)
+        mem = mem_type(self.device)
         t0 = time.perf_counter()
         h = self.agent.post(
             XferOp.READ, loc, rem, peer=self.owner.name, local_mem=mem, remote_mem=self.owner.mem
@@ -311,8 +171,9 @@ class NaiveReader:
         bad = 0
         pick = rng.choice(local.size, size=min(samples, local.size), replace=False)
         for layer in sorted(set(int(x) for x in rng.integers(self.shape.num_layers, size=4))):
-            mine = block_digests(self.tensors, layer, local[pick], self.shape.block_bytes)
-            theirs = self.owner.call("digests", layer, remote[pick])
+            bb = self.shape.block_bytes
+            mine = block_digests(self.tensors[layer], local[pick], bb)
+            theirs = self.owner.call(OwnerCommand.DIGESTS, layer, remote[pick], bb, timeout_s=120)
             bad += sum(1 for a, b in zip(mine, theirs, strict=True) if a != b)
         return bad
 

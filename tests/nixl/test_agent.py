@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-from bench.peer import OwnerProcess, OwnerSpec
 from kvxferd.errors import (
     Cancelled,
     InvalidRequest,
@@ -22,6 +21,7 @@ from kvxferd.errors import (
 from kvxferd.nixl import AgentOptions, MemType, NixlAgent, ProgressMode, XferOp, XferState
 from kvxferd.nixl._binding import bindings
 from kvxferd.nixl.errors import map_nixl_error
+from kvxferd.scenario.owner import OwnerProcess, OwnerSpec
 
 
 @pytest.fixture(scope="module")

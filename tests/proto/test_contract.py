@@ -5,7 +5,7 @@ mirror (kvxferd.layout, kvxferd.errors)."""
 from __future__ import annotations
 
 import dataclasses
-import importlib
+import importlib.util
 import re
 import subprocess
 import sys
@@ -448,11 +448,11 @@ def test_generated_stub_and_servicer_talk_over_grpc() -> None:
 
 
 def _pins_installed() -> bool:
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        gen = importlib.import_module("gen_proto")
-    finally:
-        sys.path.pop(0)
+    script = ROOT / "scripts" / "gen_proto.py"
+    found = importlib.util.spec_from_file_location("gen_proto", script)
+    assert found is not None and found.loader is not None, f"cannot load {script}"
+    gen = importlib.util.module_from_spec(found)
+    found.loader.exec_module(gen)
     pinned: dict[str, str] = gen.PINNED
     try:
         return all(metadata.version(d) == v for d, v in pinned.items())

@@ -1,4 +1,4 @@
-"""Fixtures for two-process tests: a spawned owner (bench.peer) and readers in this process."""
+"""Fixtures for two-process tests: a spawned owner (kvxferd.scenario.owner), readers here."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from bench.peer import OwnerProcess, OwnerSpec
 from kvxferd.nixl import AgentOptions, MemType, NixlAgent
+from kvxferd.scenario.owner import OwnerProcess, OwnerSpec
 from kvxferd.transfer import EngineOptions, TransferEngine
 
 REGION = 1 << 20

@@ -9,10 +9,11 @@ import pytest
 import torch
 from conftest import BLOCK, REGION, Reader, close_reader, make_reader
 
-from bench.peer import OwnerProcess, OwnerSpec, pattern_words
-from bench.plan import plan_from_blocks
 from kvxferd.blocks.ranges import TransferPlan
 from kvxferd.errors import LeaseRefused, PeerUnavailable, ResourceExhausted
+from kvxferd.scenario.naive import per_block_plan
+from kvxferd.scenario.owner import OwnerProcess, OwnerSpec
+from kvxferd.scenario.pattern import pattern_words
 from kvxferd.transfer import EngineOptions, TransferStatus, notify
 
 WORDS = BLOCK // 8
@@ -36,7 +37,7 @@ def test_contiguous_read_moves_exact_bytes_in_one_descriptor_per_region(
 ) -> None:
     _clear(reader)
     local, remote = np.arange(10, 74), np.arange(100, 164)
-    plan = plan_from_blocks(local, remote, num_regions=2, block_len=BLOCK)
+    plan = per_block_plan(local, remote, num_layers=2, block_bytes=BLOCK)
     res = reader.engine.submit("contig", owner.name, plan).result(10)
     assert res.status is TransferStatus.DONE, res.reason
     assert res.descriptors == 2 and res.nbytes == 2 * 64 * BLOCK
@@ -52,7 +53,7 @@ def test_fragmented_read_moves_exact_bytes(owner: OwnerProcess, reader: Reader) 
     n = REGION // BLOCK
     local = rng.choice(n, 80, replace=False)
     remote = rng.choice(n, 80, replace=False)
-    plan = plan_from_blocks(local, remote, num_regions=2, block_len=BLOCK)
+    plan = per_block_plan(local, remote, num_layers=2, block_bytes=BLOCK)
     res = reader.engine.submit("frag", owner.name, plan).result(10)
     assert res.status is TransferStatus.DONE, res.reason
     assert res.descriptors > 100
@@ -78,7 +79,7 @@ def test_two_readers_release_the_lease_once(owner: OwnerProcess, reader: Reader)
     try:
         second.connect(owner)
         owner.call("hold", "two-1", 2, 10.0)
-        plan = plan_from_blocks(np.arange(4), np.arange(4), num_regions=2, block_len=BLOCK)
+        plan = per_block_plan(np.arange(4), np.arange(4), num_layers=2, block_bytes=BLOCK)
         t1 = owner.call("confirm", "two-1", "reader-a")
         note1 = notify.encode("two-1", t1)
         r1 = reader.engine.submit("two-a", owner.name, plan, notif=note1)
@@ -136,7 +137,7 @@ def test_per_peer_byte_budget_fails_fast(owner: OwnerProcess) -> None:
         r.connect(owner)
         owner.stop_signal()  # keep the first transfer in flight
         try:
-            plan = plan_from_blocks(np.arange(2), np.arange(2), num_regions=1, block_len=BLOCK)
+            plan = per_block_plan(np.arange(2), np.arange(2), num_layers=1, block_bytes=BLOCK)
             first = r.engine.submit("b1", owner.name, plan, timeout_s=2)
             with pytest.raises(ResourceExhausted):
                 r.engine.submit("b2", owner.name, plan, timeout_s=2)
@@ -168,8 +169,8 @@ def test_stopped_owner_expires_at_the_deadline(
 ) -> None:
     victim, r = _stopped_owner_and_fresh_reader(spawn_owner, "stopped")
     try:
-        plan = plan_from_blocks(
-            np.arange(0, 40, 2), np.arange(0, 40, 2), num_regions=1, block_len=BLOCK
+        plan = per_block_plan(
+            np.arange(0, 40, 2), np.arange(0, 40, 2), num_layers=1, block_bytes=BLOCK
         )
         t0 = time.monotonic()
         res = r.engine.submit("stuck", victim.name, plan, timeout_s=0.5).result(5)
@@ -178,7 +179,7 @@ def test_stopped_owner_expires_at_the_deadline(
         assert 0.45 <= took < 1.5
         assert res.invalid_blocks[0].tolist() == list(range(0, 40, 2))
         assert r.engine.inflight_bytes(victim.name) == 0
-        assert r.engine._zombies == []  # the stuck handle was released (cancelled)
+        assert r.engine.unreleased_handles == 0  # the stuck handle was released (cancelled)
         victim.cont_signal()  # resumed: the same peer serves the next transfer
         res2 = r.engine.submit("after", victim.name, plan, timeout_s=10).result(15)
         assert res2.status is TransferStatus.DONE, res2.reason
@@ -193,8 +194,8 @@ def test_killed_owner_fails_in_deadline_and_can_be_replaced(
     reborn = spawn_owner(OwnerSpec("victim", (REGION,), seed=9), wait=False)  # starts early
     victim, r = _stopped_owner_and_fresh_reader(spawn_owner, "victim")
     try:
-        plan = plan_from_blocks(
-            np.arange(0, 40, 2), np.arange(0, 40, 2), num_regions=1, block_len=BLOCK
+        plan = per_block_plan(
+            np.arange(0, 40, 2), np.arange(0, 40, 2), num_layers=1, block_bytes=BLOCK
         )
         t0 = time.monotonic()
         doomed = r.engine.submit("v-doomed", "victim", plan, timeout_s=5.0)
@@ -207,9 +208,9 @@ def test_killed_owner_fails_in_deadline_and_can_be_replaced(
         assert isinstance(res.error, PeerUnavailable)
         assert took < 2.0  # UCX reports the dead peer in tens of ms, well before the deadline
         assert res.invalid_blocks[0].tolist() == list(range(0, 40, 2))
-        assert r.engine._zombies == [] and r.engine.inflight_bytes("victim") == 0
+        assert r.engine.unreleased_handles == 0 and r.engine.inflight_bytes("victim") == 0
         # Others keep working meanwhile.
-        other = plan_from_blocks(np.arange(4), np.arange(4), num_regions=2, block_len=BLOCK)
+        other = per_block_plan(np.arange(4), np.arange(4), num_layers=2, block_bytes=BLOCK)
         assert (
             reader.engine.submit("o-ok", owner.name, other).result(10).status is TransferStatus.DONE
         )
@@ -229,9 +230,9 @@ def test_unknown_peer_is_refused(reader: Reader) -> None:
 
 
 def test_release_on_done_leaves_no_handles(reader: Reader, owner: OwnerProcess) -> None:
-    plan = plan_from_blocks(np.arange(3), np.arange(3), num_regions=1, block_len=BLOCK)
+    plan = per_block_plan(np.arange(3), np.arange(3), num_layers=1, block_bytes=BLOCK)
     ts = [reader.engine.submit(f"many-{i}", owner.name, plan) for i in range(20)]
     assert all(t.result(10).status is TransferStatus.DONE for t in ts)
     assert reader.engine.inflight_bytes(owner.name) == 0
-    assert reader.engine._zombies == []  # every handle was freed by NIXL
+    assert reader.engine.unreleased_handles == 0  # every handle was freed by NIXL
     assert torch.equal(reader.buffers[0][:0], reader.buffers[0][:0])

@@ -2,9 +2,9 @@
 
 Run from the repository root on a machine with CUDA GPUs (two for the GPU0 -> GPU1 rows)::
 
-    python -m bench.gpu_staging --build-only        # JIT-build the kernels, say which is active
-    python -m bench.gpu_staging --json out.json     # measure
-    python -m bench.gpu_staging --report out.json nixl.json   # one table from both benches
+    python -m bench.studies.gpu_staging --build-only   # JIT-build the kernels, say which is active
+    python -m bench.studies.gpu_staging --json out.json   # measure
+    python -m bench.studies.gpu_staging --report out.json nixl.json   # one table from both
 
 Workload (``docs/nixl.md`` §5): a Llama-3-8B-shaped cache, 32 layers x ``(4096, 2, 16, 8, 128)``
 bf16 per layer (64 KiB a block), a request of 512 RANDOM blocks = 1 GiB, destination block IDs
@@ -32,9 +32,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
-
-if __package__ in (None, ""):  # run as a script: make the repo root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
 import torch
@@ -322,7 +319,10 @@ def probe_exceptions() -> None:
 
     build = tempfile.mkdtemp(prefix="kvxprobe-")
     for which in ("cpp", "cu", "fmt"):
-        code = f"from bench.gpu_staging import _probe_child; _probe_child({build!r}, {which!r})"
+        code = (
+            "from bench.studies.gpu_staging import _probe_child; "
+            f"_probe_child({build!r}, {which!r})"
+        )
         res = subprocess.run(
             [sys.executable, "-c", code], capture_output=True, text=True, check=False
         )

@@ -3,7 +3,7 @@
 Allocates physical GPU memory with ``cuMemCreate`` (shareable as a POSIX file descriptor),
 maps it into this process, exports it as an fd, and imports an fd from another process into a
 mapping of the same physical memory. The mapping is wrapped as a torch tensor through
-``__cuda_array_interface__``. Used only by ``bench.attachment`` (candidate (b) of issue 7).
+``__cuda_array_interface__``. Used only by ``bench.studies.attachment`` (candidate (b) of issue 7).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """GPU NIXL bench (issue 6): READs between two processes, per descriptor scheme and staged.
 
-Run from the repository root: ``python -m bench.gpu_nixl --reader-device 1 --json out.json``
-(owner on cuda:0, reader on ``--reader-device``). Same workload as ``bench.gpu_staging``: 32
+Run from the repository root: ``python -m bench.studies.gpu_nixl --reader-device 1 --json out.json``
+(owner on cuda:0, reader on ``--reader-device``). Same workload as ``bench.studies.gpu_staging``: 32
 layers x ``(4096, 2, 16, 8, 128)`` bf16, 512 random source and destination blocks (1 GiB).
 The owner ("prefill") process allocates its pools itself (not CUDA-IPC-imported memory),
 registers them as VRAM with its own NIXL agent, and answers commands over a pipe. Rows (median
@@ -22,21 +22,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import multiprocessing as mp
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import itertools
 
 import numpy as np
 import torch

@@ -2,9 +2,10 @@
 
 Run from the repository root on a GPU machine::
 
-    python -m bench.attachment --reader-device 1 --json out.json          # two GPUs
-    python -m bench.attachment --reader-device 0 --json out.json          # one GPU
-    UCX_RNDV_SCHEME=get_zcopy python -m bench.attachment --modes ipc-import --label ucx:get_zcopy
+    python -m bench.studies.attachment --reader-device 1 --json out.json     # two GPUs
+    python -m bench.studies.attachment --reader-device 0 --json out.json     # one GPU
+    UCX_RNDV_SCHEME=get_zcopy python -m bench.studies.attachment --modes ipc-import \
+        --label ucx:get_zcopy
 
 Three processes per mode, as in a deployment: the **engine** (computes into the KV cache; here
 it fills the memory with random bytes), the **daemon** (its NIXL agent registers the memory
@@ -40,15 +41,11 @@ import contextlib
 import json
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
 import torch
@@ -92,7 +89,7 @@ def _engine_main(conn: Connection, to_daemon: Connection, mode: str, dev: int) -
     elif mode == "vmm-import":
         from multiprocessing.reduction import send_handle
 
-        from bench import cuda_vmm
+        from bench.studies import cuda_vmm
 
         m = cuda_vmm.allocate(POOL_BYTES, dev)
         keep.append(m)
@@ -138,7 +135,7 @@ def _daemon_main(conn: Connection, from_engine: Connection, mode: str, dev: int)
     elif mode == "ipc-import":
         pool = from_engine.recv()
     elif mode == "vmm-owned":
-        from bench import cuda_vmm
+        from bench.studies import cuda_vmm
 
         m = cuda_vmm.allocate(POOL_BYTES, dev)
         keep.append(m)
@@ -147,7 +144,7 @@ def _daemon_main(conn: Connection, from_engine: Connection, mode: str, dev: int)
     elif mode == "vmm-import":
         from multiprocessing.reduction import recv_handle
 
-        from bench import cuda_vmm
+        from bench.studies import cuda_vmm
 
         fd = recv_handle(from_engine)
         m = cuda_vmm.import_fd(fd, POOL_BYTES, dev)

@@ -1,0 +1,176 @@
+"""The kvxferd rows of ``kvxferd bench``: a prefill and a decode daemon (``kvxferd serve``) per
+strategy, every cell pulled through them with :class:`~kvxferd.scenario.puller.DaemonPuller`,
+what ran recorded from the terminal status and ``ListPeers``, then the small-request latency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+from kvxferd.scenario.bench_cells import (
+    SMALL_BLOCKS,
+    WARMUP_REP,
+    Cell,
+    Workload,
+    block_ids,
+)
+from kvxferd.scenario.client import DaemonClient
+from kvxferd.scenario.daemons import DaemonOptions, DaemonSet
+from kvxferd.scenario.mix import CONTIGUOUS, FRAGMENTED
+from kvxferd.scenario.puller import PULL_DEADLINE_MS, BenchFailure, DaemonPuller, say
+from kvxferd.scenario.report import percentile
+from kvxferd.v1 import scheduler_pb2
+
+
+def _record_stages(cell: Cell, st: scheduler_pb2.TransferStatus) -> None:
+    cell.kvxferd_strategy = scheduler_pb2.TransferStrategy.Name(st.strategy).removeprefix(
+        "TRANSFER_STRATEGY_"
+    )
+    if st.stage_times.chunks:
+        t = st.stage_times
+        for name, value in (
+            ("chunks", float(t.chunks)),
+            ("gather", t.gather_seconds),
+            ("gather_rpc", t.gather_rpc_seconds),
+            ("read", t.read_seconds),
+            ("scatter", t.scatter_seconds),
+            ("slot_wait", t.slot_wait_seconds),
+        ):
+            cell.stage_seconds.setdefault(name, []).append(value)
+
+
+def _record_transport(decode: DaemonClient, cells: list[Cell]) -> None:
+    """What served each row: the SM kernel for KERNEL, else the decode daemon's probed READ
+    transport of the prefill peer (ListPeers)."""
+    peers: list[scheduler_pb2.PeerInfo] = []
+    try:
+        peers = list(
+            decode.scheduler.ListPeers(
+                scheduler_pb2.ListPeersRequest(), timeout=10, metadata=decode.metadata
+            ).peers
+        )
+    except Exception as exc:  # a report detail: never fail the bench on it
+        say(f"  ListPeers failed: {exc}")
+    read = ""
+    if peers:
+        p = peers[0]
+        read = p.read_transport + (
+            f" ({p.read_probe_gbps:.1f} GB/s probe)" if p.read_probe_gbps else ""
+        )
+    for cell in cells:
+        cell.kvxferd_transport = (
+            "cuda_ipc (SM kernel)" if cell.kvxferd_strategy == "KERNEL" else read or "?"
+        )
+
+
+def measure_daemons(
+    workload: Workload,
+    cells: list[Cell],
+    args: argparse.Namespace,
+    workdir: Path,
+    *,
+    strategy: str = "auto",
+    latency_pulls: int | None = None,
+) -> dict[str, Any]:
+    pool = f"dense:num_blocks={workload.shape.num_blocks}"
+    pulls = args.latency_pulls if latency_pulls is None else latency_pulls
+    verify = not args.no_verify
+    options = [
+        DaemonOptions(
+            "prefill",
+            pool,
+            device=workload.dev_prefill,
+            fill_seed=11 if verify else None,
+            extra=("--set", f"transfer.default_deadline_ms={PULL_DEADLINE_MS}"),
+        ),
+        DaemonOptions(
+            "decode",
+            pool,
+            device=workload.dev_decode,
+            extra=("--set", f"transfer.strategy={strategy}"),
+        ),
+    ]
+    latency: dict[str, Any] = {}
+    with DaemonSet(workdir, options) as daemons:
+        daemons.start()
+        t0 = time.monotonic()
+        daemons.wait_ready()
+        say(f"  daemons ready in {time.monotonic() - t0:.1f}s (logs in {workdir})")
+        prefill_r, decode_r = daemons["prefill"].ready, daemons["decode"].ready
+        assert prefill_r is not None and decode_r is not None
+        prefill = DaemonClient("prefill", prefill_r.grpc, prefill_r.engine_socket)
+        decode = DaemonClient("decode", decode_r.grpc, decode_r.engine_socket)
+        puller = DaemonPuller(prefill, decode)
+        try:
+            puller.pull(*block_ids(workload, 256, CONTIGUOUS, WARMUP_REP, args.seed))  # handshake
+            for cell in cells:
+                say(f"  kvxferd  {cell.tokens:>6} tokens {cell.pattern}")
+                for rep in range(args.repeat):
+                    local, remote = block_ids(workload, cell.tokens, cell.pattern, rep, args.seed)
+                    out = puller.pull(local, remote)
+                    st = out.status
+                    cell.kvxferd_gbps.append(st.nbytes / out.seconds / 1e9)
+                    cell.kvxferd_ms.append(out.seconds * 1e3)
+                    if out.server_seconds > 0:
+                        cell.kvxferd_server_gbps.append(st.nbytes / out.server_seconds / 1e9)
+                    if out.data_seconds > 0:
+                        cell.kvxferd_data_gbps.append(st.nbytes / out.data_seconds / 1e9)
+                    cell.kvxferd_descriptors_naive = st.descriptors_before_coalescing
+                    cell.kvxferd_descriptors = st.descriptors_after_coalescing
+                    _record_stages(cell, st)
+                    if st.nbytes != cell.nbytes:
+                        raise BenchFailure(
+                            f"kvxferd {cell.tokens} tokens: the daemon moved {st.nbytes} bytes,"
+                            f" the request is {cell.nbytes}"
+                        )
+                    if verify and rep == 0:
+                        cell.mismatches = puller.verify(local, remote, args.seed + rep)
+                        if cell.mismatches:
+                            raise BenchFailure(
+                                f"kvxferd {cell.tokens} tokens {cell.pattern}: {cell.mismatches}"
+                                " sampled blocks differ from the prefill's"
+                            )
+            _record_transport(decode, cells)
+            if not pulls:
+                daemons.check_alive()
+                return {}
+            say(f"  latency  {pulls} pulls of {SMALL_BLOCKS} blocks ({strategy})")
+            client_ms: list[float] = []
+            server_ms: list[float] = []
+            stages_ms: dict[str, list[float]] = {}  # the daemon's per-pull stages
+            tokens = SMALL_BLOCKS * workload.spec.groups[0].kernel_block_size
+            for rep in range(pulls):
+                local, remote = block_ids(workload, tokens, FRAGMENTED, 1000 + rep, args.seed)
+                out = puller.pull(local, remote)
+                client_ms.append(out.seconds * 1e3)
+                server_ms.append(out.server_seconds * 1e3)
+                for stage in out.status.stages:
+                    stages_ms.setdefault(stage.name, []).append(stage.seconds * 1e3)
+            latency = {
+                "blocks": SMALL_BLOCKS,
+                "tokens": tokens,
+                "pulls": pulls,
+                "strategy": strategy,
+                "bytes": workload.request_bytes(tokens),
+                "client_ms": client_ms,
+                "server_ms": server_ms,
+                "p50_ms": percentile(client_ms, 50),
+                "p90_ms": percentile(client_ms, 90),
+                "p99_ms": percentile(client_ms, 99),
+                "max_ms": max(client_ms),
+                "server_p50_ms": percentile(server_ms, 50),
+                "server_p99_ms": percentile(server_ms, 99),
+                "stages_p50_ms": {k: percentile(v, 50) for k, v in stages_ms.items()},
+            }
+            daemons.check_alive()
+        finally:
+            puller.close()
+            prefill.close()
+            decode.close()
+    problems = daemons.stop_problems()
+    if problems:
+        raise BenchFailure("; ".join(problems))
+    return latency

@@ -1,0 +1,98 @@
+"""One timed pull through two real daemons, as a scheduler drives it: Hold on the prefill
+daemon, StartPull on the decode daemon, the terminal status from one WatchTransfers stream, and
+the release seen on WatchReleases before the blocks are held again. ``kvxferd bench`` and the
+attached-pool benchmark time pulls with it; :meth:`DaemonPuller.verify` compares sampled blocks
+of both pools by Checksum.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvxferd.scenario.client import (
+    TERMINAL,
+    DaemonClient,
+    ReleaseWatcher,
+    TransferWatcher,
+    state_name,
+)
+from kvxferd.scenario.mix import Int64Array
+from kvxferd.v1 import scheduler_pb2
+
+VERIFY_SAMPLES = 32
+PULL_DEADLINE_MS = 600_000
+WAIT_TIMEOUT_S = 900.0
+
+
+class BenchFailure(Exception):
+    """A transfer failed or a sampled block differs."""
+
+
+def say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class PullOutcome:
+    seconds: float  # StartPull call -> terminal status on the stream
+    status: scheduler_pb2.TransferStatus
+
+    @property
+    def server_seconds(self) -> float:
+        return (self.status.finished_unix_ns - self.status.created_unix_ns) / 1e9
+
+    @property
+    def data_seconds(self) -> float:
+        if not self.status.started_unix_ns:
+            return math.nan
+        return (self.status.finished_unix_ns - self.status.started_unix_ns) / 1e9
+
+
+class DaemonPuller:
+    """Hold on the prefill engine, StartPull on the decode daemon, wait on one stream."""
+
+    def __init__(self, prefill: DaemonClient, decode: DaemonClient) -> None:
+        self.prefill = prefill
+        self.decode = decode
+        self.watcher = TransferWatcher(decode)
+        self.releases = ReleaseWatcher(prefill)
+        self.tag = secrets.token_hex(3)
+        self._n = 0
+
+    def close(self) -> None:
+        self.watcher.close()
+        self.releases.close()
+
+    def pull(self, local: Int64Array, remote: Int64Array) -> PullOutcome:
+        self._n += 1
+        rid = f"bench-{self.tag}-{self._n}"
+        hold = self.prefill.hold(rid, [remote])
+        pending = self.watcher.expect(f"{rid}-pull")
+        t0 = time.perf_counter()
+        resp = self.decode.start_pull(
+            pending.transfer_id, hold, [local], deadline_ms=PULL_DEADLINE_MS
+        )
+        if resp.status.state in TERMINAL:
+            self.watcher.resolve(pending, resp.status, "StartPull")
+        st = self.watcher.wait(pending, WAIT_TIMEOUT_S)
+        seconds = pending.terminal_at - t0
+        if st.state != scheduler_pb2.TRANSFER_STATE_DONE:
+            why = st.error.message if st.HasField("error") else "no error detail"
+            raise BenchFailure(f"pull {rid} ended {state_name(st.state)}: {why}")
+        # Not timed: let the prefill daemon release the blocks before they are held again.
+        if self.releases.wait([rid], 10.0) and not self.releases.error:
+            raise BenchFailure(f"the prefill daemon did not release {rid} within 10s")
+        return PullOutcome(seconds, st)
+
+    def verify(self, local: Int64Array, remote: Int64Array, seed: int) -> int:
+        rng = np.random.default_rng(seed)
+        pick = rng.choice(local.size, size=min(VERIFY_SAMPLES, local.size), replace=False)
+        mine = self.decode.checksum(0, local[pick])
+        theirs = self.prefill.checksum(0, remote[pick])
+        return sum(1 for a, b in zip(mine, theirs, strict=True) if a != b)
