@@ -12,9 +12,10 @@ yields the GIL to the event loop; nothing at all when idle) and ends each one:
 * ``CANCELLED``: :meth:`TransferEngine.cancel`, a peer re-handshake or shutdown.
 
 Every path releases the NIXL handle (which also cancels it); a handle NIXL refuses to free is
-retried on later polls. Results are delivered through a :class:`concurrent.futures.Future` per
-transfer (``await transfer.wait()`` from asyncio); callbacks run on the NIXL thread, so keep
-them short.
+retried on later polls. Results are delivered through a :class:`concurrent.futures.Future`
+per transfer (``await transfer.wait()`` from asyncio); callbacks run on the NIXL thread, so
+keep them short. What runs on the NIXL thread (post, poll, end) is
+:class:`~kvxferd.transfer.inflight.InFlight`; this module validates and admits.
 
 Back-pressure: each peer has a budget of in-flight bytes. A submit that would exceed it fails
 fast with :class:`ResourceExhausted` (the caller or scheduler retries or picks another peer);
@@ -24,11 +25,9 @@ admitted when nothing else is in flight to that peer, so large requests are neve
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -39,7 +38,6 @@ from kvxferd.blocks.ranges import TransferPlan
 from kvxferd.errors import (
     AlreadyExists,
     Cancelled,
-    DeadlineExceeded,
     EngineDetached,
     InvalidRequest,
     KvxferdError,
@@ -47,13 +45,12 @@ from kvxferd.errors import (
     ResourceExhausted,
 )
 from kvxferd.logs import kv
-from kvxferd.nixl import MemType, NixlAgent, XferHandle, XferOp, XferState
+from kvxferd.nixl import MemType, NixlAgent, XferOp
 from kvxferd.transfer.descriptors import Int64Array, RegionTable, build_descriptors
+from kvxferd.transfer.inflight import Clock, InFlight, Transfer
 from kvxferd.transfer.state import TransferResult, TransferStatus
 
 log = logging.getLogger(__name__)
-
-Clock = Callable[[], float]
 
 
 @dataclass
@@ -63,33 +60,6 @@ class _Peer:
     mem: MemType
     inflight_bytes: int = 0
     inflight: int = 0
-
-
-@dataclass
-class Transfer:
-    """A submitted transfer; ``future`` resolves to its :class:`TransferResult`."""
-
-    transfer_id: str
-    peer: str
-    op: XferOp
-    plan: TransferPlan
-    nbytes: int
-    descriptors: int
-    created_at: float
-    deadline: float
-    future: Future[TransferResult] = field(default_factory=Future, repr=False)
-    status: TransferStatus = TransferStatus.QUEUED
-    _local: Int64Array | None = field(default=None, repr=False)
-    _remote: Int64Array | None = field(default=None, repr=False)
-    _notif: bytes = field(default=b"", repr=False)
-    _handle: XferHandle | None = field(default=None, repr=False)
-    posted_at: float = 0.0
-
-    async def wait(self) -> TransferResult:
-        return await asyncio.wrap_future(self.future)
-
-    def result(self, timeout: float | None = None) -> TransferResult:
-        return self.future.result(timeout)
 
 
 @dataclass(frozen=True)
@@ -138,15 +108,20 @@ class TransferEngine:
         self._lock = threading.Lock()
         self._peers: dict[str, _Peer] = {}
         self._transfers: dict[str, Transfer] = {}
-        self._active: list[Transfer] = []  # touched on the NIXL thread only
-        self._zombies: list[XferHandle] = []  # handles NIXL refused to free yet
-        self._wait = self._opts.min_poll_s
+        self._flight = InFlight(
+            agent,
+            mems=self._mems,
+            on_end=self._ended,
+            min_poll_s=self._opts.min_poll_s,
+            max_poll_s=self._opts.max_poll_s,
+            clock=clock,
+        )
         self._started = False
 
     # -- lifecycle --------------------------------------------------------------------------
 
     def start(self) -> None:
-        self._agent.add_poller(self._poll)
+        self._agent.add_poller(self._flight.poll)
         self._started = True
 
     def close(self) -> None:
@@ -154,7 +129,7 @@ class TransferEngine:
         if not self._started:
             return
         self._agent.submit(self._cancel_all, "engine closed").result()
-        self._agent.remove_poller(self._poll)
+        self._agent.remove_poller(self._flight.poll)
         self._started = False
 
     def set_local(self, local_regions: npt.ArrayLike | None, mem: MemType, reason: str) -> None:
@@ -194,9 +169,7 @@ class TransferEngine:
         self._agent.add_remote(name, metadata)
         with self._lock:
             self._peers[name] = _Peer(name, table, mem)
-        log.info(
-            "event=peer_connected peer=%s regions=%d mem=%s", name, table.num_regions, mem.value
-        )
+        log.info("peer connected", extra=kv(peer=name, regions=table.num_regions, mem=mem.value))
 
     def disconnect_peer(self, name: str, reason: str = "peer removed") -> None:
         """Fail the peer's transfers (FAILED, PeerUnavailable) and unload its metadata."""
@@ -213,6 +186,25 @@ class TransferEngine:
         with self._lock:
             p = self._peers.get(peer)
             return p.inflight_bytes if p else 0
+
+    @property
+    def unreleased_handles(self) -> int:
+        """Handles of ended transfers that NIXL has not freed yet (0 when all is well)."""
+        return self._flight.unreleased_handles
+
+    def _mems(self, peer: str) -> tuple[MemType, MemType] | None:
+        with self._lock:
+            p = self._peers.get(peer)
+            return None if p is None else (self._local_mem, p.mem)
+
+    def _ended(self, xfer: Transfer) -> None:
+        """A transfer ended (NIXL thread): free its share of the peer's budget."""
+        with self._lock:
+            self._transfers.pop(xfer.transfer_id, None)
+            p = self._peers.get(xfer.peer)
+            if p is not None:
+                p.inflight_bytes -= xfer.nbytes
+                p.inflight -= 1
 
     # -- submit -----------------------------------------------------------------------------
 
@@ -319,8 +311,8 @@ class TransferEngine:
                 timeout_s=round(timeout, 3),
             ),
         )
-        fut = self._agent.submit(self._post_now, xfer)
-        fut.add_done_callback(lambda f: self._post_failed(xfer, f))
+        fut = self._agent.submit(self._flight.post, xfer)
+        fut.add_done_callback(lambda f: self._flight.post_failed(xfer, f))
         return xfer
 
     async def pull(
@@ -348,107 +340,12 @@ class TransferEngine:
 
     # -- on the NIXL thread -----------------------------------------------------------------
 
-    def _post_failed(self, xfer: Transfer, fut: Future[None]) -> None:
-        # The NIXL thread stopped before the post ran: the transfer still needs an end.
-        exc = fut.exception()
-        if exc is not None and not xfer.future.done():
-            err = exc if isinstance(exc, KvxferdError) else PeerUnavailable(str(exc))
-            self._finish(xfer, TransferStatus.FAILED, err)
-
-    def _post_now(self, xfer: Transfer) -> None:
-        if xfer.status.terminal:
-            return
-        if xfer.nbytes == 0:
-            self._finish_empty(xfer)
-            return
-        if self._clock() >= xfer.deadline:
-            self._finish(
-                xfer,
-                TransferStatus.EXPIRED,
-                DeadlineExceeded("deadline passed before the transfer was posted"),
-            )
-            return
-        assert xfer._local is not None and xfer._remote is not None
-        with self._lock:
-            p = self._peers.get(xfer.peer)
-        try:
-            if p is None:
-                raise PeerUnavailable(f"peer {xfer.peer} was disconnected")
-            xfer._handle = self._agent.post(
-                xfer.op,
-                xfer._local,
-                xfer._remote,
-                peer=xfer.peer,
-                local_mem=self._local_mem,
-                remote_mem=p.mem,
-                notif=xfer._notif,
-            )
-        except KvxferdError as err:
-            self._finish(xfer, TransferStatus.FAILED, err)
-            return
-        xfer.status = TransferStatus.IN_PROGRESS
-        xfer.posted_at = self._clock()
-        self._active.append(xfer)
-        self._wait = self._opts.min_poll_s
-
-    def _finish_empty(self, xfer: Transfer) -> None:
-        # Full prefix hit: nothing to read, but the owner still counts this reader as done.
-        if xfer._notif:
-            try:
-                self._agent.send_notif(xfer.peer, xfer._notif)
-            except KvxferdError as err:
-                log.warning(
-                    "event=transfer_notif_failed id=%s peer=%s error=%s",
-                    xfer.transfer_id,
-                    xfer.peer,
-                    err,
-                )
-        self._finish(xfer, TransferStatus.DONE, None)
-
-    def _poll(self) -> float | None:
-        if self._zombies:
-            self._zombies = [h for h in self._zombies if not self._agent.release(h)]
-        if not self._active:
-            return None if not self._zombies else self._opts.max_poll_s
-        now = self._clock()
-        for xfer in list(self._active):
-            assert xfer._handle is not None
-            try:
-                state = self._agent.poll(xfer._handle)
-            except KvxferdError as err:
-                self._finish(xfer, TransferStatus.FAILED, err)
-                continue
-            if state is XferState.DONE:
-                self._finish(xfer, TransferStatus.DONE, None)
-            elif state is XferState.FAILED:
-                self._finish(
-                    xfer,
-                    TransferStatus.FAILED,
-                    PeerUnavailable("NIXL reported the transfer failed"),
-                )
-            elif now >= xfer.deadline:
-                self._finish(
-                    xfer,
-                    TransferStatus.EXPIRED,
-                    DeadlineExceeded(
-                        f"transfer still in progress after {xfer.deadline - xfer.created_at:.3f}s",
-                        fix="the peer may be stopped or overloaded; retry with a new lease",
-                    ),
-                )
-        # While anything is in flight, check back to back: the short sleep only lets the event
-        # loop's thread take the GIL. Idle, the poller asks for nothing (no CPU).
-        self._wait = self._opts.min_poll_s
-        if not self._active:
-            return None
-        next_deadline = min(x.deadline for x in self._active)
-        return max(0.0, min(self._wait, next_deadline - now))
-
     def _cancel_now(self, transfer_id: str) -> bool:
         with self._lock:
             xfer = self._transfers.get(transfer_id)
         if xfer is None or xfer.status.terminal:
             return False
-        self._finish(xfer, TransferStatus.CANCELLED, Cancelled("cancelled by caller"))
+        self._flight.finish(xfer, TransferStatus.CANCELLED, Cancelled("cancelled by caller"))
         return True
 
     def _cancel_all(self, reason: str) -> None:
@@ -456,63 +353,14 @@ class TransferEngine:
             live = list(self._transfers.values())
         for xfer in live:
             if not xfer.status.terminal:
-                self._finish(xfer, TransferStatus.CANCELLED, Cancelled(reason))
+                self._flight.finish(xfer, TransferStatus.CANCELLED, Cancelled(reason))
 
     def _fail_peer_now(self, name: str, err: KvxferdError, status: TransferStatus) -> None:
         with self._lock:
             live = [x for x in self._transfers.values() if x.peer == name]
         for xfer in live:
             if not xfer.status.terminal:
-                self._finish(xfer, status, err)
+                self._flight.finish(xfer, status, err)
 
-    def _finish(self, xfer: Transfer, status: TransferStatus, err: KvxferdError | None) -> None:
-        post_us = xfer_us = ndesc = None
-        handle = xfer._handle
-        if handle is not None:
-            if status is TransferStatus.DONE:
-                tel = self._agent.telemetry(handle)
-                if tel is not None:
-                    post_us, xfer_us, ndesc = tel.post_us, tel.xfer_us, tel.descriptors
-            if not self._agent.release(handle):
-                self._zombies.append(handle)
-        if xfer in self._active:
-            self._active.remove(xfer)
-        xfer.status = status
-        xfer._local = xfer._remote = None
-        with self._lock:
-            self._transfers.pop(xfer.transfer_id, None)
-            p = self._peers.get(xfer.peer)
-            if p is not None:
-                p.inflight_bytes -= xfer.nbytes
-                p.inflight -= 1
-        invalid = () if status is TransferStatus.DONE else xfer.plan.local_kernel_blocks
-        result = TransferResult(
-            xfer.transfer_id,
-            xfer.peer,
-            status,
-            reason=str(err) if err else "",
-            error=err,
-            invalid_blocks=tuple(np.asarray(b, dtype=np.int64) for b in invalid),
-            nbytes=xfer.nbytes,
-            descriptors=xfer.descriptors,
-            elapsed_s=self._clock() - xfer.created_at,
-            post_us=post_us,
-            xfer_us=xfer_us,
-            nixl_descriptors=ndesc,
-            posted_at=xfer.posted_at,
-            completed_at=self._clock(),
-        )
-        log.log(
-            logging.INFO if status is TransferStatus.DONE else logging.WARNING,
-            "event=transfer_end id=%s peer=%s status=%s bytes=%d descs=%d elapsed_ms=%.3f "
-            "reason=%s",
-            xfer.transfer_id,
-            xfer.peer,
-            status.value,
-            xfer.nbytes,
-            xfer.descriptors,
-            result.elapsed_s * 1e3,
-            result.reason or "-",
-        )
-        if not xfer.future.done():
-            xfer.future.set_result(result)
+
+__all__ = ["EngineOptions", "Prepared", "Transfer", "TransferEngine"]
