@@ -109,7 +109,6 @@ OVERSIZE_ALLOWED = {
     "kvxferd/commands/demo.py": "split in progress (issue 12)",
     "kvxferd/commands/demo_vllm.py": "split in progress (issue 12)",
     "kvxferd/config.py": "split in progress (issue 12)",
-    "kvxferd/transfer/leases.py": "split in progress (issue 12)",
     "kvxferd/service/servicers.py": "split in progress (issue 12)",
     "kvxferd/daemon/attach.py": "split in progress (issue 12)",
     "kvxferd/nixl/agent.py": "split in progress (issue 12)",

@@ -24,95 +24,32 @@ the thread that caused the release.
 
 from __future__ import annotations
 
-import enum
 import logging
-import secrets
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
 
 from kvxferd.errors import AlreadyExists, InvalidRequest, LeaseRefused, NotFound, PermissionDenied
 from kvxferd.logs import kv
+from kvxferd.transfer.lease import (
+    Lease,
+    LeaseView,
+    Released,
+    ReleaseReason,
+    Share,
+    ShareState,
+    lease_view,
+    new_ticket,
+)
 
 log = logging.getLogger(__name__)
 
 Int64Array = npt.NDArray[np.int64]
 Clock = Callable[[], float]
-
-
-class ReleaseReason(enum.Enum):
-    DONE = "DONE"  # every expected reader reported completion
-    EXPIRED = "EXPIRED"  # the TTL passed first
-    CANCELLED = "CANCELLED"  # the engine, an operator or every reader gave the blocks up
-    ENGINE_DETACHED = "ENGINE_DETACHED"  # the engine detached or died; the pool is gone
-
-
-class ShareState(enum.Enum):
-    READING = "READING"  # confirmed; the reader may be reading now
-    DONE = "DONE"  # the reader finished reading
-    GAVE_UP = "GAVE_UP"  # the reader let go without (completely) reading
-    LAPSED = "LAPSED"  # the reader went silent past its share's expiry (or restarted)
-
-
-@dataclass
-class Share:
-    """One confirmed reader's part of a lease."""
-
-    reader: str
-    ticket: int
-    expires_at: float
-    state: ShareState = ShareState.READING
-
-
-@dataclass
-class Lease:
-    request_id: str
-    kernel_blocks: tuple[Int64Array, ...]
-    readers: int
-    expires_at: float
-    ttl_s: float
-    shares: dict[str, Share] = field(default_factory=dict)
-    cancelled: ReleaseReason | None = None
-
-    @property
-    def confirmations(self) -> int:
-        return len(self.shares)
-
-    @property
-    def readers_done(self) -> int:
-        return sum(1 for s in self.shares.values() if s.state is ShareState.DONE)
-
-    @property
-    def reading(self) -> int:
-        return sum(1 for s in self.shares.values() if s.state is ShareState.READING)
-
-
-@dataclass(frozen=True)
-class LeaseView:
-    """A snapshot of a lease for one reader (what the Peer service answers)."""
-
-    request_id: str
-    readers: int
-    confirmations: int
-    readers_done: int
-    expires_at: float  # the lease's, or the reader's share's when it has one
-    ticket: int = 0
-
-
-@dataclass(frozen=True)
-class Released:
-    """A lease that ended: its blocks may now be freed by the engine."""
-
-    request_id: str
-    reason: ReleaseReason
-    kernel_blocks: tuple[Int64Array, ...]
-    readers_done: int
-    readers: int
 
 
 ReleaseCallback = Callable[[Released], None]
@@ -237,11 +174,11 @@ class LeaseTable:
                             fix="hold the request with readers = the number of decode ranks"
                             " that read it",
                         )
-                    share = Share(reader, _ticket(), now + extend)
+                    share = Share(reader, new_ticket(), now + extend)
                     lease.shares[reader] = share
                 else:
                     share.expires_at = max(share.expires_at, now + extend)
-                view = _view(lease, share)
+                view = lease_view(lease, share)
         self._notify([rel] if rel else [])
         if lease is None:
             raise self._missing(request_id)
@@ -256,7 +193,7 @@ class LeaseTable:
             share = None if lease is None else self._own_share(lease, reader)
             if lease is not None and share is not None:
                 share.expires_at = max(share.expires_at, now + extend)
-                view = _view(lease, share)
+                view = lease_view(lease, share)
         self._notify([rel] if rel else [])
         if lease is None or share is None:
             raise self._missing(request_id)
@@ -271,7 +208,7 @@ class LeaseTable:
             share = None if lease is None else self._own_share(lease, reader)
             if lease is not None and share is not None:
                 share.state = ShareState.DONE if done else ShareState.GAVE_UP
-                view = _view(lease, share)
+                view = lease_view(lease, share)
                 rel = self._settle(lease, now)
         self._notify([rel] if rel else [])
         if lease is None or share is None:
@@ -452,16 +389,4 @@ class LeaseTable:
                     )
 
 
-def _ticket() -> int:
-    return secrets.randbits(63) | 1
-
-
-def _view(lease: Lease, share: Share | None) -> LeaseView:
-    return LeaseView(
-        request_id=lease.request_id,
-        readers=lease.readers,
-        confirmations=lease.confirmations,
-        readers_done=lease.readers_done,
-        expires_at=share.expires_at if share else lease.expires_at,
-        ticket=share.ticket if share else 0,
-    )
+__all__ = ["Lease", "LeaseTable", "LeaseView", "ReleaseReason", "Released"]

@@ -1,0 +1,113 @@
+"""A lease and its shares, as values: what the owner holds for readers, and what it tells
+them (:class:`LeaseView`) and the engine (:class:`Released`). The rules that change them are
+:class:`~kvxferd.transfer.leases.LeaseTable`'s."""
+
+from __future__ import annotations
+
+import enum
+import secrets
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+Int64Array = npt.NDArray[np.int64]
+
+
+class ReleaseReason(enum.Enum):
+    DONE = "DONE"  # every expected reader reported completion
+    EXPIRED = "EXPIRED"  # the TTL passed first
+    CANCELLED = "CANCELLED"  # the engine, an operator or every reader gave the blocks up
+    ENGINE_DETACHED = "ENGINE_DETACHED"  # the engine detached or died; the pool is gone
+
+
+class ShareState(enum.Enum):
+    READING = "READING"  # confirmed; the reader may be reading now
+    DONE = "DONE"  # the reader finished reading
+    GAVE_UP = "GAVE_UP"  # the reader let go without (completely) reading
+    LAPSED = "LAPSED"  # the reader went silent past its share's expiry (or restarted)
+
+
+@dataclass
+class Share:
+    """One confirmed reader's part of a lease."""
+
+    reader: str
+    ticket: int
+    expires_at: float
+    state: ShareState = ShareState.READING
+
+
+@dataclass
+class Lease:
+    request_id: str
+    kernel_blocks: tuple[Int64Array, ...]
+    readers: int
+    expires_at: float
+    ttl_s: float
+    shares: dict[str, Share] = field(default_factory=dict)
+    cancelled: ReleaseReason | None = None
+
+    @property
+    def confirmations(self) -> int:
+        return len(self.shares)
+
+    @property
+    def readers_done(self) -> int:
+        return sum(1 for s in self.shares.values() if s.state is ShareState.DONE)
+
+    @property
+    def reading(self) -> int:
+        return sum(1 for s in self.shares.values() if s.state is ShareState.READING)
+
+
+@dataclass(frozen=True)
+class LeaseView:
+    """A snapshot of a lease for one reader (what the Peer service answers)."""
+
+    request_id: str
+    readers: int
+    confirmations: int
+    readers_done: int
+    expires_at: float  # the lease's, or the reader's share's when it has one
+    ticket: int = 0
+
+
+@dataclass(frozen=True)
+class Released:
+    """A lease that ended: its blocks may now be freed by the engine."""
+
+    request_id: str
+    reason: ReleaseReason
+    kernel_blocks: tuple[Int64Array, ...]
+    readers_done: int
+    readers: int
+
+
+def new_ticket() -> int:
+    """A share's ticket: random, odd (never 0, which means "no share")."""
+    return secrets.randbits(63) | 1
+
+
+def lease_view(lease: Lease, share: Share | None) -> LeaseView:
+    """``lease`` as ``share``'s reader sees it (the lease itself when ``share`` is None)."""
+    return LeaseView(
+        request_id=lease.request_id,
+        readers=lease.readers,
+        confirmations=lease.confirmations,
+        readers_done=lease.readers_done,
+        expires_at=share.expires_at if share else lease.expires_at,
+        ticket=share.ticket if share else 0,
+    )
+
+
+__all__ = [
+    "Lease",
+    "LeaseView",
+    "ReleaseReason",
+    "Released",
+    "Share",
+    "ShareState",
+    "lease_view",
+    "new_ticket",
+]
