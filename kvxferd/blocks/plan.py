@@ -18,6 +18,7 @@ import numpy as np
 from kvxferd.blocks.bounds import DEFAULT_MAX_IDS, BlockIds, check_block_ids
 from kvxferd.blocks.coalesce import Runs, find_runs, mergeable, region_ranges
 from kvxferd.blocks.ranges import Int64Array, RegionRanges, TransferPlan
+from kvxferd.blocks.reblock import ChunkPairs, chunk_ranges, chunk_segments, pair_chunks
 from kvxferd.blocks.tp import TPPosition, check_tp, region_segments, tp_ratio
 from kvxferd.blocks.trim import pair_group
 from kvxferd.errors import BlockRangeError, InvalidRequest
@@ -35,7 +36,9 @@ class PullPlan:
     notifies when done: the ranks it reads from, plus ``r % local_tp == local_rank`` so that
     every remote rank (MLA, deduplicated heads, a full prefix hit) is notified by someone.
     ``local_kernel_blocks[g]`` / ``remote_kernel_blocks[g]``: the paired kernel IDs of group
-    ``g``, sorted by local ID, shape ``(k_g,)`` each.
+    ``g``, sorted by local ID, shape ``(k_g,)`` each; when the group's kernel block sizes
+    differ (re-blocked at the chunk, :mod:`.reblock`) they are not paired 1:1 but each side's
+    distinct kernel blocks, sorted, and may differ in length.
 
     All arrays are read-only: regions of identical geometry share their range arrays (every
     layer of a per-layer model), so a plan costs ``O(blocks)`` memory, not ``blocks x layers``.
@@ -122,14 +125,35 @@ def _region_entries(
     i: int,
     lr: Region,
     rr: Region,
-    run: Runs,
+    run: Runs | ChunkPairs,
     *,
     local_tp: TPPosition,
     remote_tp: TPPosition,
     num_kv_heads: int | None,
 ) -> list[tuple[int, _Arrays, int]]:
     """Per remote rank read: (rank, read-only range arrays, naive descriptor count)."""
-    out = []
+    out: list[tuple[int, _Arrays, int]] = []
+    if isinstance(run, ChunkPairs):
+        for cs in chunk_segments(
+            lr,
+            rr,
+            run.tokens,
+            local_tp=local_tp,
+            remote_tp=remote_tp,
+            num_kv_heads=num_kv_heads,
+            field=f"regions[{i}]",
+        ):
+            rg = chunk_ranges(
+                run,
+                cs,
+                region=i,
+                name=lr.name,
+                local_stride=lr.stride,
+                remote_stride=rr.stride,
+            )
+            arrays = (_frozen(rg.local_offset), _frozen(rg.remote_offset), _frozen(rg.length))
+            out.append((cs.remote_rank, arrays, run.num_pairs * int(cs.local_base.shape[0])))
+        return out
     segs = region_segments(
         lr,
         rr,
@@ -206,11 +230,34 @@ def plan_pull(
             )
         )
 
-    runs: list[Runs] = []  # per group; its arrays are frozen and shared by the plans
+    # Per group; its arrays are frozen and shared by the plans. Groups whose kernel block
+    # sizes differ pair at the chunk (docs/domain.md §5, rule 3; kvxferd/blocks/reblock.py).
+    runs: list[Runs | ChunkPairs] = []
     for g, (lids, rids) in enumerate(checked):
+        lg, rg = local.groups[g], remote.groups[g]
+        if (
+            lg.kind is rg.kind
+            and not lg.kind.is_state
+            and lg.kernel_block_size != rg.kernel_block_size
+        ):
+            cp = pair_chunks(
+                lg, rg, lids, rids, prefix_caching=prefix_caching, field=f"groups[{g}]"
+            )
+            _check_kernel(
+                cp.local_kernel, local.num_kernel_blocks(g), f"groups[{g}].local_kernel_ids"
+            )
+            _check_kernel(
+                cp.remote_kernel,
+                remote.num_kernel_blocks(g),
+                f"groups[{g}].remote_kernel_ids",
+            )
+            for a in (cp.local_kernel, cp.local_sub, cp.remote_kernel, cp.remote_sub):
+                _frozen(a)
+            runs.append(cp)
+            continue
         lk, rk = pair_group(
-            local.groups[g],
-            remote.groups[g],
+            lg,
+            rg,
             lids,
             rids,
             prefix_caching=prefix_caching,
@@ -249,6 +296,7 @@ def plan_pull(
             groups_read.setdefault(rank, set()).add(lr.group)
 
     empty = _frozen(np.zeros(0, dtype=np.int64))
+    kernel = [_kernel_blocks(run) for run in runs]
     per_rank: dict[int, TransferPlan] = {}
     for r in sorted(by_rank):
         have = {rg.region: rg for rg in by_rank[r]}
@@ -256,7 +304,7 @@ def plan_pull(
             have.get(i) or RegionRanges(i, lr.name, empty, empty, empty)
             for i, lr in enumerate(local.regions)
         )
-        blocks = tuple(runs[g].local_ids if g in groups_read[r] else empty for g in range(n_groups))
+        blocks = tuple(kernel[g][0] if g in groups_read[r] else empty for g in range(n_groups))
         per_rank[r] = TransferPlan(ranges, blocks, naive[r])
 
     l_rank, l_size = local_tp
@@ -267,6 +315,14 @@ def plan_pull(
         tp_ratio=ratio,
         per_rank=MappingProxyType(per_rank),
         notify_ranks=tuple(sorted(notify)),
-        local_kernel_blocks=tuple(r.local_ids for r in runs),
-        remote_kernel_blocks=tuple(r.remote_ids for r in runs),
+        local_kernel_blocks=tuple(k[0] for k in kernel),
+        remote_kernel_blocks=tuple(k[1] for k in kernel),
     )
+
+
+def _kernel_blocks(run: Runs | ChunkPairs) -> tuple[Int64Array, Int64Array]:
+    """The kernel blocks a group's pairs touch on each side: the pairs themselves, or for
+    chunk pairs each side's distinct kernel blocks (sorted)."""
+    if isinstance(run, ChunkPairs):
+        return _frozen(np.unique(run.local_kernel)), _frozen(np.unique(run.remote_kernel))
+    return run.local_ids, run.remote_ids

@@ -82,8 +82,9 @@ def pair_group(
         raise SpecError(
             f"group {local_group.name!r}: kernel block sizes differ (local"
             f" {local_group.kernel_block_size}, remote {remote_group.kernel_block_size} tokens);"
-            " heterogeneous kernel block sizes are not supported",
-            fix="run both peers with the same kernel block size",
+            " this pairing is 1:1 by kernel block",
+            fix="pair groups whose kernel block sizes differ at the chunk"
+            " (kvxferd.blocks.reblock.pair_chunks; plan_pull does)",
         )
     ppl_l, ppl_r = local_group.ppl, remote_group.ppl
 

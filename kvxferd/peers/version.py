@@ -30,27 +30,26 @@ def compat_digest(
 ) -> str:
     """A short hash (16 hex chars) of the fields two peers' specs must share byte for byte.
 
-    Covered: the protocol version, the model fingerprint; per group (in order) its kind and,
-    for token groups, the kernel block size; per region (in order) its name, group index, dtype,
+    Covered: the protocol version, the model fingerprint; per group (in order) its kind; per
+    region (in order) its name, group index, dtype,
     layout (only its family when ``include_layout`` is false, i.e. when NHD <-> HND conversion
     is configured) and its TP-invariant inner shape: the shape without the block dim and, for
     attention, without the KV-heads dim (heads per rank legitimately differ under
-    heterogeneous TP). Not covered, because they may differ: block counts, memory type, block
-    stride, logical block sizes (``ppl``), KV heads per rank.
+    heterogeneous TP) and without the tokens-per-block dim. Not covered, because they may
+    differ: block counts, memory type, block stride, kernel and logical block sizes (``ppl``;
+    pulls re-block between kernel block sizes that tile, docs/domain.md §5), KV heads per rank.
     """
     payload = {
         "v": protocol_version,
         "model": spec.model,
-        "groups": [
-            [g.kind.value, None if g.kind.is_state else g.kernel_block_size] for g in spec.groups
-        ],
+        "groups": [g.kind.value for g in spec.groups],
         "regions": [
             [
                 r.name,
                 r.group,
                 r.dtype.value,
                 r.layout.value if include_layout else layout_family(r.layout),
-                list(invariant_shape(r)),
+                list(invariant_shape(r, with_tokens=False)),
             ]
             for r in spec.regions
         ],

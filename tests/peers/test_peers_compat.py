@@ -152,12 +152,21 @@ def test_head_size_differs() -> None:
     assert (m.local, m.remote) == ("[2, 16, 64]", "[2, 16, 128]")
 
 
-def test_kernel_block_size_differs_is_refused_until_supported() -> None:
-    report = check_compatible(peer(attn(block=16)), peer(attn(block=32)))
-    whats = [m.what for m in report]
-    assert whats[0] == "group #0 'full': kernel block size (tokens)"
-    assert "not supported yet" in report.mismatches[0].fix
-    assert whats[1].endswith("shape per KV head (without block and heads dims)")
+def test_kernel_block_sizes_that_tile_are_compatible_and_others_name_sizes_that_would() -> None:
+    """docs/domain.md §5 rule 3: pulls re-block at the smaller kernel block."""
+    assert check_compatible(peer(attn(block=16)), peer(attn(block=32))).mismatches == ()
+    report = check_compatible(peer(attn(block=16)), peer(attn(block=24)))
+    (m,) = report.mismatches
+    assert m.what == "group #0 'full': kernel block size (tokens)"
+    assert (m.local, m.remote) == ("16", "24")
+    # the remote's logical block is 24 tokens: 1, 2, 4, 8 divide 16 and 24; 24 is not a
+    # multiple of 16; this side (logical 16) could run 1, 2, 4, 8 or 16... against 24: 1, 2, 4, 8
+    assert "run the remote with one of [1, 2, 4, 8]" in m.fix
+    assert "this side with one of [1, 2, 4, 8]" in m.fix
+    prefix = check_compatible(peer(attn(block=16), prefix=True), peer(attn(block=32), prefix=True))
+    (p,) = prefix.mismatches
+    assert p.what == "group #0 'full': logical block size (tokens) with prefix caching on"
+    assert (p.local, p.remote) == ("16", "32")
 
 
 def test_group_count_and_kind() -> None:

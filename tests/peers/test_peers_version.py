@@ -28,7 +28,6 @@ def test_digest_covers_what_must_match() -> None:
         attn(dtypes={2: KVDType.FP8_E4M3}),
         attn(layout=Layout.NHD),
         attn(head_size=128),
-        attn(block=32),
         attn(layers=3),
     ]
     spec = attn()
@@ -37,7 +36,9 @@ def test_digest_covers_what_must_match() -> None:
     )
     reordered = dataclasses.replace(spec, regions=spec.regions[::-1])
     digests = {compat_digest(s) for s in [*changed, renamed, reordered]}
-    assert base not in digests and len(digests) == 8
+    assert base not in digests and len(digests) == 7
+    # kernel block sizes may differ between compatible peers (pulls re-block)
+    assert compat_digest(attn(block=32)) == base
     assert compat_digest(spec, protocol_version=2) != base
 
 
