@@ -3,27 +3,30 @@
 //
 // Op (namespace `kvxferd`, a fragment of the library that staging.cu defines; built into the
 // same extension by kvxferd.kernels.loader):
-//   kvxferd::copy_ranges(Tensor table, Tensor like, int max_ctas) -> str
+//   kvxferd::copy_ranges(Tensor table, Tensor like, int max_ctas, int variant) -> str
 // table: CPU int64 tensor (n, 3), contiguous: one row [dst_addr, src_addr, nbytes] per piece;
 // like: any CUDA tensor on the device that runs the copy (work is queued on its current stream);
-// max_ctas: cap on the grid (0: two CTAs per multiprocessor). Every address must be usable on
-// that device: its own memory, or memory mapped into its context (cuIpcOpenMemHandle). This op
-// cannot know the mapped sizes: the caller (kvxferd.kernels.cuda_ops.copy_ranges) checks every
-// piece against its region before calling.
+// max_ctas: cap on the grid (0: as many CTAs as are resident on the device at once); variant:
+// which kernel (kStride or kCtaPerPiece below). Every address must be usable on that device:
+// its own memory, or memory mapped into its context (cuIpcOpenMemHandle). This op cannot know
+// the mapped sizes: the caller (kvxferd.kernels.cuda_ops.copy_ranges) checks every piece against
+// its region before calling.
 //
-// Work split. The grid is persistent: CTA b copies pieces b, b + grid, b + 2 grid, ... Each
-// piece is moved by all threads of the CTA in tiles of kThreads * kIpcUnroll vectors of V bytes
-// (V = 16 when every address and length allows it); every thread issues kIpcUnroll independent
-// loads before its first store, and loads and stores are streaming (.cs): each byte is touched
-// once. The host cuts long ranges into pieces (kvxferd.ipc.reader.PIECE_BYTES) so that a few
-// large runs still spread over the whole grid.
+// Vector width V: the largest of 16, 8, 4, 2, 1 bytes dividing every address and length (one
+// OR over the table's rows, no gcd per row).
 //
-// Measured (docs/benchmarks.md, one H100, 1 GiB): 383 GB/s for 64 KiB random pieces and 681
-// GB/s for contiguous 256 KiB pieces, 0.27 / 0.47 of the raw copy: below the goal. One warp per
-// piece (512-thread CTAs, 64 KiB pieces) measured worse (317 / 348 GB/s) and was reverted. Both
-// keep thousands of pieces in flight at 64 KiB-aligned addresses that advance in lockstep;
-// the untested next step is a grid-stride over the concatenated pieces (fixed-size pieces,
-// consecutive threads on consecutive vectors), the raw copy's access pattern.
+// kStride (the default): the raw copy's access pattern. The pieces are laid end to end in a
+// virtual array of n * 2^shift vectors (2^shift: the longest piece in vectors, rounded up to a
+// power of two; the host cuts runs into pieces of one power-of-two size, so most pieces fill
+// their slot). A persistent grid of kStrideThreads-thread CTAs strides over it: consecutive
+// threads take consecutive vectors (across piece boundaries), each finds its piece with a shift
+// (piece = v >> shift, offset = v & mask) and its row in the table (read-only cache, shared by
+// the whole warp); vectors past a short piece's end are skipped. Every thread issues
+// kIpcUnroll independent loads before its first store; loads and stores are streaming (.cs).
+//
+// kCtaPerPiece (the previous kernel, kept for the benchmark's comparison): CTA b copies
+// pieces b, b + grid, ... each by all its kThreads threads in tiles. Measured (one H100, 1 GiB):
+// 383 GB/s for 64 KiB random pieces and 681 GB/s contiguous, 0.27 / 0.47 of the raw copy.
 //
 // Errors: "" on success or a message, as in staging.cu (and for the same reason: no
 // TORCH_CHECK with numbers; see the comment there).
@@ -36,7 +39,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
-#include <numeric>
 #include <string>
 
 #include "staging.cuh"
@@ -44,18 +46,49 @@
 namespace kvxferd {
 
 constexpr int kIpcUnroll = 8;
+constexpr int kStrideThreads = 512;
+constexpr int64_t kStride = 0;
+constexpr int64_t kCtaPerPiece = 1;
 
 template <int V>
-__global__ void __launch_bounds__(kThreads) copy_ranges_kernel(const int64_t* __restrict__ table,
-                                                               int64_t n) {
+__global__ void __launch_bounds__(kStrideThreads)
+    copy_stride_kernel(const int64_t* __restrict__ table, int64_t total, int shift) {
+  using Vec = typename VecOf<V>::T;
+  const int64_t mask = (int64_t{1} << shift) - 1;
+  constexpr int64_t kTile = int64_t{kStrideThreads} * kIpcUnroll;
+  const int64_t step = int64_t{gridDim.x} * kTile;
+  for (int64_t t0 = int64_t{blockIdx.x} * kTile; t0 < total; t0 += step) {
+    Vec tmp[kIpcUnroll];
+    Vec* dst[kIpcUnroll];
+#pragma unroll
+    for (int u = 0; u < kIpcUnroll; ++u) {
+      const int64_t v = t0 + u * kStrideThreads + threadIdx.x;
+      dst[u] = nullptr;
+      if (v < total) {
+        const int64_t* row = table + 3 * (v >> shift);
+        const int64_t off = v & mask;
+        if (off < __ldg(row + 2) / V) {
+          dst[u] = reinterpret_cast<Vec*>(__ldg(row)) + off;
+          tmp[u] = __ldcs(reinterpret_cast<const Vec*>(__ldg(row + 1)) + off);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kIpcUnroll; ++u) {
+      if (dst[u] != nullptr) __stcs(dst[u], tmp[u]);
+    }
+  }
+}
+
+template <int V>
+__global__ void __launch_bounds__(kThreads) copy_cta_kernel(const int64_t* __restrict__ table,
+                                                            int64_t n) {
   using Vec = typename VecOf<V>::T;
   constexpr int64_t kTile = int64_t{kThreads} * kIpcUnroll;
   for (int64_t p = blockIdx.x; p < n; p += gridDim.x) {
-    const int64_t dst_addr = table[3 * p];
-    const int64_t src_addr = table[3 * p + 1];
+    Vec* dst = reinterpret_cast<Vec*>(table[3 * p]);
+    const Vec* src = reinterpret_cast<const Vec*>(table[3 * p + 1]);
     const int64_t nvec = table[3 * p + 2] / V;
-    Vec* dst = reinterpret_cast<Vec*>(dst_addr);
-    const Vec* src = reinterpret_cast<const Vec*>(src_addr);
     for (int64_t t0 = 0; t0 < nvec; t0 += kTile) {
       Vec tmp[kIpcUnroll];
 #pragma unroll
@@ -79,7 +112,7 @@ std::string msg(const char* a, int64_t v, const char* b) {
   return std::string(a) + std::to_string(v) + b;
 }
 
-std::string copy_ranges(at::Tensor table, at::Tensor like, int64_t max_ctas) {
+std::string check_table(const at::Tensor& table) {
   if (!table.defined() || !table.device().is_cpu()) {
     return msg("copy_ranges: the range table must be a CPU tensor (it is checked on the host)");
   }
@@ -87,25 +120,83 @@ std::string copy_ranges(at::Tensor table, at::Tensor like, int64_t max_ctas) {
       !table.is_contiguous()) {
     return msg("copy_ranges: the range table must be a contiguous int64 (n, 3) tensor");
   }
+  return {};
+}
+
+// What one pass over the table tells: the vector width and the longest piece, or why not.
+struct Scan {
+  std::string err;
+  int v = 16;
+  int64_t longest = 0;
+};
+
+Scan scan(const int64_t* rows, int64_t n) {
+  Scan s;
+  uint64_t bits = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t dst = rows[3 * i], src = rows[3 * i + 1], len = rows[3 * i + 2];
+    if (dst == 0 || src == 0) {
+      s.err = msg("copy_ranges: piece ", i, " has a null address");
+      return s;
+    }
+    if (len <= 0) {
+      s.err = msg("copy_ranges: piece ", i, " is empty or negative");
+      return s;
+    }
+    bits |= static_cast<uint64_t>(dst) | static_cast<uint64_t>(src) | static_cast<uint64_t>(len);
+    s.longest = std::max(s.longest, len);
+  }
+  while (bits % static_cast<uint64_t>(s.v)) s.v >>= 1;
+  return s;
+}
+
+template <int V>
+void launch(int64_t variant, const int64_t* d, int64_t n, int64_t longest, int64_t cap,
+            int sms, cudaStream_t stream) {
+  if (variant == kCtaPerPiece) {
+    const int64_t c = cap > 0 ? cap : int64_t{2} * sms;
+    const auto grid = static_cast<unsigned>(std::min<int64_t>(std::min<int64_t>(n, c), 65535));
+    copy_cta_kernel<V><<<grid, kThreads, 0, stream>>>(d, n);
+    return;
+  }
+  int shift = 0;
+  while ((int64_t{1} << shift) < longest / V) ++shift;
+  const int64_t total = n << shift;
+  const int64_t tiles = (total + int64_t{kStrideThreads} * kIpcUnroll - 1) /
+                        (int64_t{kStrideThreads} * kIpcUnroll);
+  int per_sm = 0;  // resident CTAs per SM for this instance (registers bound it, not threads)
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, copy_stride_kernel<V>,
+                                                    kStrideThreads, 0) != cudaSuccess ||
+      per_sm <= 0) {
+    per_sm = 1;
+  }
+  const int64_t c = cap > 0 ? cap : int64_t{sms} * per_sm;
+  const auto grid = static_cast<unsigned>(std::min<int64_t>(std::min<int64_t>(tiles, c), 65535));
+  copy_stride_kernel<V><<<grid, kStrideThreads, 0, stream>>>(d, total, shift);
+}
+
+std::string copy_ranges(at::Tensor table, at::Tensor like, int64_t max_ctas, int64_t variant) {
+  if (auto bad = check_table(table); !bad.empty()) return bad;
   if (!like.defined() || !like.is_cuda()) {
     return msg("copy_ranges: `like` must be a CUDA tensor on the device that copies");
   }
   if (max_ctas < 0) return msg("copy_ranges: max_ctas must be >= 0, got ", max_ctas, "");
+  if (variant != kStride && variant != kCtaPerPiece) {
+    return msg("copy_ranges: unknown kernel variant ", variant, " (0: stride, 1: CTA per piece)");
+  }
   const int64_t n = table.size(0);
   if (n == 0) return {};
   if (n >= std::numeric_limits<int32_t>::max()) {
     return msg("copy_ranges: ", n, " pieces in one launch; split the pull");
   }
   const int64_t* rows = table.data_ptr<int64_t>();
-  int64_t align = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t dst = rows[3 * i], src = rows[3 * i + 1], len = rows[3 * i + 2];
-    if (dst == 0 || src == 0) return msg("copy_ranges: piece ", i, " has a null address");
-    if (len <= 0) return msg("copy_ranges: piece ", i, " is empty or negative");
-    align = std::gcd(std::gcd(std::gcd(align, dst), src), len);
+  const Scan s = scan(rows, n);
+  if (!s.err.empty()) return s.err;
+  // The virtual array of the stride kernel: n slots of the longest piece (a power of two).
+  if (s.longest / s.v > (int64_t{1} << 40) / n) {
+    return msg("copy_ranges: the pieces span too many vectors for one launch (",
+               s.longest, " bytes in the longest piece); cut runs into smaller pieces");
   }
-  int v = 16;
-  while (align % v) v >>= 1;
   const c10::cuda::CUDAGuard guard(like.device());
   const int dev = like.device().index();
   cudaStream_t stream =
@@ -114,8 +205,6 @@ std::string copy_ranges(at::Tensor table, at::Tensor like, int64_t max_ctas) {
   if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || sms <= 0) {
     sms = 1;
   }
-  const int64_t cap = max_ctas > 0 ? max_ctas : int64_t{2} * sms;
-  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(std::min<int64_t>(n, cap), 65535));
   // One upload of the table from pinned memory, ordered on this stream; the caching host
   // allocator keeps the pinned block alive until the copy has run.
   auto host = at::empty({n, 3}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
@@ -123,10 +212,10 @@ std::string copy_ranges(at::Tensor table, at::Tensor like, int64_t max_ctas) {
   auto on_dev = at::empty({n, 3}, at::TensorOptions().dtype(at::kLong).device(like.device()));
   on_dev.copy_(host, /*non_blocking=*/true);
   const int64_t* d = on_dev.data_ptr<int64_t>();
-  switch (v) {
-#define KVX_CASE(W)                                                        \
-  case W:                                                                  \
-    copy_ranges_kernel<W><<<grid, kThreads, 0, stream>>>(d, n);            \
+  switch (s.v) {
+#define KVX_CASE(W)                                                  \
+  case W:                                                            \
+    launch<W>(variant, d, n, s.longest, max_ctas, sms, stream);      \
     break;
     KVX_CASE(16)
     KVX_CASE(8)
@@ -135,7 +224,7 @@ std::string copy_ranges(at::Tensor table, at::Tensor like, int64_t max_ctas) {
     KVX_CASE(1)
 #undef KVX_CASE
     default:
-      return msg("copy_ranges: bad vector width ", v, "");
+      return msg("copy_ranges: bad vector width ", s.v, "");
   }
   const cudaError_t launched = cudaGetLastError();
   if (launched != cudaSuccess) {
@@ -144,26 +233,18 @@ std::string copy_ranges(at::Tensor table, at::Tensor like, int64_t max_ctas) {
   return {};
 }
 
-// Which vector width a table would use (tests and the bench's log).
+// Which vector width a table would use (tests and the bench's log); 0 for a bad table.
 int64_t copy_vector_width(at::Tensor table) {
-  if (!table.defined() || table.scalar_type() != at::kLong || table.dim() != 2 ||
-      table.size(1) != 3 || !table.is_contiguous() || !table.device().is_cpu()) {
-    return 0;
-  }
-  const int64_t* rows = table.data_ptr<int64_t>();
-  int64_t align = 0;
-  for (int64_t i = 0; i < table.size(0); ++i) {
-    align = std::gcd(std::gcd(std::gcd(align, rows[3 * i]), rows[3 * i + 1]), rows[3 * i + 2]);
-  }
-  int64_t v = 16;
-  while (align % v) v >>= 1;
-  return v;
+  if (!check_table(table).empty()) return 0;
+  const Scan s = scan(table.data_ptr<int64_t>(), table.size(0));
+  return s.err.empty() ? s.v : 0;
 }
 
 }  // namespace
 }  // namespace kvxferd
 
 TORCH_LIBRARY_FRAGMENT(kvxferd, m) {
-  m.def("copy_ranges(Tensor table, Tensor like, int max_ctas) -> str", &kvxferd::copy_ranges);
+  m.def("copy_ranges(Tensor table, Tensor like, int max_ctas, int variant) -> str",
+        &kvxferd::copy_ranges);
   m.def("copy_vector_width(Tensor table) -> int", &kvxferd::copy_vector_width);
 }

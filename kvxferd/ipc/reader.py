@@ -3,12 +3,16 @@
 :meth:`KernelReader.pull` runs after the lease is confirmed (the daemon's one decision point,
 like a DIRECT post): it takes the peer generation's mappings (:mod:`.mapping`; opened once),
 turns the plan's ranges into pieces (every (region, block run) coalesced as DIRECT would post
-it, long runs cut at :data:`PIECE_BYTES` so they spread over the grid), checks every piece
-against the local regions and the *mapped* sizes (:func:`kvxferd.kernels.ranges.check_ranges`),
-and copies them all with one kernel launch (``cuda/copy_ranges.cu``; block tables uploaded to
-the GPU with it) on a side stream, grid capped at ``max_ctas`` so decode keeps SMs. Completion
-is a CUDA event recorded after the launch and waited on in a worker thread: no polling. On CPU
-(tests, or no CUDA build) the torch twin copies the same pieces.
+it, runs cut at one power-of-two size, :func:`piece_size`), checks every piece against the
+local regions and the *mapped* sizes (:func:`kvxferd.kernels.ranges.check_ranges`; both sides'
+base addresses and sizes are arrays prepared once: the pool's at start, a peer generation's
+when it is mapped, at handshake time through :meth:`KernelReader.prepare`), and copies them
+all with one kernel launch (``cuda/copy_ranges.cu``; the piece table uploaded to the GPU with
+it) on a side stream, grid capped at ``max_ctas`` so decode keeps SMs. The host work is a fixed
+number of NumPy operations over the pull's ranges, no Python loop per piece or region, and runs
+in one worker-thread call with the launch; completion is a CUDA event recorded after the launch
+and waited on in that thread: no polling. :attr:`KernelReader.last` keeps the last pull's host,
+launch and wait times. On CPU (tests, or no CUDA build) the torch twin copies the same pieces.
 
 A running copy cannot be interrupted: cancel and deadline take effect when it ends (it moves a
 pull's bytes at memory speed, milliseconds), and a copy that ends after the deadline is
@@ -29,9 +33,10 @@ import torch
 
 from kvxferd.blocks.ranges import TransferPlan
 from kvxferd.errors import DeadlineExceeded, KvxferdError, TransportError
-from kvxferd.ipc.mapping import Key, MappingCache
+from kvxferd.ipc.mapping import Key, MappingCache, PeerMaps
 from kvxferd.ipc.publish import IpcPool
-from kvxferd.kernels import RangeCopy, copy_ranges
+from kvxferd.kernels import CopyKernel, RangeCopy, Regions, copy_ranges
+from kvxferd.kernels.ranges import check_ranges
 from kvxferd.logs import kv
 from kvxferd.pool import KVPool
 from kvxferd.transfer.state import TransferResult, TransferStatus
@@ -39,7 +44,11 @@ from kvxferd.transfer.state import TransferResult, TransferStatus
 Int64Array = npt.NDArray[np.int64]
 log = logging.getLogger(__name__)
 
-PIECE_BYTES = 256 << 10
+MAX_PIECE_BYTES = 1 << 20
+MIN_PIECE_BYTES = 512
+# What one more piece costs, in bytes of copy: its table row, its share of the host's NumPy
+# work, its row lookups on the GPU (an estimate; it only steers the piece size).
+PIECE_COST_BYTES = 16 << 10
 
 
 @dataclass(frozen=True)
@@ -54,33 +63,56 @@ class KernelJob:
     deadline: float  # monotonic
 
 
-def pieces(plan: TransferPlan, piece_bytes: int = PIECE_BYTES) -> tuple[RangeCopy, int]:
+def piece_size(lengths: Int64Array, largest: int = MAX_PIECE_BYTES) -> int:
+    """The power-of-two piece size (at most ``largest``) for runs of ``lengths`` bytes: the
+    copy kernel gives every piece a slot of that size (the part past a short piece's end is
+    skipped), so the size minimises slots times (slot + :data:`PIECE_COST_BYTES`). Only the
+    sizes between the shortest and the longest run (rounded up) are tried."""
+    top = max(MIN_PIECE_BYTES, int(largest)).bit_length() - 1  # largest, rounded down
+    if lengths.size == 0:
+        return 1 << top
+    lo = min(top, max(MIN_PIECE_BYTES.bit_length() - 1, (int(lengths.min()) - 1).bit_length()))
+    hi = min(top, max(lo, (int(lengths.max()) - 1).bit_length()))
+    if lo == hi:
+        return 1 << lo
+    ks = np.arange(lo, hi + 1, dtype=np.int64)
+    slots = ((lengths[:, None] + (np.int64(1) << ks) - 1) >> ks).sum(axis=0)
+    cost = slots * ((np.int64(1) << ks) + PIECE_COST_BYTES)
+    return 1 << int(ks[int(np.argmin(cost))])
+
+
+def pieces(plan: TransferPlan, piece_bytes: int = MAX_PIECE_BYTES) -> tuple[RangeCopy, int]:
     """The plan's ranges as kernel pieces, and the number of (region, run) pairs before the
-    cut (what DIRECT would post as descriptors). Vectorised over every region at once (a
-    per-region loop cost ~1.5 ms for 32 regions on the 2-core machine): sort by (region, local
-    offset), merge ranges contiguous on both sides within a region, cut runs longer than
-    ``piece_bytes``."""
+    cut (what DIRECT would post as descriptors). Vectorised over every region at once: order
+    by (region, local offset) (skipped when already in order), merge ranges contiguous on both
+    sides within a region, cut the runs at one power-of-two size (:func:`piece_size`, at most
+    ``piece_bytes``)."""
     parts = [rr for rr in plan.ranges if rr.num_ranges]
     if not parts:
         return RangeCopy.empty(), 0
-    region = np.concatenate([np.full(rr.num_ranges, rr.region, dtype=np.int64) for rr in parts])
-    lo = np.concatenate([rr.local_offset.astype(np.int64, copy=False) for rr in parts])
-    ro = np.concatenate([rr.remote_offset.astype(np.int64, copy=False) for rr in parts])
-    ln = np.concatenate([rr.length.astype(np.int64, copy=False) for rr in parts])
-    order = np.lexsort((lo, region))
-    region, lo, ro, ln = region[order], lo[order], ro[order], ln[order]
+    counts = [rr.num_ranges for rr in parts]
+    region = np.repeat(np.array([rr.region for rr in parts], dtype=np.int64), counts)
+    lo = np.concatenate([rr.local_offset for rr in parts]).astype(np.int64, copy=False)
+    ro = np.concatenate([rr.remote_offset for rr in parts]).astype(np.int64, copy=False)
+    ln = np.concatenate([rr.length for rr in parts]).astype(np.int64, copy=False)
+    key = (region << 40) | lo  # offsets stay below 1 TiB per region
+    if lo.size > 1 and not bool(np.all(key[1:] > key[:-1])):
+        order = np.argsort(key, kind="stable")
+        region, lo, ro, ln = region[order], lo[order], ro[order], ln[order]
     ends = lo[:-1] + ln[:-1]
     joins = (region[:-1] == region[1:]) & (ends == lo[1:]) & (ro[:-1] + ln[:-1] == ro[1:])
     starts = np.flatnonzero(np.concatenate(([True], ~joins)))
-    region, lo, ro, ln = region[starts], lo[starts], ro[starts], np.add.reduceat(ln, starts)
+    if starts.size != ln.size:
+        region, lo, ro, ln = region[starts], lo[starts], ro[starts], np.add.reduceat(ln, starts)
     runs = int(ln.size)
-    cut = (ln + piece_bytes - 1) // piece_bytes
+    size = piece_size(ln, piece_bytes)
+    cut = (ln + size - 1) // size
     if int(cut.max()) > 1:
         idx = np.repeat(np.arange(runs), cut)
         first = np.cumsum(cut) - cut
-        skip = (np.arange(idx.size, dtype=np.int64) - np.repeat(first, cut)) * piece_bytes
+        skip = (np.arange(idx.size, dtype=np.int64) - np.repeat(first, cut)) * size
         region, lo, ro = region[idx], lo[idx] + skip, ro[idx] + skip
-        ln = np.minimum(ln[idx] - skip, piece_bytes)
+        ln = np.minimum(ln[idx] - skip, size)
     return RangeCopy(region, lo, ro, ln), runs
 
 
@@ -95,6 +127,19 @@ def region_bytes(pool: KVPool) -> list[torch.Tensor]:
     return out
 
 
+@dataclass
+class PullTimes:
+    """Where the last KERNEL pull's time went (seconds): building and checking its pieces and
+    table on the host, the launch, the wait for the copy's event, and the whole worker-thread
+    call seen from the event loop (the difference is the thread hop)."""
+
+    host: float = 0.0
+    launch: float = 0.0
+    wait: float = 0.0
+    call: float = 0.0
+    pieces: int = 0
+
+
 class KernelReader:
     """Runs KERNEL pulls into ``pool`` from peers mapped in ``cache``."""
 
@@ -104,19 +149,23 @@ class KernelReader:
         cache: MappingCache,
         *,
         max_ctas: int = 0,
-        piece_bytes: int = PIECE_BYTES,
+        piece_bytes: int = MAX_PIECE_BYTES,
+        kernel: CopyKernel = CopyKernel.STRIDE,
     ) -> None:
         self.pool = pool
         self.cache = cache
         self.max_ctas = max_ctas
         self.piece_bytes = piece_bytes
-        self.local = region_bytes(pool)
-        self.device = self.local[0].device
+        self.kernel = kernel
+        self.local = Regions.of("dst", region_bytes(pool))  # checked once, for the pool's life
+        self.device = self.local.device
         self._stream: torch.cuda.Stream | None = None
         if self.device.type == "cuda":
             self._stream = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
+        self._src: tuple[PeerMaps, Regions] | None = None  # the last peer generation's regions
         self._sweeper: asyncio.Task[None] | None = None
         self.backend = ""  # which implementation ran last ("cuda" or "torch")
+        self.last = PullTimes()
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -136,18 +185,28 @@ class KernelReader:
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = None
+        self._src = None
         self.cache.close(why)
 
     def prepare(self, key: Key, ipc: IpcPool) -> str | None:
-        """Open the peer generation's mappings now (once); why not, when they cannot be."""
+        """Open the peer generation's mappings and check its regions now (once, at handshake
+        time); why not, when they cannot be."""
         try:
-            self.cache.get(key, ipc)
+            maps = self.cache.get(key, ipc)
+            with maps.use() as src:
+                self._regions(maps, src)
         except KvxferdError as err:
             return err.message
         return None
 
     def forget(self, agent: str, why: str) -> bool:
         return self.cache.forget(agent, why)
+
+    def _regions(self, maps: PeerMaps, src: list[torch.Tensor]) -> Regions:
+        """The mapped regions of ``maps`` as checked :class:`Regions` (built once per set)."""
+        if self._src is None or self._src[0] is not maps:
+            self._src = (maps, Regions.of("src", src))
+        return self._src[1]
 
     # -- pulls ----------------------------------------------------------------------------------
 
@@ -160,15 +219,16 @@ class KernelReader:
         err: KvxferdError | None = None
         try:
             maps = self.cache.get(job.key, job.ipc)
-            rc, runs = pieces(plan, self.piece_bytes)
             with maps.use() as src:
-                # copy_ranges checks every piece against the local regions and the *mapped*
-                # sizes before anything is launched (kvxferd.kernels.ranges.check_ranges).
-                self.backend = await asyncio.to_thread(self._copy, src, rc)
+                # _copy checks every piece against the local regions and the *mapped* sizes
+                # before anything is launched (kvxferd.kernels.ranges.check_ranges).
+                regions = self._regions(maps, src)
+                self.backend, runs = await asyncio.to_thread(self._copy, regions, plan)
+            self.last.call = time.monotonic() - t0
             if time.monotonic() > job.deadline:
                 status = TransferStatus.EXPIRED
                 err = DeadlineExceeded(
-                    f"the kernel copy of {rc.nbytes} bytes ended after the pull's deadline",
+                    f"the kernel copy of {plan.nbytes} bytes ended after the pull's deadline",
                     fix="raise deadline_ms",
                 )
         except KvxferdError as exc:
@@ -192,14 +252,23 @@ class KernelReader:
             elapsed_s=time.monotonic() - t0,
         )
 
-    def _copy(self, src: list[torch.Tensor], rc: RangeCopy) -> str:
-        """One launch and its completion event (worker thread); on CPU the twin, inline."""
+    def _copy(self, src: Regions, plan: TransferPlan) -> tuple[str, int]:
+        """Pieces, checks, one launch and its completion event (worker thread); on CPU the
+        twin, inline. Returns which implementation ran and the run count."""
+        t0 = time.perf_counter()
+        rc, runs = pieces(plan, self.piece_bytes)
+        d, s = check_ranges(self.local, src, rc)
+        self.last = PullTimes(host=time.perf_counter() - t0, pieces=rc.pieces)
         if self._stream is None:
-            return copy_ranges(self.local, src, rc, max_ctas=self.max_ctas)
-        ctx = torch.cuda.device(self.device)
-        with ctx, torch.cuda.stream(self._stream):
-            ran = copy_ranges(self.local, src, rc, max_ctas=self.max_ctas)
+            ran = copy_ranges(d, s, rc, max_ctas=self.max_ctas, kernel=self.kernel)
+            self.last.launch = time.perf_counter() - t0 - self.last.host
+            return ran, runs
+        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+            ran = copy_ranges(d, s, rc, max_ctas=self.max_ctas, kernel=self.kernel)
             done = torch.cuda.Event()  # type: ignore[no-untyped-call]
             done.record(self._stream)
+        t1 = time.perf_counter()
+        self.last.launch = t1 - t0 - self.last.host
         done.synchronize()
-        return ran
+        self.last.wait = time.perf_counter() - t1
+        return ran, runs

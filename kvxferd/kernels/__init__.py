@@ -36,15 +36,17 @@ from kvxferd.kernels.geometry import (
     row_bytes,
 )
 from kvxferd.kernels.loader import Backend, BackendName, active_backend
-from kvxferd.kernels.ranges import RangeCopy
+from kvxferd.kernels.ranges import CopyKernel, RangeCopy, Regions, RegionsLike
 
 __all__ = [
     "Backend",
     "BackendName",
     "BlockIds",
+    "CopyKernel",
     "HeadOrder",
     "KVPermute",
     "RangeCopy",
+    "Regions",
     "active_backend",
     "block_view",
     "copy_ranges",
@@ -97,19 +99,22 @@ def scatter_blocks(
 
 
 def copy_ranges(
-    dst: Sequence[torch.Tensor],
-    src: Sequence[torch.Tensor],
+    dst: RegionsLike,
+    src: RegionsLike,
     ranges: RangeCopy,
     *,
     max_ctas: int = 0,
+    kernel: CopyKernel = CopyKernel.STRIDE,
 ) -> str:
-    """Copy ``ranges`` from ``src`` regions into ``dst`` regions (1-D uint8, one device); the
-    CUDA kernel (one launch, current stream) on CUDA tensors when :func:`active_backend` says
-    so, else the twin. Returns which ran (``"cuda"`` or ``"torch"``)."""
-    if dst and _use_cuda(dst[0]):
+    """Copy ``ranges`` from ``src`` regions into ``dst`` regions (1-D uint8, one device, or
+    :class:`Regions` checked once); the CUDA kernel (one launch, current stream) on CUDA tensors
+    when :func:`active_backend` says so, else the twin. Returns which ran (``"cuda"`` or
+    ``"torch"``)."""
+    d = Regions.of("dst", dst)
+    if len(d) and _use_cuda(d.tensors[0]):
         from kvxferd.kernels import cuda_ops
 
-        cuda_ops.copy_ranges(dst, src, ranges, max_ctas=max_ctas)
+        cuda_ops.copy_ranges(d, src, ranges, max_ctas=max_ctas, kernel=kernel)
         return BackendName.CUDA.value
-    twin.copy_ranges(dst, src, ranges, max_ctas=max_ctas)
+    twin.copy_ranges(d, src, ranges, max_ctas=max_ctas)
     return BackendName.TORCH.value

@@ -14,7 +14,13 @@ import torch
 from kvxferd.errors import InvalidRequest
 from kvxferd.kernels.geometry import BlockIds, KVPermute, check_call
 from kvxferd.kernels.loader import cuda_ops
-from kvxferd.kernels.ranges import RangeCopy, address_table, check_ranges
+from kvxferd.kernels.ranges import (
+    CopyKernel,
+    RangeCopy,
+    RegionsLike,
+    address_table,
+    check_ranges,
+)
 
 
 def _raise_if(err: str) -> None:
@@ -72,24 +78,25 @@ def vector_width(
 
 
 def copy_ranges(
-    dst: Sequence[torch.Tensor],
-    src: Sequence[torch.Tensor],
+    dst: RegionsLike,
+    src: RegionsLike,
     ranges: RangeCopy,
     *,
     max_ctas: int = 0,
+    kernel: CopyKernel = CopyKernel.STRIDE,
 ) -> None:
     """Copy every piece of ``ranges`` from ``src`` to ``dst`` in one launch on the current
-    stream of ``dst[0]``'s device (``max_ctas``: grid cap, 0 for two CTAs per SM)."""
-    check_ranges(dst, src, ranges)
-    _require_cuda(dst[0], "copy_ranges")
+    stream of the destination's device (``max_ctas``: grid cap, 0 for as many CTAs as fit on
+    the device at once; ``kernel``: which copy kernel, see ``cuda/copy_ranges.cu``)."""
+    d, s = check_ranges(dst, src, ranges)
+    _require_cuda(d.tensors[0], "copy_ranges")
     if ranges.pieces == 0:
         return
-    _raise_if(cuda_ops().copy_ranges(address_table(dst, src, ranges), dst[0], int(max_ctas)))
+    table = address_table(d, s, ranges)
+    _raise_if(cuda_ops().copy_ranges(table, d.tensors[0], int(max_ctas), int(kernel)))
 
 
-def copy_vector_width(
-    dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], ranges: RangeCopy
-) -> int:
+def copy_vector_width(dst: RegionsLike, src: RegionsLike, ranges: RangeCopy) -> int:
     """Bytes per load/store :func:`copy_ranges` would use (16 when all is aligned)."""
-    check_ranges(dst, src, ranges)
-    return int(cuda_ops().copy_vector_width(address_table(dst, src, ranges)))
+    d, s = check_ranges(dst, src, ranges)
+    return int(cuda_ops().copy_vector_width(address_table(d, s, ranges)))

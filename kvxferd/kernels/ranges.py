@@ -5,14 +5,18 @@ A :class:`RangeCopy` is a list of pieces ``(region, dst_offset, src_offset, leng
 ``dst[region[i]]`` at ``dst_offset[i]``. Regions are 1-D contiguous ``uint8`` tensors: on the
 reader, its pool's regions (dst) and the owner's regions mapped over CUDA IPC (src), whose
 lengths are the *mapped* sizes, so :func:`check_ranges` refuses any piece that would leave a
-mapping. The CUDA kernel (``cuda/copy_ranges.cu``) takes absolute addresses
-(:func:`address_table`); the twin (:mod:`kvxferd.kernels.twin`) slices tensors.
+mapping. Each side can be checked once and kept as :class:`Regions` (base addresses and sizes
+as arrays: the reader's pool once, a peer generation's mappings when they are opened), so a
+pull's checks and its address table are a few NumPy operations whatever the region count. The
+CUDA kernel (``cuda/copy_ranges.cu``) takes absolute addresses (:func:`address_table`); the
+twin (:mod:`kvxferd.kernels.twin`) slices tensors.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import IntEnum
 
 import numpy as np
 import numpy.typing as npt
@@ -21,6 +25,13 @@ import torch
 from kvxferd.errors import BlockRangeError, InvalidRequest
 
 Int64Array = npt.NDArray[np.int64]
+
+
+class CopyKernel(IntEnum):
+    """Which CUDA kernel copies the pieces (``variant`` of ``kvxferd::copy_ranges``)."""
+
+    STRIDE = 0  # grid-stride over the pieces laid end to end (the default)
+    CTA_PER_PIECE = 1  # one CTA per piece at a time (the first kernel; kept for the bench)
 
 
 @dataclass(frozen=True)
@@ -52,46 +63,73 @@ class RangeCopy:
         return cls(z, z, z, z)
 
 
-def _check_side(what: str, regions: Sequence[torch.Tensor], device: torch.device) -> Int64Array:
-    sizes = np.zeros(len(regions), dtype=np.int64)
-    for i, t in enumerate(regions):
-        if t.dtype != torch.uint8 or t.dim() != 1 or not t.is_contiguous():
-            raise InvalidRequest(
-                f"copy_ranges: {what}[{i}] must be a 1-D contiguous uint8 tensor, got"
-                f" {t.dtype} {list(t.shape)}",
-                field=f"{what}[{i}]",
-            )
-        if t.device != device:
-            raise InvalidRequest(
-                f"copy_ranges: {what}[{i}] is on {t.device}, {what}[0] on {device}",
-                field=f"{what}[{i}]",
-                fix="map or allocate every region on the device that runs the copy",
-            )
-        sizes[i] = t.numel()
-    return sizes
+@dataclass(frozen=True, eq=False)
+class Regions:
+    """One side's regions, checked once: the tensors, their base addresses and byte sizes."""
+
+    tensors: tuple[torch.Tensor, ...]
+    base: Int64Array
+    size: Int64Array
+    device: torch.device
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    @classmethod
+    def of(cls, what: str, regions: Sequence[torch.Tensor] | Regions) -> Regions:
+        """Check ``regions`` (1-D contiguous uint8, one device); ``what`` names the side in
+        errors (``"dst"`` or ``"src"``). A :class:`Regions` is returned as it is."""
+        if isinstance(regions, Regions):
+            return regions
+        ts = tuple(regions)
+        device = ts[0].device if ts else torch.device("cpu")
+        for i, t in enumerate(ts):
+            if t.dtype != torch.uint8 or t.dim() != 1 or not t.is_contiguous():
+                raise InvalidRequest(
+                    f"copy_ranges: {what}[{i}] must be a 1-D contiguous uint8 tensor, got"
+                    f" {t.dtype} {list(t.shape)}",
+                    field=f"{what}[{i}]",
+                )
+            if t.device != device:
+                raise InvalidRequest(
+                    f"copy_ranges: {what}[{i}] is on {t.device}, {what}[0] on {device}",
+                    field=f"{what}[{i}]",
+                    fix="map or allocate every region on the device that runs the copy",
+                )
+        base = np.array([t.data_ptr() for t in ts], dtype=np.int64)
+        size = np.array([t.numel() for t in ts], dtype=np.int64)
+        return cls(ts, base, size, device)
 
 
-def check_ranges(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], rc: RangeCopy) -> None:
-    """Refuse anything outside a region, before any copy runs (typed errors)."""
-    if len(dst) != len(src) or not dst:
+RegionsLike = Sequence[torch.Tensor] | Regions
+
+
+def check_ranges(dst: RegionsLike, src: RegionsLike, rc: RangeCopy) -> tuple[Regions, Regions]:
+    """Refuse anything outside a region, before any copy runs (typed errors); returns both
+    sides as :class:`Regions`."""
+    d, s = Regions.of("dst", dst), Regions.of("src", src)
+    if len(d) != len(s) or not len(d):
         raise InvalidRequest(
-            f"copy_ranges: {len(dst)} destination and {len(src)} source regions",
+            f"copy_ranges: {len(d)} destination and {len(s)} source regions",
             field="regions",
             fix="pass one source region per destination region, in region order",
         )
-    device = dst[0].device
-    dsize = _check_side("dst", dst, device)
-    ssize = _check_side("src", src, device)
+    if s.device != d.device:
+        raise InvalidRequest(
+            f"copy_ranges: the source regions are on {s.device}, the destination on {d.device}",
+            field="src[0]",
+            fix="map or allocate every region on the device that runs the copy",
+        )
     if rc.pieces == 0:
-        return
+        return d, s
     r = rc.region
-    if int(r.min()) < 0 or int(r.max()) >= len(dst):
+    if int(r.min()) < 0 or int(r.max()) >= len(d):
         raise BlockRangeError(
-            f"copy_ranges: a piece names region {int(r.max())} of {len(dst)}", field="ranges"
+            f"copy_ranges: a piece names region {int(r.max())} of {len(d)}", field="ranges"
         )
     if int(rc.length.min()) <= 0:
         raise BlockRangeError("copy_ranges: a piece is empty or negative", field="ranges")
-    for name, off, size in (("dst", rc.dst_offset, dsize), ("src", rc.src_offset, ssize)):
+    for name, off, size in (("dst", rc.dst_offset, d.size), ("src", rc.src_offset, s.size)):
         end = off + rc.length
         bad = np.flatnonzero((off < 0) | (end > size[r]))
         if bad.size:
@@ -103,17 +141,15 @@ def check_ranges(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], rc: R
                 field=f"ranges[{k}]",
                 fix="the peer's regions changed: re-handshake (its generation) and plan again",
             )
+    return d, s
 
 
-def address_table(
-    dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], rc: RangeCopy
-) -> torch.Tensor:
+def address_table(dst: RegionsLike, src: RegionsLike, rc: RangeCopy) -> torch.Tensor:
     """``(n, 3)`` int64 CPU tensor ``[dst_addr, src_addr, nbytes]`` (call after
     :func:`check_ranges`)."""
-    dbase = np.array([t.data_ptr() for t in dst], dtype=np.int64)
-    sbase = np.array([t.data_ptr() for t in src], dtype=np.int64)
+    d, s = Regions.of("dst", dst), Regions.of("src", src)
     out = np.empty((rc.pieces, 3), dtype=np.int64)
-    out[:, 0] = dbase[rc.region] + rc.dst_offset
-    out[:, 1] = sbase[rc.region] + rc.src_offset
+    np.add(d.base[rc.region], rc.dst_offset, out=out[:, 0])
+    np.add(s.base[rc.region], rc.src_offset, out=out[:, 1])
     out[:, 2] = rc.length
     return torch.from_numpy(out)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from kvxferd.kernels.geometry import BlockIds, KVPermute, check_call
-from kvxferd.kernels.ranges import RangeCopy, check_ranges
+from kvxferd.kernels.ranges import RangeCopy, RegionsLike, check_ranges
 
 
 def _permuted(blocks: torch.Tensor, p: KVPermute) -> torch.Tensor:
@@ -94,15 +94,15 @@ def scatter_blocks(
 
 
 def copy_ranges(
-    dst: Sequence[torch.Tensor],
-    src: Sequence[torch.Tensor],
+    dst: RegionsLike,
+    src: RegionsLike,
     ranges: RangeCopy,
     *,
     max_ctas: int = 0,
 ) -> None:
     """Copy every piece of ``ranges`` from ``src`` to ``dst`` (one ``copy_`` per piece;
     ``max_ctas`` is ignored)."""
-    check_ranges(dst, src, ranges)
+    d, s = check_ranges(dst, src, ranges)
     for r, a, b, n in zip(
         ranges.region.tolist(),
         ranges.dst_offset.tolist(),
@@ -110,4 +110,4 @@ def copy_ranges(
         ranges.length.tolist(),
         strict=True,
     ):
-        dst[r][a : a + n].copy_(src[r][b : b + n])
+        d.tensors[r][a : a + n].copy_(s.tensors[r][b : b + n])

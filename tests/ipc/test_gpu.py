@@ -20,7 +20,7 @@ from kvxferd.errors import BlockRangeError
 from kvxferd.ipc.host import device_uuid
 from kvxferd.ipc.mapping import MappingCache
 from kvxferd.ipc.publish import IpcPool, IpcRegion
-from kvxferd.kernels import BackendName, RangeCopy, active_backend, twin
+from kvxferd.kernels import BackendName, CopyKernel, RangeCopy, active_backend, twin
 from kvxferd.kernels.ranges import address_table
 from kvxferd.scenario.daemons import DaemonOptions
 from kvxferd.v1 import scheduler_pb2
@@ -66,15 +66,19 @@ def _pieces(sizes: list[int], n: int, seed: int, align: int) -> RangeCopy:
     return RangeCopy(a[0], a[1], a[2], a[3])
 
 
+@pytest.mark.parametrize("kernel", list(CopyKernel), ids=lambda k: k.name.lower())
 @pytest.mark.parametrize("align", [16, 4, 1], ids=["v16", "v4", "v1"])
 @pytest.mark.parametrize("max_ctas", [1, 7, 0])
-def test_kernel_matches_the_twin_on_owned_memory(ops: Any, align: int, max_ctas: int) -> None:
+def test_kernel_matches_the_twin_on_owned_memory(
+    ops: Any, align: int, max_ctas: int, kernel: CopyKernel
+) -> None:
+    """Pieces of many lengths (the stride kernel skips the rest of each short piece's slot)."""
     src = [_random(n, 10 + i) for i, n in enumerate(SIZES)]
     rc = _pieces(SIZES, 40, seed=align * 100 + max_ctas, align=align)
     want = [torch.full((n,), 0xA5, dtype=torch.uint8, device="cuda") for n in SIZES]
     got = [t.clone() for t in want]
     twin.copy_ranges(want, src, rc)
-    ops.copy_ranges(got, src, rc, max_ctas=max_ctas)
+    ops.copy_ranges(got, src, rc, max_ctas=max_ctas, kernel=kernel)
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     assert ops.copy_vector_width(got, src, rc) == align
@@ -93,10 +97,39 @@ def test_bounds_and_bad_tables_are_refused_before_launch(ops: Any) -> None:
     table[0, 2] = 0
     from kvxferd.kernels.loader import cuda_ops
 
-    assert "empty" in cuda_ops().copy_ranges(table, dst[0], 0)
+    assert "empty" in cuda_ops().copy_ranges(table, dst[0], 0, 0)
     table[0, 2], table[0, 1] = 8, 0
-    assert "null" in cuda_ops().copy_ranges(table, dst[0], 0)
-    assert "CPU" in cuda_ops().copy_ranges(table.cuda(), dst[0], 0)
+    assert "null" in cuda_ops().copy_ranges(table, dst[0], 0, 0)
+    assert "CPU" in cuda_ops().copy_ranges(table.cuda(), dst[0], 0, 0)
+    table[0, 1] = src[0].data_ptr()
+    assert "unknown kernel variant 7" in cuda_ops().copy_ranges(table, dst[0], 0, 7)
+    assert int(dst[0].sum()) == 0
+
+
+def test_a_pull_planned_by_the_reader_is_copied_exactly(ops: Any) -> None:
+    """1 GiB-shaped in miniature: 8 regions x 64 random 4 KiB blocks and a few 3-block runs,
+    cut by pieces() and copied by the stride kernel, equal to the twin."""
+    from kvxferd.blocks.ranges import RegionRanges, TransferPlan
+    from kvxferd.ipc.reader import pieces
+
+    rng = np.random.default_rng(11)
+    block, blocks = 4096, 256
+    src = [_random(block * blocks, 30 + i) for i in range(8)]
+    want = [torch.zeros(block * blocks, dtype=torch.uint8, device="cuda") for _ in range(8)]
+    got = [t.clone() for t in want]
+    local = np.concatenate([rng.choice(200, 64, replace=False), [201, 202, 203]])
+    remote = np.concatenate([rng.choice(blocks, 64, replace=False), [9, 10, 11]])
+    plan = TransferPlan(
+        tuple(
+            RegionRanges(i, f"l{i}", local * block, remote * block, np.full(local.size, block))
+            for i in range(8)
+        )
+    )
+    rc, _ = pieces(plan)
+    ops.copy_ranges(got, src, rc)
+    twin.copy_ranges(want, src, rc)
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
 # -- memory imported over CUDA IPC from another process -------------------------------------

@@ -1,0 +1,130 @@
+"""Properties of a KERNEL pull's pieces (pure, CPU): whatever the plan, the pieces move exactly
+the plan's bytes (each destination byte from the same source byte, nothing more), every piece
+fits the power-of-two slot the copy kernel gives it, and the slot size is the cheapest one by
+the reader's own cost."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvxferd.blocks.ranges import RegionRanges, TransferPlan
+from kvxferd.ipc.reader import MIN_PIECE_BYTES, PIECE_COST_BYTES, piece_size, pieces
+
+Interval = tuple[int, int, int, int]  # region, dst start, src start, length
+
+
+def _canonical(rows: list[Interval]) -> list[Interval]:
+    """Sorted by (region, dst), adjacent intervals merged when contiguous on both sides: two
+    lists of intervals move the same bytes exactly when their canonical forms are equal."""
+    out: list[Interval] = []
+    for r, d, s, n in sorted(rows):
+        if (
+            out
+            and out[-1][0] == r
+            and out[-1][1] + out[-1][3] == d
+            and out[-1][2] + out[-1][3] == s
+        ):
+            out[-1] = (r, out[-1][1], out[-1][2], out[-1][3] + n)
+        else:
+            out.append((r, d, s, n))
+    return out
+
+
+@st.composite
+def plans(draw: st.DrawFn) -> TransferPlan:
+    """Up to 5 regions, each reading up to 24 blocks of one size (64 B to 8 KiB) into distinct
+    local blocks, in any order, with local and remote runs that sometimes line up."""
+    ranges = []
+    for region in draw(st.lists(st.integers(0, 9), max_size=5, unique=True)):
+        size = draw(st.sampled_from([64, 512, 1536, 4096, 8192]))
+        local = draw(st.lists(st.integers(0, 63), max_size=24, unique=True))
+        shift = draw(st.integers(0, 8))
+        aligned = draw(st.booleans())
+        remote = (
+            [b + shift for b in local]
+            if aligned
+            else draw(st.lists(st.integers(0, 63), min_size=len(local), max_size=len(local)))
+        )
+        ranges.append(
+            RegionRanges(
+                region,
+                f"r{region}",
+                np.array(local, dtype=np.int64) * size,
+                np.array(remote, dtype=np.int64) * size,
+                np.full(len(local), size, dtype=np.int64),
+            )
+        )
+    return TransferPlan(tuple(ranges))
+
+
+@settings(max_examples=200, deadline=None)
+@given(plans(), st.sampled_from([512, 1000, 4096, 1 << 20]))
+def test_pieces_move_exactly_the_plans_bytes(plan: TransferPlan, largest: int) -> None:
+    rc, runs = pieces(plan, piece_bytes=largest)
+    want = _canonical(
+        [
+            (rr.region, int(a), int(b), int(n))
+            for rr in plan.ranges
+            for a, b, n in zip(rr.local_offset, rr.remote_offset, rr.length, strict=True)
+        ]
+    )
+    got = list(
+        zip(
+            rc.region.tolist(),
+            rc.dst_offset.tolist(),
+            rc.src_offset.tolist(),
+            rc.length.tolist(),
+            strict=True,
+        )
+    )
+    assert _canonical(got) == want
+    assert rc.nbytes == plan.nbytes
+    assert runs == len(want) <= plan.num_ranges  # DIRECT's descriptors after coalescing
+    if rc.pieces:
+        slot = piece_size(np.array([n for *_, n in want], dtype=np.int64), largest)
+        assert int(rc.length.max()) <= slot <= max(largest, MIN_PIECE_BYTES)
+        assert rc.pieces == sum(-(-n // slot) for *_, n in want)  # each run cut at the slot
+
+
+def _cost(lengths: np.ndarray, slot: int) -> int:
+    return int(sum(-(-int(n) // slot) for n in lengths)) * (slot + PIECE_COST_BYTES)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.integers(1, 3 << 20), min_size=1, max_size=40),
+    st.sampled_from([512, 3000, 64 << 10, 1 << 20]),
+)
+def test_piece_size_is_the_cheapest_power_of_two_from_the_shortest_run_up(
+    lengths: list[int], largest: int
+) -> None:
+    ln = np.array(lengths, dtype=np.int64)
+    got = piece_size(ln, largest)
+    top = 1 << (max(largest, MIN_PIECE_BYTES).bit_length() - 1)
+    assert got & (got - 1) == 0 and MIN_PIECE_BYTES <= got <= top
+    floor = min(top, max(MIN_PIECE_BYTES, 1 << (min(lengths) - 1).bit_length()))
+    tried = [1 << k for k in range(floor.bit_length() - 1, top.bit_length())]
+    assert got in tried
+    assert all(_cost(ln, got) <= _cost(ln, p) for p in tried)
+
+
+def test_random_and_contiguous_llama_pulls_get_block_and_megabyte_pieces() -> None:
+    """The bench's 1 GiB cases (32 layers x 512 blocks of 64 KiB): random blocks are one
+    64 KiB piece each; 32 MiB contiguous runs are cut into 1 MiB pieces."""
+    rng = np.random.default_rng(0)
+    block = 64 << 10
+    for ids, want_size, want_pieces in (
+        (rng.choice(4096, 512, replace=False), block, 32 * 512),
+        (np.arange(100, 612), 1 << 20, 32 * 32),
+    ):
+        other = rng.choice(4096, 512, replace=False) if want_size == block else ids + 7
+        plan = TransferPlan(
+            tuple(
+                RegionRanges(i, f"layer.{i}", ids * block, other * block, np.full(512, block))
+                for i in range(32)
+            )
+        )
+        rc, _ = pieces(plan)
+        assert int(rc.length.max()) == want_size and rc.pieces == want_pieces
