@@ -11,17 +11,13 @@ restarted peers, the progress thread's delay): docs/nixl.md.
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
-
-import numpy as np
+from typing import Any
 
 from kvxferd.errors import InvalidRequest, PeerUnavailable, TransportError
 from kvxferd.logs import kv
-from kvxferd.nixl._binding import api, nixl_agent, nixl_agent_config
+from kvxferd.nixl.create import AgentOptions, create_binding_agent
 from kvxferd.nixl.errors import map_nixl_error
 from kvxferd.nixl.types import (
     Int64Array,
@@ -33,26 +29,9 @@ from kvxferd.nixl.types import (
     check_descs,
 )
 from kvxferd.nixl.worker import NixlThread, Poller
+from kvxferd.nixl.xfer import PostArgs, XferHandle, post_xfer, read_telemetry, release_raw
 
 log = logging.getLogger(__name__)
-
-# nixl_agent.__init__ hard-codes ``pthrDelay = 0`` (a busy-spinning progress thread). The raw
-# binding's config has the field; the wrapper's module-level ``nixlBind`` is swapped for a proxy
-# only while one agent is constructed, under this lock, so the proxy can set the delay.
-_CONSTRUCT_LOCK = threading.Lock()
-
-
-class _DelayedBindings:
-    def __init__(self, real: Any, delay_us: int) -> None:
-        self._real = real
-        self._delay_us = delay_us
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._real, name)
-
-    def nixlAgent(self, name: str, config: Any) -> Any:  # noqa: N802 (NIXL's spelling)
-        config.pthrDelay = self._delay_us
-        return self._real.nixlAgent(name, config)
 
 
 @dataclass(frozen=True, eq=False)
@@ -67,40 +46,6 @@ class Registration:
     @property
     def nbytes(self) -> int:
         return int(self.regions[:, 1].sum())
-
-
-@dataclass
-class XferHandle:
-    """A posted transfer. Release it exactly once (``NixlAgent.release``), on every path."""
-
-    peer: str
-    op: XferOp
-    nbytes: int
-    descriptors: int
-    posted_at: float
-    _handle: Any = field(repr=False)
-    released: bool = False
-
-
-class _PostArgs(NamedTuple):
-    op: XferOp
-    local: Int64Array
-    remote: Int64Array
-    peer: str
-    mems: tuple[MemType, MemType]
-    notif: bytes
-
-
-@dataclass(frozen=True)
-class AgentOptions:
-    """How the agent is built. Defaults are kvxferd's choice (see the package docstring)."""
-
-    progress: ProgressMode = ProgressMode.THREAD
-    progress_delay_us: int = 100
-    capture_telemetry: bool = True
-    num_threads: int = 0
-    backends: tuple[str, ...] = ("UCX",)
-    idle_poll_s: float = 0.005
 
 
 class NixlAgent:
@@ -139,30 +84,7 @@ class NixlAgent:
 
     def _create(self) -> None:
         opts = self.options
-        config = nixl_agent_config(
-            enable_prog_thread=opts.progress is ProgressMode.THREAD,
-            capture_telemetry=opts.capture_telemetry,
-            num_threads=opts.num_threads,
-            backends=list(opts.backends),
-        )
-        try:
-            if opts.progress is ProgressMode.THREAD:
-                with _CONSTRUCT_LOCK:
-                    real = api.nixlBind
-                    api.nixlBind = _DelayedBindings(real, opts.progress_delay_us)
-                    try:
-                        self._agent = nixl_agent(self.name, config)
-                    finally:
-                        api.nixlBind = real
-            else:
-                self._agent = nixl_agent(self.name, config)
-        except Exception as exc:
-            raise map_nixl_error(exc, op="create agent") from exc
-        if not self._agent.backends:
-            raise TransportError(
-                f"agent {self.name}: none of the backends {opts.backends} could be created",
-                fix="check that the NIXL wheel ships the UCX plugin (NIXL_PLUGIN_DIR)",
-            )
+        self._agent = create_binding_agent(self.name, opts)
         if opts.progress is ProgressMode.POLL:
             # No progress thread: the NIXL thread must progress the worker even when no engine
             # or pump polls, or a peer reading from us would hang.
@@ -350,54 +272,11 @@ class NixlAgent:
     ) -> XferHandle:
         """Create and post one transfer of paired descriptors (built per request)."""
         return self._thread.call(
-            self._post, _PostArgs(op, local, remote, peer, (local_mem, remote_mem), notif)
+            self._post, PostArgs(op, local, remote, peer, (local_mem, remote_mem), notif)
         )
 
-    def _post(self, req: _PostArgs) -> XferHandle:
-        op, local, remote, peer, mems, notif = req
-        agent = self._live()
-        loc = check_descs(local, "local")
-        rem = check_descs(remote, "remote")
-        if loc.shape[0] != rem.shape[0] or loc.shape[0] == 0:
-            raise InvalidRequest(
-                f"local has {loc.shape[0]} descriptors, remote {rem.shape[0]}",
-                fix="pair every local range with one remote range of the same length",
-            )
-        if not np.array_equal(loc[:, 1], rem[:, 1]):
-            raise InvalidRequest(
-                "local and remote descriptor lengths differ", fix="pair ranges of equal length"
-            )
-        if peer not in self._remotes:
-            raise PeerUnavailable(
-                f"peer {peer!r} is not loaded on agent {self.name}",
-                fix="handshake with the peer (add_remote) before posting",
-            )
-        t0 = time.monotonic()
-        handle = None
-        try:
-            ldescs = agent.get_xfer_descs(loc, mems[0].value)
-            rdescs = agent.get_xfer_descs(rem, mems[1].value)
-            if ldescs is None or rdescs is None:
-                raise InvalidRequest(
-                    "NIXL refused the descriptor arrays",
-                    fix="pass N x 3 int64 arrays with a valid memory type",
-                )
-            handle = agent.initialize_xfer(op.value, ldescs, rdescs, peer, notif)
-            if handle is None:
-                raise TransportError("NIXL returned no transfer handle")
-            agent.transfer(handle)
-        except Exception as exc:
-            if handle is not None:
-                self._release_raw(handle, peer)
-            raise map_nixl_error(exc, op=f"post {op.value}", peer=peer) from exc
-        return XferHandle(
-            peer=peer,
-            op=op,
-            nbytes=int(loc[:, 1].sum()),
-            descriptors=int(loc.shape[0]),
-            posted_at=t0,
-            _handle=handle,
-        )
+    def _post(self, req: PostArgs) -> XferHandle:
+        return post_xfer(self._live(), req, agent_name=self.name, remotes=self._remotes)
 
     def poll(self, handle: XferHandle) -> XferState:
         """Current state of ``handle``; failures raise the mapped kvxferd error."""
@@ -418,16 +297,7 @@ class NixlAgent:
     def _telemetry(self, handle: XferHandle) -> XferTelemetry | None:
         if handle.released or not self.options.capture_telemetry:
             return None
-        try:
-            t = self._live().get_xfer_telemetry(handle._handle)
-        except Exception:
-            return None
-        return XferTelemetry(
-            post_us=int(t.postDuration),
-            xfer_us=int(t.xferDuration),
-            total_bytes=int(t.totalBytes),
-            descriptors=int(t.descCount),
-        )
+        return read_telemetry(self._live(), handle)
 
     def release(self, handle: XferHandle) -> bool:
         """Release (and thereby cancel) ``handle``; True when NIXL freed it."""
@@ -440,19 +310,7 @@ class NixlAgent:
         return handle.released
 
     def _release_raw(self, raw: Any, peer: str) -> bool:
-        try:
-            self._live().release_xfer_handle(raw)
-        except Exception as exc:
-            log.warning(
-                "releasing a NIXL transfer handle failed",
-                extra=kv(
-                    agent=self.name,
-                    peer=peer,
-                    error=str(map_nixl_error(exc, op="release", peer=peer)),
-                ),
-            )
-            return False
-        return True
+        return release_raw(self._live(), raw, peer, agent_name=self.name)
 
     # -- notifications ----------------------------------------------------------------------
 
@@ -493,3 +351,6 @@ class NixlAgent:
             self._live().send_notif(peer, msg)
         except Exception as exc:
             raise map_nixl_error(exc, op="send notification", peer=peer) from exc
+
+
+__all__ = ["AgentOptions", "NixlAgent", "Registration", "XferHandle"]
