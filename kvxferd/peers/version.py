@@ -17,7 +17,8 @@ from kvxferd.peers._shapes import invariant_shape, layout_family
 
 # History, one line per bump:
 #   1: first protocol: spec regions/groups, TP rank/size, prefix caching, compat digest.
-PROTOCOL_VERSION = 1
+#   2: kernel block sizes may differ (pulls re-block): the digest no longer covers them.
+PROTOCOL_VERSION = 2
 
 DIGEST_HEX_CHARS = 16
 

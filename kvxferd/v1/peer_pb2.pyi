@@ -31,6 +31,8 @@ class _ProtocolVersionEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Proto
     """Not set: always refused."""
     PROTOCOL_VERSION_V1: _ProtocolVersion.ValueType  # 1
     """v1: initial."""
+    PROTOCOL_VERSION_V2: _ProtocolVersion.ValueType  # 2
+    """v2: heterogeneous kernel block sizes; the compat digest no longer covers them."""
 
 class ProtocolVersion(_ProtocolVersion, metaclass=_ProtocolVersionEnumTypeWrapper):
     """The daemon-to-daemon control plane: handshake, leases on held blocks, heartbeats.
@@ -39,6 +41,8 @@ class ProtocolVersion(_ProtocolVersion, metaclass=_ProtocolVersionEnumTypeWrappe
 
     PROTOCOL_VERSION history (HandshakeRequest.protocol_version; one line per bump, never reuse):
       1: initial: version + compat digest + nested HandshakePayload; leases; heartbeat.
+      2: kernel block sizes may differ (pulls re-block at the smaller): the compat digest no
+         longer covers kernel block sizes or the tokens-per-block dim of region shapes.
 
     Bump the version when a change alters what an existing field means or what the compatibility
     digest covers. Adding a field that old peers may safely ignore does not need a bump.
@@ -51,6 +55,8 @@ PROTOCOL_VERSION_UNSPECIFIED: ProtocolVersion.ValueType  # 0
 """Not set: always refused."""
 PROTOCOL_VERSION_V1: ProtocolVersion.ValueType  # 1
 """v1: initial."""
+PROTOCOL_VERSION_V2: ProtocolVersion.ValueType  # 2
+"""v2: heterogeneous kernel block sizes; the compat digest no longer covers them."""
 Global___ProtocolVersion: _TypeAlias = ProtocolVersion  # noqa: Y015
 
 class _TransferMode:

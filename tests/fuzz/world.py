@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 
 from kvxferd.layout.presets import preset
 from kvxferd.nixl import AgentOptions, MemType, NixlAgent
-from kvxferd.peers import compat_digest
+from kvxferd.peers import PROTOCOL_VERSION, compat_digest
 from kvxferd.scenario.daemons import DaemonOptions, DaemonSet
 from kvxferd.v1 import common_pb2, engine_pb2, peer_pb2, scheduler_pb2
 from kvxferd.wire.codec import group_ids_to_proto, spec_from_proto, spec_to_proto
@@ -139,7 +139,7 @@ class World:
 
     def handshake(self, target: str, payload: peer_pb2.HandshakePayload) -> Outcome:
         req = peer_pb2.HandshakeRequest(
-            protocol_version=1, compat_digest=self.digest, payload=_ser(payload)
+            protocol_version=PROTOCOL_VERSION, compat_digest=self.digest, payload=_ser(payload)
         )
         out = self.setup_call("Peer.Handshake", target, req)
         self.keep_session(target, out)
@@ -452,7 +452,9 @@ class World:
             table: dict[str, list[Message]] = {
                 "Peer.Handshake": [
                     peer_pb2.HandshakeRequest(
-                        protocol_version=1, compat_digest=self.digest, payload=x.SerializeToString()
+                        protocol_version=PROTOCOL_VERSION,
+                        compat_digest=self.digest,
+                        payload=x.SerializeToString(),
                     )
                     for x in self.payloads
                 ],
@@ -549,7 +551,9 @@ class World:
         """Valid answers of a fake owner holding ``remote`` for the decode daemon."""
         assert self.fake_payload is not None
         hello = peer_pb2.HandshakeResponse(
-            protocol_version=1, compat_digest=self.digest, payload=_ser(self.fake_payload)
+            protocol_version=PROTOCOL_VERSION,
+            compat_digest=self.digest,
+            payload=_ser(self.fake_payload),
         )
         if HAS_SESSIONS:
             hello.session = bytes(range(16))

@@ -11,8 +11,8 @@ from kvxferd.layout import KVDType, Layout, MemoryType, preset
 from kvxferd.peers import PROTOCOL_VERSION, compat_digest
 
 
-def test_protocol_version_is_one() -> None:
-    assert PROTOCOL_VERSION == 1
+def test_protocol_version_is_two() -> None:
+    assert PROTOCOL_VERSION == 2
 
 
 def test_digest_is_short_hex_and_deterministic() -> None:
@@ -39,7 +39,7 @@ def test_digest_covers_what_must_match() -> None:
     assert base not in digests and len(digests) == 7
     # kernel block sizes may differ between compatible peers (pulls re-block)
     assert compat_digest(attn(block=32)) == base
-    assert compat_digest(spec, protocol_version=2) != base
+    assert compat_digest(spec, protocol_version=PROTOCOL_VERSION + 1) != base
 
 
 def test_digest_ignores_what_may_differ() -> None:
