@@ -111,7 +111,6 @@ OVERSIZE_ALLOWED = {
     "kvxferd/config.py": "split in progress (issue 12)",
     "kvxferd/service/servicers.py": "split in progress (issue 12)",
     "kvxferd/daemon/attach.py": "split in progress (issue 12)",
-    "kvxferd/staging/owner.py": "split in progress (issue 12)",
     "kvxferd/engine/client.py": "split in progress (issue 12)",
     "kvxferd/vllm/connector.py": "split in progress (issue 12)",
     "kvxferd/vllm/spec.py": "split in progress (issue 12)",

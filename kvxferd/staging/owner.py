@@ -16,7 +16,8 @@ decides what it is):
   free slot another reader could use, and times out with ``ResourceExhausted`` saying so;
 * **fair order**: when no slot is free, Gathers wait in one queue per reader and freed slots
   go round-robin over the readers that wait and are under their cap (FIFO within a reader),
-  so a reader that asks for many slots gets one per turn, like every other waiting reader.
+  so a reader that asks for many slots gets one per turn, like every other waiting reader
+  (:mod:`kvxferd.staging.fair`).
 
 The owner side waits on the ring (shared with this daemon's own reader chunks) through at most
 one :meth:`~kvxferd.staging.ring.StagingRing.claim` at a time, made only while some waiting
@@ -28,18 +29,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
-from kvxferd.blocks import check_block_ids
 from kvxferd.errors import EngineDetached, InvalidRequest, LeaseRefused, ResourceExhausted
 from kvxferd.logs import kv
 from kvxferd.pool import KVPool
 from kvxferd.staging.chunks import span_offsets
 from kvxferd.staging.device import Int64Array, PoolCopier
+from kvxferd.staging.fair import FairQueue, Waiter, waited_in_vain
+from kvxferd.staging.gather_check import check_gather
 from kvxferd.staging.ring import StagingRing, half_cap
 from kvxferd.staging.stats import Occupancy
 from kvxferd.transfer.leases import LeaseTable, Released
@@ -69,15 +68,6 @@ class _Held:
     timer: asyncio.TimerHandle
     busy: bool = True  # the gather thread is still writing the slot (or is about to)
     revoked: str = ""  # taken back while busy (why): free it when the gather ends
-
-
-@dataclass(eq=False)
-class _Waiter:
-    """One Gather waiting for a slot; ``fut`` resolves with a slot already granted to it."""
-
-    request_id: str
-    reader: str
-    fut: asyncio.Future[int]
 
 
 class StagingOwner:
@@ -111,8 +101,7 @@ class StagingOwner:
         self.copier = PoolCopier(pool)
         self._grants: dict[int, _Held] = {}
         self._count: dict[str, int] = {}  # reader -> slots granted to it (busy ones included)
-        self._queues: dict[str, deque[_Waiter]] = {}  # reader -> its waiting Gathers, FIFO
-        self._turn: deque[str] = deque()  # readers with waiting Gathers, round-robin order
+        self._waiting = FairQueue(self.reader_cap, lambda reader: self._count.get(reader, 0))
         self._claim: asyncio.Future[int] | None = None  # our one wait on the ring
         self._stopped = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -138,15 +127,14 @@ class StagingOwner:
             self._ended = None
         self._stopped = True
         self._cancel_claim()
-        for q in list(self._queues.values()):
-            for w in list(q):
-                self._fail(
-                    w,
-                    EngineDetached(
-                        "the engine's pool went away while this Gather waited for a staging slot",
-                        fix="hold the request again once the engine is attached, and retry",
-                    ),
-                )
+        for w in self._waiting.all():
+            self._fail(
+                w,
+                EngineDetached(
+                    "the engine's pool went away while this Gather waited for a staging slot",
+                    fix="hold the request again once the engine is attached, and retry",
+                ),
+            )
 
     @property
     def granted(self) -> int:
@@ -163,7 +151,7 @@ class StagingOwner:
             free=free,
             reader_cap=self.reader_cap,
             granted=granted,
-            waiting={r: len(q) for r, q in self._queues.items() if q},
+            waiting=self._waiting.counts(),
             local=max(0, self.ring.taken_slots - len(self._grants)),
         )
 
@@ -173,35 +161,13 @@ class StagingOwner:
         return None if lease is None else lease.kernel_blocks
 
     def _check(self, request_id: str, kernel_ids: Sequence[Sequence[int]]) -> list[Int64Array]:
-        spec = self.pool.spec
-        blocks = self._lease_blocks(request_id)
-        if blocks is None:
-            raise LeaseRefused(
-                f"request {request_id!r} is not held here (never held, released or expired)",
-                field="request_id",
-                fix="gather only requests confirmed with ConfirmLease, before their lease ends",
-            )
-        if len(kernel_ids) != len(spec.groups):
-            raise InvalidRequest(
-                f"{len(kernel_ids)} block-ID lists for {len(spec.groups)} KV cache groups",
-                field="kernel_block_ids.groups",
-                fix="send one list per group (empty for none), in the spec's group order",
-            )
-        out: list[Int64Array] = []
-        for g, ids in enumerate(kernel_ids):
-            where = f"kernel_block_ids.groups[{g}]"
-            arr = check_block_ids(ids, spec.num_kernel_blocks(g), where, max_ids=self.max_block_ids)
-            held = blocks[g] if g < len(blocks) else arr[:0]
-            outside = arr[~np.isin(arr, held)]
-            if outside.size:
-                raise LeaseRefused(
-                    f"kernel block IDs {outside[:8].tolist()} of group {g} are not held under"
-                    f" request {request_id!r} ({outside.size} ID(s))",
-                    field=where,
-                    fix="gather only the remote kernel blocks of the held request",
-                )
-            out.append(arr)
-        return out
+        return check_gather(
+            self.pool.spec,
+            self._lease_blocks(request_id),
+            request_id,
+            kernel_ids,
+            max_block_ids=self.max_block_ids,
+        )
 
     async def gather(
         self,
@@ -278,7 +244,7 @@ class StagingOwner:
         mine = [slot for slot, h in self._grants.items() if h.reader == reader]
         for slot in mine:
             self._reclaim(slot, "reader gone")
-        for w in list(self._queues.get(reader, ())):
+        for w in self._waiting.of(reader):
             self._fail(
                 w,
                 LeaseRefused(
@@ -298,18 +264,14 @@ class StagingOwner:
                 "this staging owner was stopped (the engine's pool went away)",
                 fix="hold the request again once the engine is attached, and retry",
             )
-        if self._count.get(reader, 0) < self.reader_cap and self._eligible() is None:
+        if self._count.get(reader, 0) < self.reader_cap and self._waiting.eligible() is None:
             slot = self.ring.try_take()
             if slot is not None:
                 self._grant(slot, request_id, reader)
                 return slot
         loop = asyncio.get_running_loop()
-        w = _Waiter(request_id, reader, loop.create_future())
-        q = self._queues.get(reader)
-        if q is None:
-            q = self._queues[reader] = deque()
-            self._turn.append(reader)
-        q.append(w)
+        w = Waiter(request_id, reader, loop.create_future())
+        self._waiting.push(w)
         timer = None
         if timeout_s is not None:
             wait_s = max(0.0, timeout_s - min(REPLY_MARGIN_S, timeout_s / 10))
@@ -332,44 +294,11 @@ class StagingOwner:
         self._grants[slot] = _Held(request_id, reader, timer)
         self._count[reader] = self._count.get(reader, 0) + 1
 
-    def _eligible(self) -> str | None:
-        """The first reader in turn that waits and is under its cap."""
-        for reader in self._turn:
-            if self._count.get(reader, 0) < self.reader_cap:
-                return reader
-        return None
-
-    def _next_waiter(self) -> _Waiter | None:
-        """Pop the waiter served next (round-robin over eligible readers, FIFO within one);
-        its reader moves to the back of the turn."""
-        for reader in list(self._turn):
-            if self._count.get(reader, 0) >= self.reader_cap:
-                continue
-            q = self._queues[reader]
-            while q and q[0].fut.done():  # cancelled; its coroutine unqueues it soon
-                q.popleft()
-            self._turn.remove(reader)
-            if not q:
-                del self._queues[reader]
-                continue
-            w = q.popleft()
-            if q:
-                self._turn.append(reader)
-            else:
-                del self._queues[reader]
-            return w
-        return None
-
-    def _unqueue(self, w: _Waiter) -> None:
-        q = self._queues.get(w.reader)
-        if q is not None and w in q:
-            q.remove(w)
-            if not q:
-                del self._queues[w.reader]
-                self._turn.remove(w.reader)
+    def _unqueue(self, w: Waiter) -> None:
+        self._waiting.remove(w)
         self._pump()
 
-    def _fail(self, w: _Waiter, err: BaseException) -> None:
+    def _fail(self, w: Waiter, err: BaseException) -> None:
         if w.fut.done():
             return
         self._unqueue(w)
@@ -377,7 +306,7 @@ class StagingOwner:
 
     def _pump(self) -> None:
         """Hold one claim on the ring exactly while some waiting reader could take a slot."""
-        want = not self._stopped and self._eligible() is not None
+        want = not self._stopped and self._waiting.eligible() is not None
         if want and self._claim is None:
             claim = self.ring.claim()
             self._claim = claim
@@ -400,7 +329,7 @@ class StagingOwner:
         slot = claim.result()
         if claim is self._claim:
             self._claim = None
-        w = None if self._stopped else self._next_waiter()
+        w = None if self._stopped else self._waiting.pop_next()
         if w is None:
             self.ring.give(slot)  # nobody can take it any more: to the next ring waiter
         else:
@@ -408,31 +337,12 @@ class StagingOwner:
             w.fut.set_result(slot)
         self._pump()
 
-    def _time_out(self, w: _Waiter, timeout_s: float) -> None:
+    def _time_out(self, w: Waiter, timeout_s: float) -> None:
         self._fail(w, self._exhausted(w.reader, timeout_s))
 
     def _exhausted(self, reader: str, timeout_s: float) -> ResourceExhausted:
-        chunks = self.ring.info.chunks
         held = self._count.get(reader, 0)
-        if held >= self.reader_cap:
-            return ResourceExhausted(
-                f"reader {reader!r} holds {held} staging slot(s) here, its cap ({self.reader_cap}"
-                f" of the ring's {chunks}: one reader may hold at most half), and none of them"
-                f" was released within {timeout_s:.3f}s; a reader at its cap waits for its own"
-                " slots and never takes other readers'",
-                fix="release each slot as soon as it is read (ReleaseStaging, or the next"
-                " Gather's release_slots) before gathering more, or read with fewer chunks in"
-                " flight; for more per reader raise transfer.staging_chunks on the owner",
-            )
-        occ = self.occupancy()
-        return ResourceExhausted(
-            f"no staging slot became free within {timeout_s:.3f}s: all {chunks} are in use"
-            f" ({occ.granted_total} granted to {len(occ.granted)} reader(s), {occ.local} used by"
-            f" this daemon's own pulls; {occ.waiting_total} Gather(s) waiting; reader"
-            f" {reader!r} holds {held} of its cap {self.reader_cap})",
-            fix="retry later or with a longer deadline, or raise transfer.staging_chunks on"
-            " the owner",
-        )
+        return waited_in_vain(reader, held, self.reader_cap, timeout_s, self.occupancy())
 
     # -- taking slots back ----------------------------------------------------------------------
 
@@ -468,17 +378,16 @@ class StagingOwner:
         self._reclaim(slot, f"grant timeout {self.grant_timeout_s}s")
 
     def _lease_ended(self, request_id: str) -> None:
-        for q in list(self._queues.values()):
-            for w in [w for w in q if w.request_id == request_id]:
-                self._fail(
-                    w,
-                    LeaseRefused(
-                        f"the lease of {request_id!r} ended while this Gather waited for a"
-                        " staging slot",
-                        field="request_id",
-                        fix="hold the request again and retry the pull",
-                    ),
-                )
+        for w in [w for w in self._waiting.all() if w.request_id == request_id]:
+            self._fail(
+                w,
+                LeaseRefused(
+                    f"the lease of {request_id!r} ended while this Gather waited for a"
+                    " staging slot",
+                    field="request_id",
+                    fix="hold the request again and retry the pull",
+                ),
+            )
         for slot, h in list(self._grants.items()):
             if h.request_id == request_id:
                 self._reclaim(slot, "lease ended")
