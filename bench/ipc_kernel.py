@@ -1,5 +1,6 @@
-"""KERNEL copy bench (issue 13): the range-copy kernel reading another process's memory over
-CUDA IPC, against the raw copy of the same bytes, per grid cap.
+"""KERNEL copy bench (issue 13): the range-copy kernels reading another process's memory over
+CUDA IPC, against the raw copy of the same bytes, per kernel and grid cap, and whole
+:meth:`KernelReader.pull` calls (host work, launch, event wait) without the daemons.
 
 Run from the repository root on a machine with a CUDA GPU::
 
@@ -9,22 +10,29 @@ Workload (docs/nixl.md §5): 32 layers x 4096 blocks x 64 KiB (Llama-3-8B shaped
 request of 512 blocks = 1 GiB, random or contiguous block IDs (destination IDs random or
 contiguous too). An owner process (``spawn``) allocates and fills the pool and exports every
 layer over CUDA IPC; this process maps them (:class:`kvxferd.ipc.mapping.MappingCache`, the
-daemon's code) and copies into its own pool. Rows, median of ``--repeat``:
+daemon's code) and copies into its own pool (a ``dense`` :class:`kvxferd.pool.KVPool`). Rows:
 
 * raw: torch ``copy_`` of one 1 GiB tensor, and of 32 per-layer 32 MiB slices (the limit);
-* kernel, imported: ``kvxferd.kernels.copy_ranges`` from the mapped pool, per grid cap
-  (``transfer.kernel_max_ctas``; 0 = two per SM), with the daemon's piece size;
-* kernel, owned: the same from a pool this process allocated (imported vs owned);
-* torch index ops (index_select + index_copy_ per layer), the twin's way, for reference.
+* copy, imported: ``kvxferd.kernels.copy_ranges`` on the daemon's pieces, for each kernel
+  (``stride``: grid-stride over the pieces end to end; ``cta``: one CTA per piece, the previous
+  one) and grid cap (``transfer.kernel_max_ctas``, default 64; 0 = all resident CTAs);
+* copy, owned: the stride kernel from a pool this process allocated (imported vs owned);
+* stride, pieces in source order: the same pieces sorted by source address;
+* torch index ops (index_select + index_copy_ per layer), the twin's way, for reference;
+* pull: ``KernelReader.pull`` end to end on an event loop (pieces, checks, table, launch, event
+  wait in the worker thread), 1 GiB random and contiguous and 16-block (32 MiB) random pulls,
+  per kernel at cap 64 and 0, with the reader's own split (``host``, ``launch``, ``wait``, and
+  ``hop``: the thread call seen from the loop minus those).
 
-Two timings per row: ``wall`` (host clock around the call and a synchronisation: what a pull
-sees, table upload included) and ``gpu`` (CUDA events around the launch). Every kernel row's
-bytes are checked once on 16 sampled (layer, block) pairs.
+Copy rows: median of ``--repeat`` of ``wall`` (host clock around the call and a
+synchronisation: table build and upload included) and ``gpu`` (CUDA events around it). Every
+copy and pull row's bytes are checked on 16 sampled (layer, block) pairs against the owner.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import multiprocessing as mp
 import statistics
@@ -41,6 +49,7 @@ import torch
 LAYERS = 32
 NUM_BLOCKS = 4096
 REQ = 512
+SMALL = 16
 BLOCK = 64 << 10
 GIB = 1 << 30
 
@@ -70,14 +79,15 @@ def _owner(conn: Connection, layers: int, blocks: int) -> None:
         conn.send(rows.sum(dim=1, dtype=torch.int64).cpu().tolist())
 
 
-def _time(fn: Callable[[], None], repeat: int) -> tuple[float, float]:
+def _time(fn: Callable[[], object], repeat: int) -> tuple[float, float]:
     """(median wall seconds, median GPU seconds) over ``repeat`` runs after 3 warm-ups."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
     wall, gpu = [], []
     for _ in range(repeat):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        b = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         a.record()
@@ -89,90 +99,101 @@ def _time(fn: Callable[[], None], repeat: int) -> tuple[float, float]:
     return statistics.median(wall), statistics.median(gpu)
 
 
-def _raw_one(repeat: int) -> tuple[float, float]:
-    src = torch.empty(GIB, dtype=torch.uint8, device="cuda")
-    dst = torch.empty(GIB, dtype=torch.uint8, device="cuda")
-    out = _time(lambda: dst.copy_(src), repeat)
-    return out
-
-
-def _ids(pattern: str, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+def _ids(pattern: str, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     if pattern == "contiguous":
-        a, b = (int(rng.integers(0, NUM_BLOCKS - REQ)) for _ in range(2))
-        return np.arange(a, a + REQ), np.arange(b, b + REQ)
+        a, b = (int(rng.integers(0, NUM_BLOCKS - n)) for _ in range(2))
+        return np.arange(a, a + n), np.arange(b, b + n)
     return (
-        rng.choice(NUM_BLOCKS, REQ, replace=False).astype(np.int64),
-        rng.choice(NUM_BLOCKS, REQ, replace=False).astype(np.int64),
+        rng.choice(NUM_BLOCKS, n, replace=False).astype(np.int64),
+        rng.choice(NUM_BLOCKS, n, replace=False).astype(np.int64),
     )
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--caps", default="32,64,132,264,0", help="grid caps to measure")
-    p.add_argument("--repeat", type=int, default=20)
-    p.add_argument("--json", type=Path)
-    args = p.parse_args()
+class Bench:
+    """The owner process, the mapped pool, this process's pool, and the rows measured."""
 
-    from kvxferd.blocks.ranges import RegionRanges, TransferPlan
-    from kvxferd.ipc.host import device_uuid
-    from kvxferd.ipc.mapping import MappingCache
-    from kvxferd.ipc.publish import IpcPool, IpcRegion
-    from kvxferd.ipc.reader import PIECE_BYTES, pieces
-    from kvxferd.kernels import BackendName, active_backend, copy_ranges
+    def __init__(self, repeat: int) -> None:
+        from kvxferd.ipc.host import device_uuid
+        from kvxferd.ipc.mapping import MappingCache
+        from kvxferd.ipc.publish import IpcPool, IpcRegion
+        from kvxferd.layout.presets import preset
+        from kvxferd.pool import KVPool
 
-    backend = active_backend()
-    print(f"kernels: {backend.describe()}", flush=True)
-    if backend.name is not BackendName.CUDA:
-        print("no CUDA kernels: nothing to measure", file=sys.stderr)
-        return 1
-    torch.cuda.set_device(0)
-    ctx = mp.get_context("spawn")
-    conn, child = ctx.Pipe()
-    proc = ctx.Process(target=_owner, args=(child, LAYERS, NUM_BLOCKS), daemon=True)
-    proc.start()
-    handles = conn.recv()
-    uuid = device_uuid(0)
-    assert uuid is not None
-    ipc = IpcPool(tuple(IpcRegion(h, o, n, uuid) for h, o, n in handles))
-    cache = MappingCache(device=0)
-    maps = cache.get(("owner", "bench", 1), ipc)
-    layer_bytes = NUM_BLOCKS * BLOCK
-    dst = [torch.zeros(layer_bytes, dtype=torch.uint8, device="cuda") for _ in range(LAYERS)]
-    owned = [torch.empty(layer_bytes, dtype=torch.uint8, device="cuda") for _ in range(LAYERS)]
-    for t in owned:
-        t.view(torch.int32).random_()
-    rows: list[dict[str, Any]] = []
-
-    def row(name: str, seconds: tuple[float, float], nbytes: int, **extra: Any) -> None:
-        wall, gpu = seconds
-        rows.append(
-            {
-                "row": name,
-                "wall_s": wall,
-                "gpu_s": gpu,
-                "gbps": nbytes / wall / 1e9,
-                "gpu_gbps": nbytes / gpu / 1e9,
-                **extra,
-            }
+        self.repeat = repeat
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_owner, args=(child, LAYERS, NUM_BLOCKS), daemon=True)
+        self.proc.start()
+        handles = self.conn.recv()
+        uuid = device_uuid(0)
+        assert uuid is not None
+        self.ipc = IpcPool(tuple(IpcRegion(h, o, n, uuid) for h, o, n in handles))
+        self.key = ("owner", "bench", 1)
+        self.cache = MappingCache(device=0)
+        self.maps = self.cache.get(self.key, self.ipc)
+        self.pool = KVPool.allocate(
+            preset("dense", num_blocks=NUM_BLOCKS, num_layers=LAYERS), device="cuda"
         )
-        print(
-            f"  {name:48s} {nbytes / wall / 1e9:9.1f} GB/s wall {nbytes / gpu / 1e9:9.1f} gpu",
-            flush=True,
-        )
+        from kvxferd.ipc.reader import region_bytes
 
-    row("raw copy_ 1 GiB (one tensor)", _raw_one(args.repeat), GIB)
-    w = REQ * BLOCK
+        self.dst = region_bytes(self.pool)
+        assert self.dst[0].numel() == NUM_BLOCKS * BLOCK, "the dense preset's block is 64 KiB"
+        self.rows: list[dict[str, Any]] = []
+        self.rng = np.random.default_rng(0)
 
-    def per_layer() -> None:
-        for i in range(LAYERS):
-            dst[i][:w].copy_(owned[i][:w], non_blocking=True)
+    def row(self, name: str, nbytes: int, wall: float, gpu: float = 0.0, **extra: Any) -> None:
+        r = {"row": name, "wall_s": wall, "gbps": nbytes / wall / 1e9, **extra}
+        if gpu:
+            r.update(gpu_s=gpu, gpu_gbps=nbytes / gpu / 1e9)
+        self.rows.append(r)
+        more = f" gpu {nbytes / gpu / 1e9:8.1f}" if gpu else ""
+        print(f"  {name:52s} {nbytes / wall / 1e9:8.1f} GB/s wall{more}", flush=True)
 
-    row("raw copy_ 32 x 32 MiB (per layer)", _time(per_layer, args.repeat), LAYERS * w)
-    torch.cuda.empty_cache()
-    raw = max(r["gbps"] for r in rows)
-    rng = np.random.default_rng(0)
-    for pattern in ("random", "contiguous"):
-        local, remote = _ids(pattern, rng)
+    def verify(self, local: np.ndarray, remote: np.ndarray) -> bool:
+        """16 sampled blocks of the first and last layer equal the owner's."""
+        pick = self.rng.choice(local.size, min(16, local.size), replace=False)
+        ok = True
+        for layer in (0, LAYERS - 1):
+            self.conn.send((layer, remote[pick].tolist()))
+            want = self.conn.recv()
+            view = self.dst[layer].view(NUM_BLOCKS, BLOCK)
+            got = view[torch.as_tensor(local[pick], device="cuda")]
+            ok = ok and got.sum(dim=1, dtype=torch.int64).cpu().tolist() == want
+            view[torch.as_tensor(local, device="cuda")] = 0  # the next row must write them again
+        return ok
+
+    def raw(self) -> float:
+        src = torch.empty(GIB, dtype=torch.uint8, device="cuda")
+        dst = torch.empty(GIB, dtype=torch.uint8, device="cuda")
+        self.row("raw copy_ 1 GiB (one tensor)", GIB, *_time(lambda: dst.copy_(src), self.repeat))
+        src = dst = torch.empty(0)
+        w = REQ * BLOCK
+        owned = self.owned()
+
+        def per_layer() -> None:
+            for i in range(LAYERS):
+                self.dst[i][:w].copy_(owned[i][:w], non_blocking=True)
+
+        self.row("raw copy_ 32 x 32 MiB (per layer)", LAYERS * w, *_time(per_layer, self.repeat))
+        torch.cuda.empty_cache()
+        return float(max(r["gbps"] for r in self.rows))
+
+    def owned(self) -> list[torch.Tensor]:
+        if not hasattr(self, "_owned"):
+            self._owned = [
+                torch.empty(NUM_BLOCKS * BLOCK, dtype=torch.uint8, device="cuda")
+                for _ in range(LAYERS)
+            ]
+            for t in self._owned:
+                t.view(torch.int32).random_()
+        return self._owned
+
+    def copies(self, pattern: str, caps: list[int]) -> None:
+        from kvxferd.blocks.ranges import RegionRanges, TransferPlan
+        from kvxferd.ipc.reader import pieces
+        from kvxferd.kernels import CopyKernel, RangeCopy, Regions, copy_ranges
+
+        local, remote = _ids(pattern, REQ, self.rng)
         ln = np.full(REQ, BLOCK, dtype=np.int64)
         plan = TransferPlan(
             tuple(
@@ -180,63 +201,137 @@ def main() -> int:
                 for i in range(LAYERS)
             )
         )
-        rc, runs = pieces(plan, PIECE_BYTES)
-        nbytes = rc.nbytes
-        for cap in [int(c) for c in args.caps.split(",")]:
-            with maps.use() as src:
-                t = _time(
-                    lambda src=src, cap=cap, rc=rc: copy_ranges(dst, src, rc, max_ctas=cap),
-                    args.repeat,
-                )
-                row(
-                    f"kernel imported {pattern} cap={cap}",
-                    t,
-                    nbytes,
-                    pattern=pattern,
-                    cap=cap,
-                    pieces=rc.pieces,
-                    runs=runs,
-                )
-            # verify a sample against the owner
-            pick = rng.choice(REQ, 16, replace=False)
-            for layer in (0, LAYERS - 1):
-                conn.send((layer, remote[pick].tolist()))
-                want = conn.recv()
-                got = dst[layer].view(NUM_BLOCKS, BLOCK)[
-                    torch.as_tensor(local[pick], device="cuda")
-                ]
-                ok = got.sum(dim=1, dtype=torch.int64).cpu().tolist() == want
-                rows[-1].setdefault("verified", True)
-                rows[-1]["verified"] = rows[-1]["verified"] and ok
-            rows[-1]["x_raw"] = rows[-1]["gbps"] / raw
-        t = _time(lambda rc=rc: copy_ranges(dst, owned, rc, max_ctas=0), args.repeat)
-        row(f"kernel owned {pattern} cap=0", t, nbytes, pattern=pattern, cap=0)
+        rc, runs = pieces(plan)
+        info: dict[str, Any] = {"pattern": pattern, "pieces": rc.pieces, "runs": runs}
+        info["piece_bytes"] = int(rc.length.max())
+        d = Regions.of("dst", self.dst)
+        with self.maps.use() as mapped:
+            s = Regions.of("src", mapped)
+            for kernel in (CopyKernel.STRIDE, CopyKernel.CTA_PER_PIECE):
+                for cap in caps:
+
+                    def one(k: CopyKernel = kernel, c: int = cap) -> str:
+                        return copy_ranges(d, s, rc, max_ctas=c, kernel=k)
+
+                    t = _time(one, self.repeat)
+                    name = f"copy imported {pattern} {kernel.name.lower()} cap={cap}"
+                    self.row(name, rc.nbytes, *t, kernel=kernel.name, cap=cap, **info)
+                    self.rows[-1]["verified"] = self.verify(local, remote)
+            order = np.argsort(s.base[rc.region] + rc.src_offset, kind="stable")
+            by_src = RangeCopy(
+                rc.region[order], rc.dst_offset[order], rc.src_offset[order], rc.length[order]
+            )
+            t = _time(lambda: copy_ranges(d, s, by_src, max_ctas=0), self.repeat)
+            self.row(f"copy imported {pattern} stride cap=0 source order", rc.nbytes, *t, **info)
+            self.rows[-1]["verified"] = self.verify(local, remote)
+        t = _time(lambda: copy_ranges(d, self.owned(), rc, max_ctas=0), self.repeat)
+        self.row(f"copy owned {pattern} stride cap=0", rc.nbytes, *t, **info)
         ls, rs = torch.as_tensor(local, device="cuda"), torch.as_tensor(remote, device="cuda")
 
-        def index_ops(ls: torch.Tensor = ls, rs: torch.Tensor = rs) -> None:
+        def index_ops() -> None:
             for i in range(LAYERS):
-                d = dst[i].view(NUM_BLOCKS, BLOCK)
-                d.index_copy_(0, ls, owned[i].view(NUM_BLOCKS, BLOCK).index_select(0, rs))
+                view = self.dst[i].view(NUM_BLOCKS, BLOCK)
+                view.index_copy_(0, ls, self.owned()[i].view(NUM_BLOCKS, BLOCK).index_select(0, rs))
 
-        row(
-            f"torch index ops {pattern}",
-            _time(index_ops, max(3, args.repeat // 4)),
-            nbytes,
-            pattern=pattern,
+        t = _time(index_ops, max(3, self.repeat // 4))
+        self.row(f"torch index ops {pattern}", rc.nbytes, *t, pattern=pattern)
+
+    def pulls(self, pattern: str, n: int, count: int, cap: int, kernel: Any) -> None:
+        from kvxferd.blocks.ranges import RegionRanges, TransferPlan
+        from kvxferd.ipc.reader import KernelJob, KernelReader
+
+        reader = KernelReader(self.pool, self.cache, max_ctas=cap, kernel=kernel)
+        assert reader.prepare(self.key, self.ipc) is None
+        walls: list[float] = []
+        split: dict[str, list[float]] = {"host": [], "launch": [], "wait": [], "hop": []}
+        ok = True
+
+        async def run() -> None:
+            nonlocal ok
+            for i in range(count + 3):
+                local, remote = _ids(pattern, n, self.rng)
+                ln = np.full(n, BLOCK, dtype=np.int64)
+                plan = TransferPlan(
+                    tuple(
+                        RegionRanges(r, f"layer.{r}", local * BLOCK, remote * BLOCK, ln)
+                        for r in range(LAYERS)
+                    )
+                )
+                job = KernelJob("t", "owner", "-", self.key, self.ipc, time.monotonic() + 10)
+                t0 = time.perf_counter()
+                res = await reader.pull(job, plan, (local,))
+                wall = time.perf_counter() - t0
+                assert res.status.name == "DONE", res.reason
+                if i < 3:
+                    continue  # warm-up
+                walls.append(wall)
+                last = reader.last
+                split["host"].append(last.host)
+                split["launch"].append(last.launch)
+                split["wait"].append(last.wait)
+                split["hop"].append(last.call - last.host - last.launch - last.wait)
+                if i == 3:
+                    ok = self.verify(local, remote)
+
+        asyncio.run(run())
+        walls.sort()
+        p99 = walls[min(len(walls) - 1, int(0.99 * len(walls)))]
+        med = {k: statistics.median(v) * 1e3 for k, v in split.items()}
+        name = f"pull {pattern} {n} blocks {kernel.name.lower()} cap={cap}"
+        self.row(name, n * LAYERS * BLOCK, statistics.median(walls), pulls=count, verified=ok)
+        self.rows[-1].update(p50_ms=statistics.median(walls) * 1e3, p99_ms=p99 * 1e3)
+        self.rows[-1].update({f"{k}_ms": v for k, v in med.items()})
+        print(
+            f"  {'':52s} p50 {statistics.median(walls) * 1e3:.3f} ms p99 {p99 * 1e3:.3f};"
+            + "".join(f" {k} {v:.3f}" for k, v in med.items()),
+            flush=True,
         )
-    for r in rows:
-        r.setdefault("x_raw", r["gbps"] / raw)
+
+    def close(self) -> None:
+        self.cache.close()
+        self.conn.send("stop")
+        self.proc.join(30)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    p.add_argument("--caps", default="64,132,264,0", help="grid caps of the copy rows")
+    p.add_argument("--repeat", type=int, default=20)
+    p.add_argument("--pulls", type=int, default=100, help="16-block pulls per pull row")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+
+    from kvxferd.kernels import BackendName, CopyKernel, active_backend
+
+    backend = active_backend()
+    print(f"kernels: {backend.describe()}", flush=True)
+    if backend.name is not BackendName.CUDA:
+        print("no CUDA kernels: nothing to measure", file=sys.stderr)
+        return 1
+    torch.cuda.set_device(0)
+    b = Bench(args.repeat)
+    raw = b.raw()
+    caps = [int(c) for c in args.caps.split(",")]
+    for pattern in ("random", "contiguous"):
+        b.copies(pattern, caps)
+    for kernel in (CopyKernel.STRIDE, CopyKernel.CTA_PER_PIECE):
+        for cap in (64, 0):
+            b.pulls("random", REQ, max(5, args.repeat // 2), cap, kernel)
+            b.pulls("contiguous", REQ, max(5, args.repeat // 2), cap, kernel)
+            b.pulls("random", SMALL, args.pulls, cap, kernel)
+    for r in b.rows:
+        r["x_raw"] = r["gbps"] / raw
     print("")
-    print(f"{'row':48s} {'GB/s':>9s} {'x raw':>6s} {'gpu GB/s':>9s} ok")
-    for r in rows:
+    print(f"{'row':52s} {'GB/s':>8s} {'x raw':>6s} {'gpu GB/s':>9s} {'p50 ms':>7s} ok")
+    for r in b.rows:
         ok = "" if "verified" not in r else ("yes" if r["verified"] else "NO")
-        print(f"{r['row']:48s} {r['gbps']:9.1f} {r['x_raw']:6.2f} {r['gpu_gbps']:9.1f} {ok}")
+        gpu = f"{r['gpu_gbps']:9.1f}" if "gpu_gbps" in r else f"{'':9s}"
+        p50 = f"{r['p50_ms']:7.3f}" if "p50_ms" in r else f"{'':7s}"
+        print(f"{r['row']:52s} {r['gbps']:8.1f} {r['x_raw']:6.2f} {gpu} {p50} {ok}")
     if args.json:
-        args.json.write_text(json.dumps({"raw_gbps": raw, "rows": rows}, indent=2) + "\n")
-    cache.close()
-    conn.send("stop")
-    proc.join(30)
-    return 0 if all(r.get("verified", True) for r in rows) else 1
+        args.json.write_text(json.dumps({"raw_gbps": raw, "rows": b.rows}, indent=2) + "\n")
+    b.close()
+    return 0 if all(r.get("verified", True) for r in b.rows) else 1
 
 
 if __name__ == "__main__":
