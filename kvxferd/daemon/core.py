@@ -29,6 +29,7 @@ from kvxferd.daemon.peers import (
     RemoteDescription,
     SelfDescription,
 )
+from kvxferd.daemon.pusher import Pusher
 from kvxferd.daemon.reader import Reader
 from kvxferd.daemon.slot import PoolSlot
 from kvxferd.errors import InvalidRequest
@@ -75,6 +76,7 @@ class Daemon:
         self.daemon_id = agent_name
         self.owner = Owner(self.parts)
         self.reader = Reader(self.parts)
+        self.pusher = Pusher(self.parts, self.owner, self.connect_remote)  # push mode, owner side
 
     # -- what the roles share ----------------------------------------------------------------
 

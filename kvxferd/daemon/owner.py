@@ -21,7 +21,7 @@ from kvxferd.blocks import check_block_ids, expand_group
 from kvxferd.daemon.parts import Parts
 from kvxferd.daemon.peers import RemoteDescription
 from kvxferd.daemon.sessions import PeerSession, Sessions
-from kvxferd.errors import InvalidRequest, LeaseRefused, NotFound
+from kvxferd.errors import InvalidRequest, LeaseRefused, NotFound, UnknownSession
 from kvxferd.logs import kv
 from kvxferd.transfer import ReleaseFeed, ReleaseReason, notify
 from kvxferd.transfer.leases import Lease, LeaseView
@@ -58,6 +58,7 @@ class Owner:
             on_retire=self._retire_session,
         )
         self._held: dict[str, HeldRequest] = {}
+        self._described: dict[str, RemoteDescription] = {}  # session token -> its handshake
         self._release_watchers: list[tuple[frozenset[str], asyncio.Queue[Release]]] = []
 
     async def start_release_pump(self) -> None:
@@ -144,9 +145,24 @@ class Owner:
         """A peer handshook: give it a session. Its NIXL metadata is not loaded here: an owner
         only answers READs and receives notifications, and a reader loads what it reads from
         when it handshakes itself (so a handshake never disturbs this daemon's own pulls)."""
-        return self.sessions.open(
+        session = self.sessions.open(
             remote.agent_name, remote.instance_id, remote.daemon_id, remote.address or who
         )
+        self._described[session.token] = remote  # push mode writes into what it registered
+        return session
+
+    def described(self, session: PeerSession) -> RemoteDescription:
+        """What the caller's handshake said about it (push mode: where to write)."""
+        remote = self._described.get(session.token)
+        if remote is None:
+            raise UnknownSession(
+                "this peer session has no handshake description here",
+                fix="handshake again and send the returned session as kvxferd-session metadata",
+            )
+        return remote
+
+    def share_s(self, requested_s: float) -> float:
+        return self._share_s(requested_s)
 
     def _share_s(self, requested_s: float) -> float:
         """A reader's share lasts what it asked, capped by the heartbeat timeout (heartbeats
@@ -188,6 +204,7 @@ class Owner:
 
     def _retire_session(self, session: PeerSession) -> None:
         """A reader restarted or was evicted: its shares lapse now, its staging slots return."""
+        self._described.pop(session.token, None)
         n = self.p.leases.reader_gone(session.reader)
         owner = self.p.staging.owner if self.p.staging else None
         if owner is not None:

@@ -5,7 +5,9 @@ plans and builds descriptors, posts its READ at one decision point (a cancel lan
 nothing is written; after it, every local block the READ may have written is listed), tells
 the owner it read only after it saw the READ complete, and heartbeats the owner while it
 reads. Strategies: DIRECT (the transfer engine), STAGED and KERNEL (:mod:`kvxferd.staging`,
-:mod:`kvxferd.ipc`). Runs on the service loop; NIXL work happens on the agent's thread.
+:mod:`kvxferd.ipc`); with ``transfer.mode = "push"`` the owner WRITEs instead
+(:mod:`kvxferd.daemon.receiver`). Runs on the service loop; NIXL work happens on the agent's
+thread.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from kvxferd.blocks.ranges import TransferPlan
 from kvxferd.daemon.parts import Parts
 from kvxferd.daemon.peers import LinkState, PeerLink
 from kvxferd.daemon.pulls import PullBook, PullRecord, PullState
+from kvxferd.daemon.receiver import PushReceiver
 from kvxferd.errors import (
     AlreadyExists,
     Cancelled,
@@ -120,6 +123,8 @@ class Reader:
         self._posted: set[str] = set()  # pulls whose READ was posted (may write local blocks)
         self._cancel_requested: set[str] = set()
         self._heartbeats: dict[str, asyncio.Task[None]] = {}
+        self.receiver = PushReceiver()
+        self.push = parts.limits.transfer_mode == "push"
 
     async def start_pull(self, req: PullRequest) -> tuple[PullRecord, bool]:
         """Validate, handshake (cached), plan, then run the pull in the background.
@@ -195,7 +200,7 @@ class Reader:
             )
             part = plan.per_rank.get(remote.info.tp_rank) or TransferPlan(ranges=())
             decision = None
-            if self.p.staging is not None:
+            if self.p.staging is not None and not self.push:
                 decision = decide(
                     self.p.staging,
                     local=self.p.pool.spec,
@@ -225,7 +230,7 @@ class Reader:
             stages.mark("plan")
             prepared = (
                 None
-                if staged is not None
+                if staged is not None or self.push
                 else self.p.engine.prepare(req.transfer_id, remote.agent_name, part)
             )
             stages.mark("build")
@@ -246,7 +251,11 @@ class Reader:
                 naive_descriptors=part.naive_descriptors,
                 deadline_ns=time.time_ns() + int((deadline - time.monotonic()) * 1e9),
                 strategy=decision.choice.strategy.value if decision else "DIRECT",
-                strategy_reason=decision.choice.reason if decision else "staging not configured",
+                strategy_reason=decision.choice.reason
+                if decision
+                else "push mode: the owner WRITEs"
+                if self.push
+                else "staging not configured",
                 fingerprint=req.fingerprint,
             )
         )
@@ -336,7 +345,20 @@ class Reader:
             # its READ complete (after the pull is DONE, in the finally below), so a READ that
             # a cancel cuts short is never counted as read.
             note = b""
-            if staged is not None and staged.choice.strategy is Strategy.KERNEL:
+            if self.push:  # the owner WRITEs; DONE when its notification lands
+                result = await self.receiver.receive(
+                    tid,
+                    req.request_id,
+                    link,
+                    remote_ids=req.remote_ids,
+                    local_ids=req.local_ids,
+                    plan=plan,
+                    deadline=deadline,
+                )
+                stages.at("post", result.posted_at)
+                stages.at("transfer", result.completed_at)
+                share.ticket = 0 if result.status is TransferStatus.DONE else share.ticket
+            elif staged is not None and staged.choice.strategy is Strategy.KERNEL:
                 # KERNEL (kvxferd.ipc): one SM copy from the owner's regions mapped over CUDA IPC.
                 assert self.p.staging is not None and link.remote is not None
                 result = await self.p.staging.kernel_pull(
@@ -639,7 +661,7 @@ class Reader:
     async def _abort_read(self, tid: str, why: str) -> None:
         log.warning("lease share lost; cancelling the read", extra=kv(transfer_id=tid, why=why))
         reader = self.p.staging.reader if self.p.staging else None
-        if reader is not None and reader.cancel(tid):
+        if (reader is not None and reader.cancel(tid)) or self.receiver.cancel(tid):
             return
         await asyncio.wrap_future(self.p.engine.cancel(tid))
 
@@ -684,7 +706,9 @@ class Reader:
         self._cancel_requested.add(transfer_id)
         if transfer_id in self._posted:
             reader = self.p.staging.reader if self.p.staging else None
-            if reader is None or not reader.cancel(transfer_id):
+            if self.receiver.cancel(transfer_id):
+                pass  # a push: its Push call (hence the owner's WRITE) is cancelled
+            elif reader is None or not reader.cancel(transfer_id):
                 await asyncio.wrap_future(self.p.engine.cancel(transfer_id))
         else:
             confirming = self._confirming.get(transfer_id)

@@ -181,6 +181,7 @@ async def _build(
     host, bound = listeners.host, listeners.port
     address = cfg.server.advertise or hostport(host, bound)
     daemon = compose_daemon(cfg, memory, leases, metrics, address)
+    pump.on_write_done = daemon.reader.receiver.landed  # push mode: a WRITE landed here
 
     async def probe(link: PeerLink, remote: RemoteDescription) -> TransportReport:
         """Which transport serves READs from a handshaken peer (kvxferd.ipc.transport)."""

@@ -30,6 +30,7 @@ from kvxferd.errors import InvalidRequest, KvxferdError
 from kvxferd.ipc.host import host_id
 from kvxferd.logs import kv
 from kvxferd.service.attaching import attach_request_from_proto, pool_info
+from kvxferd.service.push import push
 from kvxferd.service.staging import gather, release_staging, stage_times_to_proto
 from kvxferd.transfer import ReleaseReason
 from kvxferd.transfer.leases import LeaseView
@@ -268,6 +269,12 @@ class PeerService(peer_pb2_grpc.PeerServicer):
             return await release_staging(self.d, request, self._session(context).reader)
 
         return await _rpc(self.d, "ReleaseStaging", context, call)
+
+    async def Push(self, request: peer_pb2.PushRequest, context: Ctx) -> peer_pb2.PushResponse:
+        async def call() -> peer_pb2.PushResponse:
+            return await push(self.d, request, self._session(context))
+
+        return await _rpc(self.d, "Push", context, call)
 
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):

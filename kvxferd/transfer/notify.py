@@ -5,15 +5,18 @@ Layout (network byte order), version 2::
     offset  size  field
     0       4     magic b"KVXN"
     4       1     version (2)
-    5       1     kind (1 = READ_DONE: the sender finished reading the request's blocks)
+    5       1     kind (1 = READ_DONE: the sender finished reading the request's blocks;
+                  2 = WRITE_DONE: the sender finished writing a push into the receiver's blocks)
     6       2     request ID length n (bytes, 1..1024)
-    8       8     ticket: the reader's share of the lease, as ConfirmLease returned it
+    8       8     ticket: READ_DONE: the reader's share of the lease, as ConfirmLease returned
+                  it; WRITE_DONE: the PushRequest.notif_ticket the receiver chose
     16      n     request ID, UTF-8
 
 The ticket is what makes a notification count: the owner ends only the share whose ticket it
 carries (:meth:`kvxferd.transfer.leases.LeaseTable.notified`), so a peer that never confirmed
 the lease cannot end another reader's share. No pickle, no string splitting; anything else is
-rejected with :class:`InvalidRequest`.
+rejected with :class:`InvalidRequest`. A WRITE_DONE counts only on the daemon that asked for
+that push, with the ticket it chose and from the agent it asked (push mode, docs/nixl.md).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ _HEADER = struct.Struct("!4sBBHQ")
 
 class NotifKind(enum.IntEnum):
     READ_DONE = 1
+    WRITE_DONE = 2
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,9 @@ notifications, decodes each (:mod:`kvxferd.transfer.notify`), hands it to the le
 which counts it only when it carries the ticket of a reader still reading (the sender's agent
 name is logged, never trusted), and reaps expired shares and leases every ``reap_interval_s``.
 Undecodable and stray messages are dropped and reported to ``on_result``
-(``counted``/``stray``/``undecodable``) for the metrics. :class:`ReleaseFeed` turns the
+(``counted``/``stray``/``undecodable``) for the metrics. WRITE_DONE notifications (push mode:
+an owner finished writing into this daemon's blocks) go to ``on_write_done(sender, note)``,
+which says whether they completed a push this daemon is waiting for. :class:`ReleaseFeed` turns the
 table's release callbacks into an async iterator for the service layer.
 """
 
@@ -38,6 +40,7 @@ class NotificationPump:
         on_result: Callable[[str], None] | None = None,
     ) -> None:
         self.on_result = on_result
+        self.on_write_done: Callable[[str, notify.Notification], bool] | None = None
         self._agent = agent
         self._leases = leases
         self._reap_interval_s = reap_interval_s
@@ -70,7 +73,18 @@ class NotificationPump:
                         extra=kv(sender=sender, bytes=len(msg), error=str(err)),
                     )
                     continue
-                if note.kind is notify.NotifKind.READ_DONE:
+                if note.kind is notify.NotifKind.WRITE_DONE:
+                    hook = self.on_write_done
+                    if hook is not None and hook(sender, note):
+                        self._report("counted")
+                    else:
+                        self.dropped += 1
+                        self._report("stray")
+                        log.warning(
+                            "stray WRITE_DONE notification ignored",
+                            extra=kv(sender=sender, request_id=note.request_id),
+                        )
+                elif note.kind is notify.NotifKind.READ_DONE:
                     if self._leases.notified(note.request_id, note.ticket):
                         self._report("counted")
                     else:

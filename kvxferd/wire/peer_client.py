@@ -123,9 +123,23 @@ class PeerClient:
             return self._credentials
         return (*self._credentials, (SESSION_METADATA, self.session))
 
-    async def _call(self, method: str, request: Any, what: str, time_left_s: float | None) -> Any:
+    async def _call(
+        self,
+        method: str,
+        request: Any,
+        what: str,
+        time_left_s: float | None,
+        *,
+        capped: bool = True,
+    ) -> Any:
+        """``capped``: the call's timeout is at most the per-call cap; a call that lasts as long
+        as a transfer (Push) passes False and gets all of ``time_left_s``."""
         timeout = (
-            self._max_timeout_s if time_left_s is None else min(self._max_timeout_s, time_left_s)
+            self._max_timeout_s
+            if time_left_s is None
+            else min(self._max_timeout_s, time_left_s)
+            if capped
+            else time_left_s
         )
         if timeout <= 0:
             raise DeadlineExceeded(
@@ -197,5 +211,14 @@ class PeerClient:
     ) -> peer_pb2.ReleaseStagingResponse:
         resp: peer_pb2.ReleaseStagingResponse = await self._call(
             "ReleaseStaging", req, "releasing staging slots", time_left_s
+        )
+        return resp
+
+    async def push(self, req: peer_pb2.PushRequest, time_left_s: float) -> peer_pb2.PushResponse:
+        """Ask the owner to WRITE a held request into our blocks; answers once the WRITE
+        completed, so the call may last up to ``time_left_s`` (not capped); cancelling it
+        cancels the WRITE."""
+        resp: peer_pb2.PushResponse = await self._call(
+            "Push", req, f"pushing {req.request_id!r}", time_left_s, capped=False
         )
         return resp

@@ -37,9 +37,9 @@ def test_modes_must_match_and_the_refusal_is_symmetric(local: str, remote: str, 
         (m,) = ab.mismatches
         assert m.what == "transfer mode (transfer.mode)"
         assert (m.local, m.remote) == (repr(local), repr(remote))
-        # Which side to change, in the words of the side that reads it.
-        assert f"set transfer.mode = {remote!r} on this daemon" in m.fix
-        assert f"or {local!r} on the peer" in m.fix
+        # Which side to change, named by its mode (right whichever side reports it).
+        assert f"set transfer.mode = {remote!r} on the daemon that runs {local!r}" in m.fix
+        assert f"or {local!r} on the one that runs {remote!r}" in m.fix
 
 
 def test_a_mismatch_is_refused_naming_the_peer() -> None:

@@ -1,0 +1,222 @@
+"""The reader side of push mode (decode): ask the owner to WRITE, complete on its notification.
+
+A push-mode pull runs the reader's usual lifecycle (:mod:`kvxferd.daemon.reader`: handshake,
+the same planning and trimming, a confirmed share of the owner's lease, heartbeats, one decision
+point, one terminal status); only the data movement differs. :meth:`PushReceiver.receive`:
+
+* takes this daemon's own lease on the local blocks the WRITE will fill: a random 64-bit
+  ticket, registered with the blocks until the pull ends; only a WRITE_DONE notification
+  carrying that ticket, for that request, from the agent of the owner it asked, completes it
+  (:meth:`PushReceiver.landed`, called by the notification pump on the NIXL thread);
+* asks the owner over ``Peer.Push`` to WRITE, with a WRITE timeout shorter than the pull's
+  remaining deadline, so the owner cancels its WRITE before this pull can end EXPIRED and its
+  blocks be reused;
+* ends DONE when the notification lands, FAILED when the owner refused or its WRITE failed,
+  EXPIRED when the deadline passed first (the call is then cancelled, which cancels the WRITE);
+  every end but DONE lists every local block the WRITE may have touched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvxferd.blocks.ranges import TransferPlan
+from kvxferd.daemon.peers import PeerLink
+from kvxferd.errors import DeadlineExceeded, KvxferdError
+from kvxferd.logs import kv
+from kvxferd.transfer import TransferResult, TransferStatus, notify
+from kvxferd.v1 import peer_pb2
+from kvxferd.wire.codec import group_ids_to_proto
+
+log = logging.getLogger(__name__)
+
+Int64Array = npt.NDArray[np.int64]
+
+MIN_WRITE_MARGIN_S = 0.05
+MAX_WRITE_MARGIN_S = 1.0
+
+
+def write_timeout_s(left_s: float) -> float:
+    """How long the owner's WRITE may take when the pull has ``left_s``: a quarter of it kept
+    back (50 ms to 1 s), so the owner gives up on its WRITE before this pull's deadline."""
+    return left_s - min(MAX_WRITE_MARGIN_S, max(MIN_WRITE_MARGIN_S, left_s / 4))
+
+
+@dataclass
+class _Lease:
+    """Local blocks a push will write, until its pull ends."""
+
+    request_id: str
+    agent: str
+    blocks: tuple[Int64Array, ...]
+    loop: asyncio.AbstractEventLoop
+    landed: asyncio.Future[float]  # resolves to the monotonic time the notification was seen
+
+
+class PushReceiver:
+    """Push mode, reader side (see the module)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # landed() runs on the NIXL thread
+        self._leases: dict[int, _Lease] = {}
+        self._calls: dict[str, asyncio.Task[peer_pb2.PushResponse]] = {}
+
+    def receiving(self) -> dict[str, tuple[Int64Array, ...]]:
+        """Request ID -> local blocks under a push not yet landed."""
+        with self._lock:
+            return {x.request_id: x.blocks for x in self._leases.values()}
+
+    def landed(self, sender: str, note: notify.Notification) -> bool:
+        """A WRITE_DONE notification (NIXL thread): True if it completed a push we wait for."""
+        with self._lock:
+            lease = self._leases.get(note.ticket)
+        if lease is None or lease.request_id != note.request_id or lease.agent != sender:
+            return False
+        t = time.monotonic()
+        lease.loop.call_soon_threadsafe(
+            lambda: None if lease.landed.done() else lease.landed.set_result(t)
+        )
+        return True
+
+    def cancel(self, transfer_id: str) -> bool:
+        """Cancel a push in flight (its Push call, hence the owner's WRITE)."""
+        call = self._calls.get(transfer_id)
+        if call is None or call.done():
+            return False
+        call.cancel()
+        return True
+
+    async def receive(
+        self,
+        transfer_id: str,
+        request_id: str,
+        link: PeerLink,
+        *,
+        remote_ids: tuple[Int64Array, ...],
+        local_ids: tuple[Int64Array, ...],
+        plan: TransferPlan,
+        deadline: float,
+    ) -> TransferResult:
+        """Have the owner WRITE ``plan`` (its ``local_kernel_blocks`` are ours) and wait for it."""
+        assert link.remote is not None
+        agent = link.remote.agent_name
+        ticket = secrets.randbits(64) | 1
+        loop = asyncio.get_running_loop()
+        lease = _Lease(request_id, agent, plan.local_kernel_blocks, loop, loop.create_future())
+        posted = time.monotonic()
+        left = deadline - posted
+        req = peer_pb2.PushRequest(
+            request_id=request_id,
+            remote_block_ids=group_ids_to_proto(remote_ids),
+            local_block_ids=group_ids_to_proto(local_ids),
+            notif_ticket=ticket,
+            write_timeout_ms=max(1, int(write_timeout_s(left) * 1000)),
+            transfer_id=transfer_id,
+        )
+        with self._lock:
+            self._leases[ticket] = lease
+        call = loop.create_task(link.client.push(req, left))
+        self._calls[transfer_id] = call
+        try:
+            waits: set[asyncio.Future[Any]] = {call, lease.landed}
+            done, _ = await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            if call in done and call.cancelled():
+                return self._end(transfer_id, agent, plan, TransferStatus.CANCELLED, posted=posted)
+            if call in done and call.exception() is not None and not lease.landed.done():
+                err = call.exception()
+                assert isinstance(err, Exception)
+                error = err if isinstance(err, KvxferdError) else KvxferdError(str(err))
+                status = (
+                    TransferStatus.EXPIRED
+                    if isinstance(error, DeadlineExceeded)
+                    else TransferStatus.FAILED
+                )
+                return self._end(transfer_id, agent, plan, status, posted=posted, error=error)
+            if not lease.landed.done():  # written (the owner said so): the notification is due
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(
+                        asyncio.shield(lease.landed), max(1e-3, deadline - time.monotonic())
+                    )
+            if not lease.landed.done():
+                call.cancel()
+                return self._end(
+                    transfer_id,
+                    agent,
+                    plan,
+                    TransferStatus.EXPIRED,
+                    posted=posted,
+                    error=DeadlineExceeded(
+                        f"the push of {request_id!r} from {link.address} did not land within the"
+                        " pull's deadline",
+                        fix="raise deadline_ms, or check the prefill daemon's health and load",
+                    ),
+                )
+            resp = await self._response(call, deadline)
+            return self._end(
+                transfer_id,
+                agent,
+                plan,
+                TransferStatus.DONE,
+                posted=posted,
+                completed=lease.landed.result(),
+                descriptors=resp.descriptors if resp is not None else 0,
+            )
+        finally:
+            with self._lock:
+                self._leases.pop(ticket, None)
+            self._calls.pop(transfer_id, None)
+            if not call.done():
+                call.cancel()
+
+    @staticmethod
+    async def _response(
+        call: asyncio.Task[peer_pb2.PushResponse], deadline: float
+    ) -> peer_pb2.PushResponse | None:
+        """The owner's answer, for its figures; the notification already proved the write."""
+        try:
+            return await asyncio.wait_for(
+                asyncio.shield(call), max(1e-3, min(1.0, deadline - time.monotonic()))
+            )
+        except (TimeoutError, KvxferdError, asyncio.CancelledError) as err:
+            if isinstance(err, asyncio.CancelledError) and not call.cancelled():
+                raise
+            log.info("push landed before the owner answered", extra=kv(error=str(err)))
+            return None
+
+    @staticmethod
+    def _end(
+        transfer_id: str,
+        agent: str,
+        plan: TransferPlan,
+        status: TransferStatus,
+        *,
+        posted: float,
+        error: KvxferdError | None = None,
+        completed: float = 0.0,
+        descriptors: int = 0,
+    ) -> TransferResult:
+        now = time.monotonic()
+        done = status is TransferStatus.DONE
+        return TransferResult(
+            transfer_id,
+            agent,
+            status,
+            reason=str(error) if error else "",
+            error=error,
+            invalid_blocks=() if done else plan.local_kernel_blocks,
+            nbytes=plan.nbytes,
+            descriptors=descriptors,
+            elapsed_s=(completed or now) - posted,
+            posted_at=posted,
+            completed_at=completed or now,
+        )
