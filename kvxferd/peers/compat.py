@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from kvxferd.blocks.reblock import compatible_kernel_sizes
 from kvxferd.errors import IncompatiblePeer, InvalidRequest, Mismatch
 from kvxferd.layout.spec import KVCacheSpec, KVGroup
 from kvxferd.peers._regions import RegionContext, check_regions
@@ -237,15 +238,29 @@ def _check_groups(
                 "serve the same model on both sides (groups pair by position and kind)",
             )
             continue
-        if not gl.kind.is_state and gl.kernel_block_size != gr.kernel_block_size:
-            yield Mismatch(
-                f"{label}: kernel block size (tokens)",
-                str(gl.kernel_block_size),
-                str(gr.kernel_block_size),
-                "set the same kernel block size on both sides (attention backend block size):"
-                " heterogeneous kernel block sizes are not supported yet and are refused until"
-                " they are",
-            )
+        kl, kr = gl.kernel_block_size, gr.kernel_block_size
+        if not gl.kind.is_state and kl != kr:
+            if max(kl, kr) % min(kl, kr):
+                works = compatible_kernel_sizes(kl, gr.logical_block_size)
+                yield Mismatch(
+                    f"{label}: kernel block size (tokens)",
+                    str(kl),
+                    str(kr),
+                    "kernel block sizes must be multiples of one another (pulls re-block at"
+                    f" the smaller one, docs/domain.md §5): run the remote with one of {works}"
+                    f" or this side with one of"
+                    f" {compatible_kernel_sizes(kr, gl.logical_block_size)}",
+                )
+            elif prefix_caching and gl.logical_block_size != gr.logical_block_size:
+                yield Mismatch(
+                    f"{label}: logical block size (tokens) with prefix caching on",
+                    str(gl.logical_block_size),
+                    str(gr.logical_block_size),
+                    "with different kernel block sizes and prefix caching on, the logical"
+                    " block sizes must be equal (a cached prefix is counted in logical"
+                    " blocks; docs/domain.md §5): equalise them or disable prefix caching",
+                )
+            continue
         if prefix_caching and gl.ppl != gr.ppl:
             yield Mismatch(
                 f"{label}: kernel blocks per logical block (ppl) with prefix caching on",
