@@ -106,12 +106,9 @@ MAX_MODULE_LINES = 400
 OVERSIZE_ALLOWED = {
     "kvxferd/daemon/reader.py": "split in progress (issue 12)",
     "kvxferd/daemon/peers.py": "split in progress (issue 12)",
-    "kvxferd/commands/demo.py": "split in progress (issue 12)",
-    "kvxferd/commands/demo_vllm.py": "split in progress (issue 12)",
     "kvxferd/config.py": "split in progress (issue 12)",
     "kvxferd/service/servicers.py": "split in progress (issue 12)",
     "kvxferd/daemon/attach.py": "split in progress (issue 12)",
-    "kvxferd/engine/client.py": "split in progress (issue 12)",
     "kvxferd/vllm/connector.py": "split in progress (issue 12)",
     "kvxferd/vllm/spec.py": "split in progress (issue 12)",
 }
