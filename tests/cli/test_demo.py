@@ -26,6 +26,7 @@ import pytest
 from kvxferd.blocks import plan_pull
 from kvxferd.commands import demo
 from kvxferd.layout import preset
+from kvxferd.scenario import demo_pairs, demo_results
 from kvxferd.scenario.mix import (
     CONTIGUOUS,
     FRAGMENTED,
@@ -169,8 +170,8 @@ def test_bench_smoke(tmp_path: Path) -> None:
 
 def _pairs() -> list[tuple[str, str, str, bool]]:
     out = []
-    for name in demo.PRESET_NAMES:
-        pair = demo.demo_pair(name, demo.DEFAULT_NUM_BLOCKS[name])
+    for name in demo_pairs.PRESET_NAMES:
+        pair = demo_pairs.demo_pair(name, demo_pairs.DEFAULT_NUM_BLOCKS[name])
         out.append((name, pair.decode.preset, pair.prefill.preset, pair.prefix_caching))
     return out
 
@@ -208,7 +209,7 @@ def test_every_generated_request_is_planned(
 
 
 def test_hybrid_kernel_counts_differ_by_less_than_one_logical_block() -> None:
-    pair = demo.demo_pair("hybrid", 16)
+    pair = demo_pairs.demo_pair("hybrid", 16)
     local_spec, remote_spec = preset(pair.decode.preset), preset(pair.prefill.preset)
     assert (local_spec.groups[0].ppl, remote_spec.groups[0].ppl) == (34, 66)
     lg, rg = geometry(local_spec), geometry(remote_spec)
@@ -219,7 +220,7 @@ def test_hybrid_kernel_counts_differ_by_less_than_one_logical_block() -> None:
 
 
 def test_refusal_pair_differs_in_ppl_with_prefix_caching_on() -> None:
-    pair = demo.refusal_pair()
+    pair = demo_pairs.refusal_pair()
     assert pair.prefill.prefix_caching and pair.decode.prefix_caching
     ppl = {preset(o.preset).groups[0].ppl for o in (pair.prefill, pair.decode)}
     assert ppl == {34, 66}
@@ -266,8 +267,8 @@ def test_percentile_and_busy_time() -> None:
     with pytest.raises(ValueError):
         percentile([1.0], 101)
     # Overlapping pulls count once.
-    assert demo.busy_seconds([(0.0, 1.0), (0.5, 2.0), (3.0, 4.0)]) == pytest.approx(3.0)
-    assert demo.busy_seconds([]) == 0.0
+    assert demo_results.busy_seconds([(0.0, 1.0), (0.5, 2.0), (3.0, 4.0)]) == pytest.approx(3.0)
+    assert demo_results.busy_seconds([]) == 0.0
 
 
 def test_table_and_progress_lines() -> None:
@@ -301,7 +302,7 @@ def test_arguments() -> None:
 
 def test_default_pools_stay_small() -> None:
     """Defaults must finish well under a minute on two cores: pools well under 4 GiB total."""
-    for name in demo.PRESET_NAMES:
-        pair = demo.demo_pair(name, demo.DEFAULT_NUM_BLOCKS[name])
+    for name in demo_pairs.PRESET_NAMES:
+        pair = demo_pairs.demo_pair(name, demo_pairs.DEFAULT_NUM_BLOCKS[name])
         total = sum(preset(o.preset).nbytes for o in (pair.prefill, pair.decode))
         assert total <= 1.5 * (1 << 30), f"{name}: {total} bytes"
