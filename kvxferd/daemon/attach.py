@@ -26,19 +26,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
-import gc
 import logging
 import uuid
-import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
-from kvxferd.attach import ShmSegment, region_tensor, strided_tensor
+from kvxferd.daemon.attach_memory import (
+    IMPORTED_VRAM_REFUSED,
+    Attachment,
+    AttachRequest,
+    Built,
+    ExportHandle,
+    ImportHandle,
+    MemoryMode,
+    build_memory,
+    drop_memory,
+    resolve_memory,
+)
 from kvxferd.daemon.slot import Served
 from kvxferd.errors import (
     AlreadyExists,
@@ -46,14 +52,11 @@ from kvxferd.errors import (
     InvalidRequest,
     KvxferdError,
     LeaseRefused,
-    SpecError,
 )
-from kvxferd.layout.dtypes import KVDType
-from kvxferd.layout.spec import KVCacheSpec, MemoryType
+from kvxferd.layout.spec import MemoryType
 from kvxferd.logs import kv
 from kvxferd.nixl import MemType, NixlAgent, Registration
 from kvxferd.peers import PeerInfo
-from kvxferd.pool import KVPool
 from kvxferd.transfer import ReleaseReason
 
 if TYPE_CHECKING:
@@ -62,80 +65,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _NO_ROWS = np.zeros((0, 3), dtype=np.int64)
-
-IMPORTED_VRAM_REFUSED = (
-    "IMPORTED VRAM is not supported: GPU memory the engine allocated and shared over CUDA IPC"
-    " reads at 0.5-0.6 GB/s once registered with NIXL, against ~300 GB/s for memory the daemon"
-    " allocated (docs/attachment.md)"
-)
-
-
-class MemoryMode(enum.Enum):
-    OWNED = "OWNED"
-    IMPORTED = "IMPORTED"
-
-
-@dataclass(frozen=True)
-class ImportHandle:
-    """One region of engine memory (IMPORTED): where it is and what the engine says it is."""
-
-    region: str
-    shm_name: str = ""
-    cuda_ipc_handle: bytes = b""
-    offset: int = 0
-    device: int = 0
-    shape: tuple[int, ...] = ()
-    strides: tuple[int, ...] = ()
-    dtype: KVDType | None = None
-
-
-@dataclass(frozen=True)
-class ExportHandle:
-    """One region of daemon memory the engine maps (OWNED)."""
-
-    region: str
-    offset: int
-    nbytes: int
-    device: int
-    shm_name: str = ""
-    cuda_ipc_handle: bytes = b""
-
-
-@dataclass(frozen=True)
-class AttachRequest:
-    """``Engine.Attach``, decoded."""
-
-    spec: KVCacheSpec
-    mode: MemoryMode
-    memory: MemoryType | None = None
-    imports: tuple[ImportHandle, ...] = ()
-    tp_rank: int = 0
-    tp_size: int = 1
-    prefix_caching: bool = False
-
-
-@dataclass
-class Attachment:
-    """The live attachment (the pool itself is in the daemon's slot)."""
-
-    attachment_id: str
-    mode: MemoryMode
-    memory: MemoryType
-    exports: tuple[ExportHandle, ...]
-    generation: int = 0
-    registration: Registration | None = None
-    segments: list[ShmSegment] = field(default_factory=list)
-    mappings: list[weakref.ref[object]] = field(default_factory=list)
-    session_open: bool = False
-    ended: asyncio.Event = field(default_factory=asyncio.Event)
-
-
-@dataclass(frozen=True)
-class _Built:
-    pool: KVPool
-    exports: tuple[ExportHandle, ...]
-    segments: list[ShmSegment]
-    mappings: list[weakref.ref[object]]
 
 
 class Attacher:
@@ -171,14 +100,21 @@ class Attacher:
                 fix="Detach first (or let the old engine's session end), then Attach again",
             )
         async with self._lock:
-            memory, spec = self._resolve(req)
+            memory, spec = resolve_memory(req, self.device)
             self.d.slot.begin()
             att_id = uuid.uuid4().hex
             mem = MemType.VRAM if memory is MemoryType.VRAM else MemType.DRAM
-            built: _Built | None = None
+            built: Built | None = None
             reg: Registration | None = None
             try:
-                built = await asyncio.to_thread(self._build, spec, req, att_id)
+                built = await asyncio.to_thread(
+                    build_memory,
+                    spec,
+                    req,
+                    att_id,
+                    device=self.device,
+                    instance_id=self.d.instance_id,
+                )
                 rows = built.pool.region_rows()
                 reg = await asyncio.to_thread(self.agent.register, rows, mem)
                 local = self.d.local_rows(rows)
@@ -195,7 +131,7 @@ class Attacher:
                 if built is not None:
                     segments, mappings = built.segments, built.mappings
                     built = None
-                    self._drop(segments, mappings, memory)
+                    drop_memory(segments, mappings, memory)
                 self.d.slot.abort(f"the last Attach failed ({exc})")
                 raise
             info = PeerInfo(
@@ -233,155 +169,6 @@ class Attacher:
         asyncio.get_running_loop().call_later(self.session_grace_s, self._check_session, att)
         self._changed()
         return att
-
-    def _resolve(self, req: AttachRequest) -> tuple[MemoryType, KVCacheSpec]:
-        kinds = {r.memory for r in req.spec.regions}
-        if req.memory is None and len(kinds) > 1:
-            raise SpecError(
-                "the spec mixes DRAM and VRAM regions; one pool lives in one kind of memory",
-                field="spec.regions",
-                fix="give every region the same memory type, or set AttachRequest.memory",
-            )
-        memory = req.memory or next(iter(kinds))
-        if memory is MemoryType.VRAM and not self.device.startswith("cuda"):
-            raise InvalidRequest(
-                f"a VRAM pool needs the daemon on a GPU, but pool.device = {self.device!r}",
-                field="memory",
-                fix="run the daemon with pool.device = cuda:N (the engine's GPU), or attach DRAM",
-            )
-        vram_import = req.mode is MemoryMode.IMPORTED and memory is MemoryType.VRAM
-        if vram_import:
-            raise InvalidRequest(
-                IMPORTED_VRAM_REFUSED,
-                field="memory_mode",
-                fix="attach with MEMORY_MODE_OWNED: the daemon allocates and the engine maps the"
-                " daemon's memory over CUDA IPC and computes straight into it (full speed)",
-            )
-        if not 0 <= req.tp_rank < max(1, req.tp_size):
-            raise InvalidRequest(
-                f"tp_rank {req.tp_rank} is not in [0, tp_size={req.tp_size})",
-                field="tp_rank",
-                fix="send 0 <= tp_rank < tp_size",
-            )
-        return memory, req.spec.with_memory(memory)
-
-    def _gpu(self) -> int:
-        return int(self.device.partition(":")[2] or 0)
-
-    def _build(self, spec: KVCacheSpec, req: AttachRequest, att_id: str) -> _Built:
-        """Allocate (OWNED) or map (IMPORTED) every region; runs on a worker thread."""
-        segments: list[ShmSegment] = []
-        mappings: list[weakref.ref[object]] = []
-        try:
-            if req.mode is MemoryMode.OWNED:
-                pool, exports = self._build_owned(spec, att_id, segments)
-            else:
-                pool = self._build_imported(spec, req.imports, segments, mappings)
-                exports = ()
-        except BaseException:
-            self._drop(segments, mappings, spec.regions[0].memory)
-            raise
-        return _Built(pool, exports, segments, mappings)
-
-    def _build_owned(
-        self, spec: KVCacheSpec, att_id: str, segments: list[ShmSegment]
-    ) -> tuple[KVPool, tuple[ExportHandle, ...]]:
-        if spec.regions[0].memory is MemoryType.VRAM:
-            from kvxferd.attach.cuda_ipc import export_tensor
-
-            pool = KVPool.allocate(spec, self.device)
-            exports = []
-            for r in spec.regions:
-                ex = export_tensor(pool.tensors[r.name], r.nbytes)
-                exports.append(
-                    ExportHandle(r.name, ex.offset, r.nbytes, ex.device, cuda_ipc_handle=ex.handle)
-                )
-            return pool, tuple(exports)
-        tensors = {}
-        exports = []
-        prefix = f"kvxferd-{self.d.instance_id[:12]}-{att_id[:8]}"
-        for i, r in enumerate(spec.regions):
-            seg = ShmSegment.create(f"{prefix}-{i}", r.nbytes)
-            segments.append(seg)
-            tensors[r.name] = region_tensor(r, seg.tensor(0, r.nbytes))
-            exports.append(ExportHandle(r.name, 0, r.nbytes, 0, shm_name=seg.name))
-        return KVPool(spec, tensors), tuple(exports)
-
-    def _build_imported(
-        self,
-        spec: KVCacheSpec,
-        imports: tuple[ImportHandle, ...],
-        segments: list[ShmSegment],
-        mappings: list[weakref.ref[object]],
-    ) -> KVPool:
-        names = [r.name for r in spec.regions]
-        got = [h.region for h in imports]
-        if got != names:
-            raise SpecError(
-                f"IMPORTED needs one handle per region in spec order {names}, got {got}",
-                field="imports",
-                fix="send MemoryHandle.region_name for every region, in the spec's order",
-            )
-        vram = spec.regions[0].memory is MemoryType.VRAM
-        tensors: dict[str, torch.Tensor] = {}
-        for i, (r, h) in enumerate(zip(spec.regions, imports, strict=True)):
-            where = f"imports[{i}] ({r.name})"
-            if h.dtype is None or not h.shape:
-                raise SpecError(
-                    f"{where}: the handle carries no tensor shape/strides/dtype to verify",
-                    field=f"imports[{i}]",
-                    fix="send MemoryHandle.shape, strides and dtype of the engine's tensor",
-                )
-            if vram:
-                raw = self._map_cuda(h, where, r.nbytes, mappings)
-            else:
-                if not h.shm_name:
-                    raise SpecError(
-                        f"{where}: DRAM is imported through POSIX shared memory, but the"
-                        " handle names none",
-                        field=f"imports[{i}].shm_name",
-                        fix="allocate the region in shared memory and send its name",
-                    )
-                seg = ShmSegment.open(h.shm_name)
-                segments.append(seg)
-                if h.offset + r.nbytes > seg.size:
-                    raise SpecError(
-                        f"{where}: region {r.name!r} needs {r.nbytes} bytes from offset"
-                        f" {h.offset}, but shared memory {seg.name} has {seg.size}",
-                        field=f"imports[{i}].offset",
-                        fix="size the shared memory for the spec (offset + region bytes)",
-                    )
-                raw = seg.tensor(h.offset)
-            tensors[r.name] = strided_tensor(raw, h.dtype, h.shape, h.strides, where)
-        return KVPool.from_tensors(spec, tensors)
-
-    def _map_cuda(
-        self, h: ImportHandle, where: str, nbytes: int, mappings: list[weakref.ref[object]]
-    ) -> torch.Tensor:
-        from kvxferd.attach.cuda_ipc import IpcMapping
-
-        if not h.cuda_ipc_handle:
-            raise SpecError(
-                f"{where}: VRAM is imported through CUDA IPC, but the handle has none",
-                fix="send MemoryHandle.cuda_ipc_handle",
-            )
-        if h.device != self._gpu():
-            raise InvalidRequest(
-                f"{where}: the memory is on cuda:{h.device}, the daemon runs on {self.device}",
-                field="imports.device_id",
-                fix="run the daemon on the engine's GPU (pool.device) with the same"
-                " CUDA_VISIBLE_DEVICES numbering",
-            )
-        mapping = IpcMapping(h.cuda_ipc_handle, h.device)
-        mappings.append(weakref.ref(mapping))
-        size = mapping.size or (h.offset + nbytes)
-        if h.offset + nbytes > size:
-            raise SpecError(
-                f"{where}: {nbytes} bytes from offset {h.offset} run past the imported"
-                f" allocation of {size} bytes",
-                fix="check the handle's offset",
-            )
-        return mapping.tensor(h.offset, size - h.offset)
 
     # -- sessions -------------------------------------------------------------------------------
 
@@ -472,7 +259,7 @@ class Attacher:
             del served
             segments, mappings = att.segments, att.mappings
             att.segments, att.mappings = [], []
-            await asyncio.to_thread(self._drop, segments, mappings, att.memory)
+            await asyncio.to_thread(drop_memory, segments, mappings, att.memory)
         m = self.d.metrics
         m.registered_bytes.set(0)
         m.pool_generation.set(self.d.slot.generation)
@@ -490,22 +277,6 @@ class Attacher:
         self._changed()
         return released
 
-    def _drop(
-        self, segments: list[ShmSegment], mappings: list[weakref.ref[object]], memory: MemoryType
-    ) -> None:
-        """Unlink owned shm, drop mappings (unmapped once no tensor uses them)."""
-        for seg in segments:
-            if seg.created:
-                seg.unlink()
-            seg.release()
-        segments.clear()
-        gc.collect()
-        alive = sum(1 for w in mappings if w() is not None)
-        if alive:
-            log.warning("imported CUDA mappings still referenced", extra=kv(mappings=alive))
-        if memory is MemoryType.VRAM and torch.cuda.is_available():
-            torch.cuda.empty_cache()
-
     async def close(self) -> None:
         """At shutdown: detach whatever is attached (unlinks owned shared memory)."""
         if self.attachment is not None:
@@ -515,3 +286,14 @@ class Attacher:
     def _changed(self) -> None:
         for cb in self._on_change:
             cb()
+
+
+__all__ = [
+    "IMPORTED_VRAM_REFUSED",
+    "AttachRequest",
+    "Attacher",
+    "Attachment",
+    "ExportHandle",
+    "ImportHandle",
+    "MemoryMode",
+]
