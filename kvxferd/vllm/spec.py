@@ -31,32 +31,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvxferd.errors import SpecError
-from kvxferd.layout.dtypes import KVDType
 from kvxferd.layout.spec import GroupKind, KVCacheSpec, KVGroup, Layout, MemoryType, Region
-
-DOC = "docs/vllm.md"
-
-# vLLM spec classes kvxferd can move, by class name (read off the MRO, most specific first).
-_KINDS: dict[str, GroupKind] = {
-    "FullAttentionSpec": GroupKind.FULL_ATTENTION,
-    "SlidingWindowSpec": GroupKind.SLIDING_WINDOW,
-    "MLAAttentionSpec": GroupKind.MLA,
-    "MambaSpec": GroupKind.MAMBA,
-}
-# Subclasses whose pages or block semantics differ from their base: refused by name.
-_REFUSED = {
-    "SlidingWindowMLASpec": "sliding-window MLA keeps a ring of latents per request",
-    "SinkFullAttentionSpec": "attention sinks keep extra per-request pages",
-    "RSWASpec": "its pages are not plain attention pages",
-    "HiddenStateCacheSpec": "it caches hidden states, not KV",
-    "ChunkedLocalAttentionSpec": "chunked local attention frees blocks per chunk",
-    "CircularBufferSpec": "a circular buffer has no block per token position",
-    "EncoderOnlyAttentionSpec": "encoder-only attention keeps no KV between steps",
-    "CrossAttentionSpec": "cross-attention KV comes from the encoder, not the prompt",
-    "HiSparseHotSpec": "HiSparse pages are ephemeral per request",
-    "HiSparseResidentSpec": "HiSparse pages are ephemeral per request",
-}
-_LAYOUT_LETTERS = frozenset("LBHNC")
+from kvxferd.vllm.kinds import (
+    DOC,
+    check_plain_attention,
+    group_kind,
+    kv_dtype,
+    layer_spec,
+    layout_name,
+    page_layout,
+)
 
 
 @dataclass(frozen=True)
@@ -88,96 +72,6 @@ class VllmKvSpec:
         raise KeyError(region)
 
 
-def layout_name(layout: Any) -> str:
-    """``KVCacheLayout.LBHNC`` / ``"LBHNC"`` / ``None`` -> ``"LBHNC"`` (vLLM's default)."""
-    if layout is None:
-        return "LBNHC"
-    name = str(getattr(layout, "name", layout)).rsplit(".", 1)[-1].upper()
-    if len(name) != 5 or set(name) != _LAYOUT_LETTERS:
-        raise SpecError(
-            f"unknown vLLM KV cache layout {layout!r}",
-            fix=f"use one of vLLM's KVCacheLayout names such as LBHNC or LBNHC (see {DOC})",
-        )
-    return name
-
-
-def _page_layout(layout: str) -> tuple[Layout, bool]:
-    """kvxferd attention layout for a vLLM layout, and whether blocks are layer-outermost."""
-    pos = {c: i for i, c in enumerate(layout)}
-    if pos["H"] > pos["B"] and pos["N"] > pos["B"] and pos["C"] == 4 and pos["L"] < pos["H"]:
-        # [H, N, C] of one layer's block is one contiguous span.
-        return (Layout.HND if pos["H"] < pos["N"] else Layout.NHD), pos["L"] < pos["B"]
-    raise SpecError(
-        f"vLLM KV cache layout {layout} does not keep one layer's block as one contiguous span"
-        " (a head or layer dim sits outside the block dim)",
-        fix=f"run vLLM with a blocks-first layout such as LBHNC, LBNHC or BLHNC (see {DOC})",
-    )
-
-
-def _class_names(obj: Any) -> list[str]:
-    return [c.__name__ for c in type(obj).__mro__]
-
-
-def _kind(spec: Any, where: str) -> GroupKind:
-    names = _class_names(spec)
-    if names[0] in _REFUSED:
-        raise SpecError(
-            f"{where}: vLLM {names[0]} cannot be moved by kvxferd: {_REFUSED[names[0]]}",
-            fix=f"serve this model without disaggregation, or see {DOC} for what is supported",
-        )
-    for n in names:
-        if n in _KINDS:
-            return _KINDS[n]
-        if n in _REFUSED:
-            raise SpecError(
-                f"{where}: vLLM {names[0]} (a {n}) cannot be moved by kvxferd: {_REFUSED[n]}",
-                fix=f"see {DOC} for the supported KV cache kinds",
-            )
-    raise SpecError(
-        f"{where}: vLLM KV cache spec {names[0]} is not one kvxferd knows",
-        fix="kvxferd moves FullAttentionSpec, SlidingWindowSpec, MLAAttentionSpec and"
-        f" MambaSpec groups (see {DOC})",
-    )
-
-
-def _dtype(dtype: Any, where: str) -> KVDType:
-    try:
-        return KVDType.from_torch_name(str(dtype))
-    except ValueError as exc:
-        raise SpecError(
-            f"{where}: {exc}",
-            fix=f"run vLLM with --kv-cache-dtype auto, bfloat16, float16 or fp8 (see {DOC})",
-        ) from exc
-
-
-def _layer_spec(group_spec: Any, layer: str) -> Any:
-    if "UniformTypeKVCacheSpecs" in _class_names(group_spec):
-        return group_spec.kv_cache_specs[layer]
-    return group_spec
-
-
-def _check_plain_attention(spec: Any, where: str, mla: bool) -> None:
-    """Refuse packed or quantised pages whose content is not plain K/V (or latent) elements."""
-    problems = []
-    if int(getattr(spec, "kv_quant_mode", 0) or 0) > 1:  # NONE or FP8_PER_TENSOR only
-        problems.append(f"quantisation mode {spec.kv_quant_mode}")
-    if getattr(spec, "state_content_bytes", None) is not None:
-        problems.append("packed page content (state_content_bytes)")
-    if getattr(spec, "num_head_slots", None) is not None:
-        problems.append("packed head slots (num_head_slots)")
-    if getattr(spec, "tokens_per_state", 1) != 1:
-        problems.append(f"{spec.tokens_per_state} tokens per stored state")
-    if not mla and getattr(spec, "head_size_v", spec.head_size) != spec.head_size:
-        problems.append(f"K head size {spec.head_size} != V head size {spec.head_size_v}")
-    if getattr(spec, "page_size_padded", None) is not None:
-        problems.append("padded pages")
-    if problems:
-        raise SpecError(
-            f"{where}: kvxferd cannot describe this vLLM attention page: " + "; ".join(problems),
-            fix=f"run vLLM with an unquantised (or fp8) KV cache dtype (see {DOC})",
-        )
-
-
 @dataclass(frozen=True)
 class _Group:
     kind: GroupKind
@@ -187,9 +81,9 @@ class _Group:
 
 def _group(kv_group: Any, vllm_gid: int, kernel_block_size: int | None) -> _Group:
     spec = kv_group.kv_cache_spec
-    first = _layer_spec(spec, kv_group.layer_names[0]) if kv_group.layer_names else spec
+    first = layer_spec(spec, kv_group.layer_names[0]) if kv_group.layer_names else spec
     where = f"vLLM KV cache group {vllm_gid}"
-    kind = _kind(first, where)
+    kind = group_kind(first, where)
     logical = int(spec.block_size)
     if kind is GroupKind.MAMBA:
         return _Group(kind, logical, logical)
@@ -215,7 +109,7 @@ def _region(
     """The region of one layer and its kernel block's byte length."""
     where = f"vLLM layer {name!r}"
     if kind is GroupKind.MAMBA:
-        dtypes = [_dtype(d, where) for d in spec.dtypes]
+        dtypes = [kv_dtype(d, where) for d in spec.dtypes]
         dtype = min(dtypes, key=lambda d: d.itemsize)
         content = int(spec.state_content_size_bytes)
         if content % dtype.itemsize:
@@ -226,8 +120,8 @@ def _region(
             )
         shape: tuple[int, ...] = (nblocks, content // dtype.itemsize)
         return Region(name, gi, dtype, Layout.STATE, shape), content
-    _check_plain_attention(spec, where, mla=kind is GroupKind.MLA)
-    dtype = _dtype(spec.dtype, where)
+    check_plain_attention(spec, where, mla=kind is GroupKind.MLA)
+    dtype = kv_dtype(spec.dtype, where)
     if kind is GroupKind.MLA:
         latent = int(spec.head_size) * int(getattr(spec, "num_kv_heads", 1) or 1)
         shape = (nblocks, kernel, latent)
@@ -258,7 +152,7 @@ def translate(
     runner chose them (default: the groups' block sizes); ``backend``: the attention backend's
     name, part of the page format in the fingerprint."""
     lay = layout_name(layout if layout is not None else kv_cache_config.kv_cache_layout)
-    page_layout, _ = _page_layout(lay)
+    page, _ = page_layout(lay)
     groups = list(kv_cache_config.kv_cache_groups)
     transfer = [i for i, g in enumerate(groups) if getattr(g, "enable_kv_transfer", True)]
     if not transfer:
@@ -290,14 +184,14 @@ def translate(
             if layer not in by_layer:
                 continue  # a group that is not transferred
             gi, vgid, g = by_layer[layer]
-            spec = _layer_spec(groups[vgid].kv_cache_spec, layer)
+            spec = layer_spec(groups[vgid].kv_cache_spec, layer)
             ratio = g.logical // g.kernel if not g.kind.is_state else 1
             region, block_len = _region(
                 layer,
                 gi,
                 g.kind,
                 spec,
-                layout=page_layout,
+                layout=page,
                 kernel=g.kernel,
                 nblocks=num_blocks * ratio,
             )
