@@ -28,11 +28,9 @@ from __future__ import annotations
 
 import functools
 import threading
-import uuid
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -47,35 +45,19 @@ from kvxferd.vllm.daemon import EngineLink, PullLink, PullResult, Release
 from kvxferd.vllm.memory import SharedKvAllocation
 from kvxferd.vllm.params import (
     LocalBlock,
+    PullJob,
     Ticket,
     blocks_to_hold,
-    pull_lists,
+    plan_pull,
     ticket_from_params,
 )
+from kvxferd.vllm.settings import DOC, ConnectorSettings, config_error
 from kvxferd.vllm.spec import check_views, region_strides, transfer_groups, translate
 
 # A child of the "vllm" logger: our lines go through vLLM's handler, format and level.
 log = init_logger("vllm.kvxferd")
 
-DOC = "docs/vllm.md"
 _SEEN_MAX = 65536
-
-
-def _config_error(what: str, fix: str) -> ValueError:
-    return ValueError(f"KvxferdConnector: {what}. Fix: {fix} (see {DOC})")
-
-
-@dataclass(frozen=True)
-class PullJob:
-    """One pull the scheduler side planned for the worker side."""
-
-    request_id: str
-    peer_address: str
-    remote_request_id: str
-    remote: tuple[tuple[int, ...], ...]
-    local: tuple[tuple[int, ...], ...]
-    unfillable: tuple[int, ...]
-    notify_only: bool  # nothing to load (full local hit): only release the prefill's lease
 
 
 @dataclass
@@ -90,39 +72,17 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        cfg = vllm_config.kv_transfer_config
-        extra: dict[str, Any] = dict(cfg.kv_connector_extra_config or {})
-        socket = extra.get("engine_socket")
-        if not isinstance(socket, str) or not socket:
-            raise _config_error(
-                "kv_connector_extra_config has no 'engine_socket'",
-                "set it to the Engine socket of the kvxferd daemon beside this engine"
-                " (its server.engine_socket)",
-            )
-        par = vllm_config.parallel_config
-        if par.tensor_parallel_size > 1 or par.pipeline_parallel_size > 1:
-            raise _config_error(
-                f"tensor_parallel_size {par.tensor_parallel_size} and pipeline_parallel_size"
-                f" {par.pipeline_parallel_size}: only one worker per engine is supported",
-                "run TP 1 / PP 1 engines (one daemon each)",
-            )
-        token = ""
-        if extra.get("token_file"):
-            token = Path(str(extra["token_file"])).read_text().strip()
+        settings = ConnectorSettings.from_vllm_config(vllm_config)
         self._tp_size = 1
-        self._ttl_ms = int(extra.get("hold_ttl_ms", 0))
-        self._deadline_ms = int(extra.get("pull_deadline_ms", 0))
-        self._daemon_wait_s = float(extra.get("daemon_wait_s", 60.0))
-        model_cfg = vllm_config.model_config
-        served = getattr(model_cfg, "served_model_name", None) or model_cfg.model
-        if isinstance(served, (list, tuple)):
-            served = served[0]
-        self._fingerprint = str(extra.get("model_fingerprint") or served)
+        self._ttl_ms = settings.hold_ttl_ms
+        self._deadline_ms = settings.pull_deadline_ms
+        self._daemon_wait_s = settings.daemon_wait_s
+        self._fingerprint = settings.fingerprint
         self._groups = transfer_groups(kv_cache_config)
         self._kinds = [g.kind for g in self._groups]
-        self._engine_id = str(getattr(cfg, "engine_id", None) or uuid.uuid4().hex[:12])
-        self._engine = EngineLink(socket, token=token)
-        self._token = token
+        self._engine_id = settings.engine_id
+        self._engine = EngineLink(settings.engine_socket, token=settings.token)
+        self._token = settings.token
         self._lock = threading.Lock()
         # scheduler side
         self._pending: list[PullJob] = []
@@ -149,7 +109,7 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         from vllm.platforms import current_platform
 
         if not current_platform.is_cpu():
-            raise _config_error(
+            raise config_error(
                 "this version attaches host-memory KV caches only (vLLM's CPU backend)",
                 "serve GPU engines with vLLM's NixlConnector until the VRAM path lands",
             )
@@ -366,34 +326,10 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             ]
             for g in self._groups
         ]
-        try:
-            lists = pull_lists(self._kinds, ticket, tables)
-        except KvxferdError as err:
+        job, err = plan_pull(rid, ticket, tables, self._kinds, num_external_tokens)
+        if err is not None:
             log.error("kvxferd: request %s: %s; computing it locally", rid, err)
-            bad = tuple(b.block_id for t in tables for b in t if b.needs_load)
-            self._pending.append(
-                PullJob(
-                    rid,
-                    ticket.peer_address,
-                    ticket.request_id,
-                    (),
-                    (),
-                    bad,
-                    num_external_tokens == 0,
-                )
-            )
-            return
-        self._pending.append(
-            PullJob(
-                rid,
-                ticket.peer_address,
-                ticket.request_id,
-                lists.remote,
-                lists.local,
-                lists.unfillable,
-                num_external_tokens == 0,
-            )
-        )
+        self._pending.append(job)
 
     def build_connector_meta(self, scheduler_output: Any) -> KvxferdMetadata:
         meta = KvxferdMetadata(self._pending)

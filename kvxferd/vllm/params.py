@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvxferd.errors import InvalidRequest
+from kvxferd.errors import InvalidRequest, KvxferdError
 from kvxferd.layout.spec import GroupKind
 
 KEY = "kvxferd"
@@ -208,3 +208,45 @@ def pull_lists(
         remote_out.append(tuple(r))
         local_out.append(tuple(loc))
     return PullLists(tuple(remote_out), tuple(local_out), tuple(unfillable))
+
+
+@dataclass(frozen=True)
+class PullJob:
+    """One pull the scheduler side planned for the worker side."""
+
+    request_id: str
+    peer_address: str
+    remote_request_id: str
+    remote: tuple[tuple[int, ...], ...]
+    local: tuple[tuple[int, ...], ...]
+    unfillable: tuple[int, ...]
+    notify_only: bool  # nothing to load (full local hit): only release the prefill's lease
+
+
+def plan_pull(
+    request_id: str,
+    ticket: Ticket,
+    tables: Sequence[Sequence[LocalBlock]],
+    kinds: Sequence[GroupKind],
+    num_external_tokens: int,
+) -> tuple[PullJob, KvxferdError | None]:
+    """The pull of ``ticket``'s blocks into this request's ``tables`` (one per transfer group).
+    When they cannot be paired, the job loads nothing and names every block that needed a
+    load as unfillable (vLLM recomputes them), and the error says why."""
+    notify_only = num_external_tokens == 0  # full local hit: only release the prefill's lease
+    try:
+        lists = pull_lists(kinds, ticket, tables)
+    except KvxferdError as err:
+        bad = tuple(b.block_id for t in tables for b in t if b.needs_load)
+        job = PullJob(request_id, ticket.peer_address, ticket.request_id, (), (), bad, notify_only)
+        return job, err
+    job = PullJob(
+        request_id,
+        ticket.peer_address,
+        ticket.request_id,
+        lists.remote,
+        lists.local,
+        lists.unfillable,
+        notify_only,
+    )
+    return job, None
