@@ -20,7 +20,8 @@ def mode_config(tmp: Path, mode: str) -> tuple[str, ...]:
 
 @pytest.fixture(scope="module")
 def push(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemons]:
-    """Push-mode pairs (dense and hybrid, prefill pattern-filled) and a pull-mode decode."""
+    """Push-mode pairs (dense, hybrid, hybrid with prefix caching; prefills pattern-filled) and
+    a pull-mode decode daemon."""
     tmp = tmp_path_factory.mktemp("push")
     on, off = mode_config(tmp, "push"), mode_config(tmp, "pull")
     ds = launch(
@@ -29,6 +30,8 @@ def push(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemons]:
         DaemonOptions("decode", "dense:num_blocks=64", extra=on),
         DaemonOptions("h-prefill", "hybrid", fill_seed=9, extra=on),
         DaemonOptions("h-decode", "hybrid", extra=on),
+        DaemonOptions("hp-prefill", "hybrid", prefix_caching=True, fill_seed=5, extra=on),
+        DaemonOptions("hp-decode", "hybrid", prefix_caching=True, extra=on),
         DaemonOptions("pull-decode", "dense:num_blocks=64", extra=off),
     )
     yield ds

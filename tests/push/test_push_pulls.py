@@ -59,6 +59,36 @@ def test_push_of_a_hybrid_request_is_byte_exact(push: Daemons) -> None:
     run(go())
 
 
+def test_push_with_prefix_caching_trims_as_a_pull_does(push: Daemons) -> None:
+    """A cached prefix on the decode side: only the uncached tail of the attention blocks is
+    written (the Mamba state always), paired from the end as a pull pairs them."""
+
+    async def go() -> None:
+        c = Client(push["hp-prefill"], push["hp-decode"])
+        remote, local = [[3, 11, 7, 4], [5]], [[9, 2], [1]]
+        before = await c.local_digests(local)
+        done = await c.pull(await c.hold("push-prefix", remote), local)
+        assert done.state == scheduler_pb2.TRANSFER_STATE_DONE, done.error.message
+        assert await c.same([[7, 4], [5]], local)
+        assert await c.local_digests(local) != before
+
+    run(go())
+
+
+def test_a_full_prefix_hit_writes_nothing_and_releases(push: Daemons) -> None:
+    async def go() -> None:
+        c = Client(push["prefill"], push["decode"])
+        releases = c.engine.WatchReleases(engine_pb2.WatchReleasesRequest(request_ids=["push-hit"]))
+        done = await c.pull(await c.hold("push-hit", [[1, 2, 3]]), [[]])
+        assert done.state == scheduler_pb2.TRANSFER_STATE_DONE, done.error.message
+        assert done.nbytes == 0
+        rel = await asyncio.wait_for(releases.read(), 10)
+        assert list(rel.block_ids.groups[0].ids) == [1, 2, 3]
+        releases.cancel()
+
+    run(go())
+
+
 def test_a_push_releases_the_hold(push: Daemons) -> None:
     """The prefill daemon ends the decode's share when its WRITE completed: the engine hears
     the release (DONE), as after a pull."""
