@@ -484,6 +484,15 @@ class World:
                 "Peer.ReleaseStaging": [
                     peer_pb2.ReleaseStagingRequest(request_id="fz-0", reader_id="r-0", slots=[0])
                 ],
+                "Peer.Push": [
+                    peer_pb2.PushRequest(
+                        request_id="fz-0",
+                        remote_block_ids=g([[1, 2]]),
+                        local_block_ids=g([[50, 51]]),
+                        notif_ticket=7,
+                        write_timeout_ms=1000,
+                    )
+                ],
                 "Scheduler.StartPull": [
                     scheduler_pb2.StartPullRequest(
                         request_id=rid,
