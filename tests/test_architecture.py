@@ -107,7 +107,6 @@ OVERSIZE_ALLOWED = {
     "kvxferd/daemon/reader.py": "split in progress (issue 12)",
     "kvxferd/daemon/peers.py": "split in progress (issue 12)",
     "kvxferd/config.py": "split in progress (issue 12)",
-    "kvxferd/service/servicers.py": "split in progress (issue 12)",
 }
 
 

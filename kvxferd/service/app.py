@@ -9,8 +9,9 @@ daemon; then start serving. A failure part-way undoes what was built, in reverse
 On stop: health NOT_SERVING, drain pulls up to ``server.drain_timeout_s``, stop servers,
 stop engine and pump, deregister, close the agent.
 
-Every gRPC server gets :class:`~kvxferd.service.decode_guard.DecodeGuard`, so a request body that is not the method's
-protobuf message is INVALID_ARGUMENT (grpc's own answer would be UNKNOWN).
+Every gRPC server gets :class:`~kvxferd.service.decode_guard.DecodeGuard`, so a request body
+that is not the method's protobuf message is INVALID_ARGUMENT (grpc's own answer would be
+UNKNOWN).
 
 The parts live beside this module: :mod:`~kvxferd.service.listeners` (binding),
 :mod:`~kvxferd.service.memory` (pool, agent, registrations, engine),

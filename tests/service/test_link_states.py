@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvxferd.daemon.peers import LinkState
-from kvxferd.service.servicers import _LINK
+from kvxferd.service.scheduler_service import LINK_STATES as _LINK
 from kvxferd.v1 import scheduler_pb2
 
 
