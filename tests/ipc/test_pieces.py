@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from kvxferd.blocks.ranges import RegionRanges, TransferPlan
 from kvxferd.ipc.reader import MIN_PIECE_BYTES, PIECE_COST_BYTES, piece_size, pieces
+from kvxferd.kernels import RangeCopy
 
 Interval = tuple[int, int, int, int]  # region, dst start, src start, length
 
@@ -34,10 +35,21 @@ def _canonical(rows: list[Interval]) -> list[Interval]:
 
 @st.composite
 def plans(draw: st.DrawFn) -> TransferPlan:
-    """Up to 5 regions, each reading up to 24 blocks of one size (64 B to 8 KiB) into distinct
-    local blocks, in any order, with local and remote runs that sometimes line up."""
-    ranges = []
-    for region in draw(st.lists(st.integers(0, 9), max_size=5, unique=True)):
+    """Up to 8 regions, each reading up to 24 blocks of one size (64 B to 8 KiB) into distinct
+    local blocks, in any order, with local and remote runs that sometimes line up; sometimes
+    every region shares the first one's arrays, as the planner does for layers of one
+    geometry."""
+    ranges: list[RegionRanges] = []
+    share = draw(st.booleans())
+    for region in draw(st.lists(st.integers(0, 9), max_size=8, unique=True)):
+        if share and ranges:
+            first = ranges[0]
+            ranges.append(
+                RegionRanges(
+                    region, f"r{region}", first.local_offset, first.remote_offset, first.length
+                )
+            )
+            continue
         size = draw(st.sampled_from([64, 512, 1536, 4096, 8192]))
         local = draw(st.lists(st.integers(0, 63), max_size=24, unique=True))
         shift = draw(st.integers(0, 8))
@@ -59,6 +71,34 @@ def plans(draw: st.DrawFn) -> TransferPlan:
     return TransferPlan(tuple(ranges))
 
 
+def _unshared(plan: TransferPlan) -> TransferPlan:
+    """The same plan with every region's arrays copied (no sharing: the one-sort path)."""
+    return TransferPlan(
+        tuple(
+            RegionRanges(
+                rr.region,
+                rr.name,
+                rr.local_offset.copy(),
+                rr.remote_offset.copy(),
+                rr.length.copy(),
+            )
+            for rr in plan.ranges
+        )
+    )
+
+
+def _rows(rc: RangeCopy) -> list[Interval]:
+    return sorted(
+        zip(
+            rc.region.tolist(),
+            rc.dst_offset.tolist(),
+            rc.src_offset.tolist(),
+            rc.length.tolist(),
+            strict=True,
+        )
+    )
+
+
 @settings(max_examples=200, deadline=None)
 @given(plans(), st.sampled_from([512, 1000, 4096, 1 << 20]))
 def test_pieces_move_exactly_the_plans_bytes(plan: TransferPlan, largest: int) -> None:
@@ -70,16 +110,10 @@ def test_pieces_move_exactly_the_plans_bytes(plan: TransferPlan, largest: int) -
             for a, b, n in zip(rr.local_offset, rr.remote_offset, rr.length, strict=True)
         ]
     )
-    got = list(
-        zip(
-            rc.region.tolist(),
-            rc.dst_offset.tolist(),
-            rc.src_offset.tolist(),
-            rc.length.tolist(),
-            strict=True,
-        )
-    )
+    got = _rows(rc)
     assert _canonical(got) == want
+    alone, alone_runs = pieces(_unshared(plan), piece_bytes=largest)
+    assert _rows(alone) == got and alone_runs == runs  # shared arrays: the same pieces
     assert rc.nbytes == plan.nbytes
     assert runs == len(want) <= plan.num_ranges  # DIRECT's descriptors after coalescing
     if rc.pieces:
@@ -111,20 +145,22 @@ def test_piece_size_is_the_cheapest_power_of_two_from_the_shortest_run_up(
 
 
 def test_random_and_contiguous_llama_pulls_get_block_and_megabyte_pieces() -> None:
-    """The bench's 1 GiB cases (32 layers x 512 blocks of 64 KiB): random blocks are one
-    64 KiB piece each; 32 MiB contiguous runs are cut into 1 MiB pieces."""
+    """The bench's 1 GiB cases planned by the daemon's planner (32 layers x 512 blocks of
+    64 KiB, every layer sharing one set of arrays): random blocks are one 64 KiB piece each;
+    contiguous ones one 32 MiB run per layer, cut into 1 MiB pieces."""
+    from kvxferd.blocks import plan_pull
+    from kvxferd.layout.presets import preset
+
+    spec = preset("dense", num_blocks=4096)
     rng = np.random.default_rng(0)
     block = 64 << 10
-    for ids, want_size, want_pieces in (
-        (rng.choice(4096, 512, replace=False), block, 32 * 512),
-        (np.arange(100, 612), 1 << 20, 32 * 32),
+    for local, remote, want_size, want_pieces in (
+        (rng.choice(4096, 512, replace=False), rng.choice(4096, 512, replace=False), block, None),
+        (np.arange(100, 612), np.arange(7, 519), 1 << 20, 32 * 32),
     ):
-        other = rng.choice(4096, 512, replace=False) if want_size == block else ids + 7
-        plan = TransferPlan(
-            tuple(
-                RegionRanges(i, f"layer.{i}", ids * block, other * block, np.full(512, block))
-                for i in range(32)
-            )
-        )
-        rc, _ = pieces(plan)
-        assert int(rc.length.max()) == want_size and rc.pieces == want_pieces
+        part = plan_pull(spec, spec, [local], [remote], prefix_caching=False).per_rank[0]
+        assert len({id(rr.local_offset) for rr in part.ranges}) == 1  # shared by all layers
+        rc, runs = pieces(part)
+        assert int(rc.length.max()) == want_size and rc.nbytes == part.nbytes == 32 * 512 * block
+        assert rc.pieces == (want_pieces or runs) and runs <= part.num_ranges
+        assert _rows(rc) == _rows(pieces(_unshared(part))[0])
