@@ -219,10 +219,10 @@ def pull_from_ranks(
     ``holds``: prefill rank -> its Hold; it must cover :func:`ranks_to_pull` (a missing rank
     raises ``ValueError`` before anything starts). Pull ``r`` gets transfer ID
     ``<transfer_id>.r<r>`` (a retry with the same ``transfer_id`` finds the same pulls).
-    If a StartPull is refused (an incompatible prefill rank, say), the pulls already started
-    are cancelled and the result is FAILED with the refusal; if a pull fails, the others
-    still running are cancelled. Raises ``TimeoutError`` when the pulls are not all terminal
-    within ``timeout_s``.
+    Every rank's pull is started even when another's StartPull is refused (an incompatible
+    prefill rank, say), so that every hold that can be read is read and released; nothing is
+    cancelled, so a failed rank can be pulled again alone (docs/tp.md §3). Raises
+    ``TimeoutError`` when the pulls are not all terminal within ``timeout_s``.
     """
     need = ranks_to_pull(model, local_rank, local_tp, remote_tp)
     missing = [r for r in need if r not in holds]
@@ -234,7 +234,6 @@ def pull_from_ranks(
         )
     base = transfer_id or uuid.uuid4().hex
     started: dict[int, str] = {}
-    statuses: dict[int, TransferStatus] = {}
     refused: tuple[int, ErrorInfo] | None = None
     for r in need:
         h = holds[r]
@@ -248,16 +247,13 @@ def pull_from_ranks(
                 deadline_ms=deadline_ms,
             )
         except KvxferdRpcError as exc:
-            info = exc.error or ErrorInfo(exc.code.name, exc.details)
-            refused = (r, info)
-            break
+            if refused is None:
+                refused = (r, exc.error or ErrorInfo(exc.code.name, exc.details))
+            continue
         started[r] = got.status.transfer_id
     deadline = time.monotonic() + timeout_s
-    failed = refused is not None
-    for r, tid in started.items():
-        if failed:
-            statuses[r] = client.cancel_transfer(tid)
-            continue
-        statuses[r] = client.wait(tid, timeout_s=max(0.001, deadline - time.monotonic()))
-        failed = statuses[r].state is not TransferState.DONE
+    statuses = {
+        r: client.wait(tid, timeout_s=max(0.001, deadline - time.monotonic()))
+        for r, tid in started.items()
+    }
     return combine(statuses, refused)

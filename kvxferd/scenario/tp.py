@@ -107,11 +107,11 @@ class TPReport:
         return out
 
 
-def _fill(pool: AttachedPool, req: Request, first_head: int, seed: int) -> None:
+def _fill(pool: AttachedPool, req: Request, first_head: int, shard: int, seed: int) -> None:
     spec = pool.spec
     for i, r in enumerate(spec.regions):
         ids = kernel_ids(spec, r.group, req.remote_ids[r.group])
-        pool.write(i, ids, region_blocks(r, i, range(len(ids)), first_head, seed))
+        pool.write(i, ids, region_blocks(r, i, range(len(ids)), first_head, seed, shard=shard))
 
 
 @dataclass(frozen=True)
@@ -123,9 +123,13 @@ class _Side:
     heads: int
     clients: list[DaemonClient]
     sockets: list[str]  # each rank's engine socket
+    sharded: bool  # each rank holds its own shard of every state (else replicated)
 
     def first_head(self, rank: int) -> int:
         return kv_head_range(rank, self.tp, self.heads)[0] if self.heads else 0
+
+    def shard(self, rank: int) -> int:
+        return rank if self.sharded else 0
 
 
 def _verify(
@@ -136,7 +140,9 @@ def _verify(
     checked, bad = 0, []
     for g in range(len(side.spec.groups)):
         kids = kernel_ids(side.spec, g, ids[g])
-        want = group_digests(side.spec, g, range(len(kids)), side.first_head(rank), seed)
+        want = group_digests(
+            side.spec, g, range(len(kids)), side.first_head(rank), seed, shard=side.shard(rank)
+        )
         got = side.clients[rank].checksum(g, kids)
         checked += len(kids)
         bad += [
@@ -188,7 +194,7 @@ def run_tp(
                 assert ready is not None
                 clients.append(DaemonClient(f"{name}{i}", ready.grpc, ready.engine_socket))
                 sockets.append(ready.engine_socket)
-            sides.append(_Side(tp, spec, heads, clients, sockets))
+            sides.append(_Side(tp, spec, heads, clients, sockets, shard_state))
         run = _Run(report, sides[0], sides[1], seed, timeout_s)
         try:
             run.attach()
@@ -241,7 +247,7 @@ class _Run:
         holds: dict[tuple[str, int], engine_pb2.HoldResponse] = {}
         for req in reqs:
             for r in range(pre.tp):
-                _fill(self.pools[r], req, pre.first_head(r), self.seed)
+                _fill(self.pools[r], req, pre.first_head(r), pre.shard(r), self.seed)
                 readers = sum(r in s for s in sets[req.request_id].values())
                 holds[req.request_id, r] = pre.clients[r].hold(
                     req.request_id, req.remote_ids, readers=readers

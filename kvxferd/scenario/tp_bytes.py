@@ -49,21 +49,29 @@ def _axis(n: int, dim: int, ndim: int, start: int = 0) -> npt.NDArray[np.int64]:
 
 
 def region_blocks(
-    region: Region, index: int, positions: Sequence[int], first_head: int, seed: int
+    region: Region,
+    index: int,
+    positions: Sequence[int],
+    first_head: int,
+    seed: int,
+    *,
+    shard: int = 0,
 ) -> U8Array:
     """The bytes of blocks of ``region`` (region ``index`` of its spec), in memory order,
     shape ``(len(positions), block_len)``.
 
     ``positions[i]``: which block of the request block ``i`` is (its ``k``: attention and MLA
     blocks hold tokens ``k * tokens_per_block`` on; a state block is the request's ``k``-th
-    state). ``first_head``: the model-global number of the rank's first KV head.
+    state). ``first_head``: the model-global number of the rank's first KV head. ``shard``:
+    which shard of a state (or MLA) block the rank holds (0 when replicated).
     """
     pos = np.asarray(positions, dtype=np.int64)
     n = int(pos.shape[0])
     lay = region.layout
     if not lay.has_kv_halves:
         nbytes = region.block_len
-        val = _mix(seed, np.full((n, 1), index, np.int64), pos[:, None], _axis(nbytes, 1, 2))
+        key = np.full((n, 1), index * 4096 + shard, np.int64)
+        val = _mix(seed, key, pos[:, None], _axis(nbytes, 1, 2))
         return np.ascontiguousarray(val)
     # Logical dims: [layer,] block, kv, token, head, byte (head_size x itemsize bytes).
     cross = lay.is_cross_layer
@@ -92,7 +100,13 @@ def region_blocks(
 
 
 def group_digests(
-    spec: KVCacheSpec, group: int, positions: Sequence[int], first_head: int, seed: int
+    spec: KVCacheSpec,
+    group: int,
+    positions: Sequence[int],
+    first_head: int,
+    seed: int,
+    *,
+    shard: int = 0,
 ) -> list[bytes]:
     """Per block, the digest the daemon's Checksum gives for a block of ``group`` holding
     request blocks ``positions``: BLAKE2b-64 over the block's bytes in every region of the
@@ -101,7 +115,7 @@ def group_digests(
     for i, r in enumerate(spec.regions):
         if r.group != group:
             continue
-        rows = region_blocks(r, i, positions, first_head, seed)
+        rows = region_blocks(r, i, positions, first_head, seed, shard=shard)
         for h, data in zip(hashers, rows, strict=True):
             h.update(data.tobytes())
     return [h.digest() for h in hashers]
