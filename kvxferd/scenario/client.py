@@ -1,14 +1,18 @@
-"""Scheduler and engine calls over the real gRPC API, for demos and benchmarks.
+"""Scheduler and engine calls over the real gRPC API, for the demo, the benchmarks and tests.
 
 :class:`DaemonClient` wraps one daemon: its Scheduler service (TCP) and Engine service (Unix
-socket). :class:`TransferWatcher` keeps one ``WatchTransfers`` stream open for every pull and
-records, for each transfer a caller said it expects, the moment its terminal status arrived.
-:class:`ReleaseWatcher` follows the prefill engine's ``WatchReleases`` stream.
+socket). It is built on the public scheduler client :mod:`kvxferd.client` (its channel options,
+auth metadata, ``StartPull`` request and error type: :class:`RpcFailure` is a
+:class:`kvxferd.client.KvxferdRpcError`) and adds what a harness needs beyond a scheduler: the
+engine side (``Describe``, ``Hold``), raw ``TransferStatus`` messages (per-stage times),
+``Checksum`` by kernel block in chunks. :class:`TransferWatcher` keeps one ``WatchTransfers``
+stream open for every pull and records, for each transfer a caller said it expects, the moment
+its terminal status arrived. :class:`ReleaseWatcher` follows the prefill engine's
+``WatchReleases`` stream.
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections.abc import Sequence
@@ -18,6 +22,8 @@ import grpc
 import numpy as np
 import numpy.typing as npt
 
+from kvxferd.client import KvxferdRpcError
+from kvxferd.client.requests import channel_options, metadata, start_request
 from kvxferd.layout.spec import KVCacheSpec
 from kvxferd.v1 import (
     common_pb2,
@@ -28,7 +34,6 @@ from kvxferd.v1 import (
 )
 from kvxferd.wire.codec import group_ids_to_proto, spec_from_proto
 
-ERROR_TRAILER = "kvxferd-error-bin"
 TERMINAL = frozenset(
     {
         scheduler_pb2.TRANSFER_STATE_DONE,
@@ -40,11 +45,9 @@ TERMINAL = frozenset(
 CALL_TIMEOUT_S = 30.0
 CHECKSUM_TIMEOUT_S = 120.0
 CHECKSUM_CHUNK = 512  # kernel block IDs per Checksum call
-_MAX_MESSAGE = 64 << 20
-_CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", _MAX_MESSAGE),
-    ("grpc.max_send_message_length", _MAX_MESSAGE),
-]
+# kvxferd.client's channel (message size limits) without its retries: a harness call that
+# fails says so at once.
+_CHANNEL_OPTIONS = channel_options(False, ())
 
 IdLists = Sequence[Sequence[int] | npt.NDArray[np.int64]]
 
@@ -54,17 +57,13 @@ def state_name(state: int) -> str:
     return scheduler_pb2.TransferState.Name(state).removeprefix("TRANSFER_STATE_")  # type: ignore[arg-type]
 
 
-class RpcFailure(Exception):
-    """A failed call: gRPC status code, message and, when the daemon sent it, the typed error."""
+class RpcFailure(KvxferdRpcError):
+    """:class:`kvxferd.client.KvxferdRpcError` (status code, message, the daemon's typed error
+    when it sent one) named after the daemon it came from, with the lines the demo prints."""
 
-    def __init__(
-        self, method: str, code: grpc.StatusCode, details: str, error: common_pb2.ErrorDetail | None
-    ) -> None:
-        self.method = method
-        self.code = code
-        self.details = details
-        self.error = error
-        super().__init__(f"{method}: {code.name}: {details}")
+    @classmethod
+    def of(cls, method: str, exc: KvxferdRpcError) -> RpcFailure:
+        return cls(method, exc.code, exc.details, exc.error)
 
     def explain(self) -> list[str]:
         """Lines: the status, then every mismatch (with its fix) when the error lists them."""
@@ -80,15 +79,9 @@ class RpcFailure(Exception):
 
 
 def rpc_failure(method: str, exc: grpc.RpcError) -> RpcFailure:
-    """Turn a raised ``grpc.RpcError`` into :class:`RpcFailure` (reading the error trailer)."""
-    if not isinstance(exc, grpc.Call):
-        return RpcFailure(method, grpc.StatusCode.UNKNOWN, str(exc), None)
-    error = None
-    for key, value in exc.trailing_metadata() or ():
-        if key == ERROR_TRAILER and isinstance(value, bytes):
-            with contextlib.suppress(Exception):
-                error = common_pb2.ErrorDetail.FromString(value)
-    return RpcFailure(method, exc.code(), exc.details() or "", error)
+    """Turn a raised ``grpc.RpcError`` into :class:`RpcFailure` (reading the error trailer as
+    :mod:`kvxferd.client` does)."""
+    return RpcFailure.of(method, KvxferdRpcError.wrap(method, exc))
 
 
 class DaemonClient:
@@ -97,9 +90,7 @@ class DaemonClient:
     def __init__(self, name: str, grpc_address: str, engine_socket: str, token: str = "") -> None:
         self.name = name
         self.grpc_address = grpc_address
-        self.metadata: tuple[tuple[str, str], ...] = (
-            (("authorization", f"Bearer {token}"),) if token else ()
-        )
+        self.metadata: tuple[tuple[str, str], ...] = metadata(token)
         self._channel = grpc.insecure_channel(grpc_address, options=_CHANNEL_OPTIONS)
         self.scheduler = scheduler_pb2_grpc.SchedulerStub(self._channel)
         self._engine_channel: grpc.Channel | None = None
@@ -166,13 +157,14 @@ class DaemonClient:
         *,
         deadline_ms: int = 0,
     ) -> scheduler_pb2.StartPullResponse:
-        req = scheduler_pb2.StartPullRequest(
-            transfer_id=transfer_id,
+        req = start_request(
             request_id=hold.request_id,
             peer_address=hold.peer_address,
             remote_block_ids=hold.remote_block_ids,
             local_block_ids=group_ids_to_proto(local_ids),
+            transfer_id=transfer_id,
             deadline_ms=deadline_ms,
+            skip_notify=False,
         )
         try:
             resp: scheduler_pb2.StartPullResponse = self.scheduler.StartPull(
