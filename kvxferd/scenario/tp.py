@@ -34,6 +34,7 @@ from kvxferd.scenario.tp_plan import (
     Request,
     kernel_ids,
     make_requests,
+    paired,
     pull_sets,
     rank_spec,
     total_kv_heads,
@@ -133,13 +134,21 @@ class _Side:
 
 
 def _verify(
-    side: _Side, rank: int, ids: tuple[tuple[int, ...], ...], *, seed: int, what: str
+    side: _Side,
+    rank: int,
+    ids: tuple[tuple[int, ...], ...],
+    *,
+    seed: int,
+    what: str,
+    counts: list[int] | None = None,
 ) -> tuple[int, list[str]]:
-    """Checksum every kernel block of a request on ``side``'s rank ``rank`` against the bytes
-    that rank must hold."""
+    """Checksum the kernel blocks of a request on ``side``'s rank ``rank`` (the first
+    ``counts[g]`` of group ``g``, default all) against the bytes that rank must hold."""
     checked, bad = 0, []
     for g in range(len(side.spec.groups)):
         kids = kernel_ids(side.spec, g, ids[g])
+        if counts is not None:
+            kids = kids[: counts[g]]
         want = group_digests(
             side.spec, g, range(len(kids)), side.first_head(rank), seed, shard=side.shard(rank)
         )
@@ -162,16 +171,20 @@ def run_tp(
     blocks: int = 2,
     seed: int = 1,
     shard_state: bool = False,
+    prefill_options: str = "",
     workdir: Path | None = None,
     timeout_s: float = PULL_TIMEOUT_S,
 ) -> TPReport:
     """Run the scenario once with fresh daemons (see the module docstring); never leaves a
     daemon running. ``preset``: ``dense``, ``mla`` or ``hybrid``, with options after a colon
     (``dense:layout=NHD``); ``shard_state``: shard the Mamba states over the TP ranks (refused
-    under heterogeneous TP). Raises :class:`.daemons.DaemonError` if a daemon does not start."""
+    under heterogeneous TP); ``prefill_options``: options for the prefill side only
+    (``hybrid`` with ``ppl=34`` against the decode side's 66: a prefix-caching-free pull
+    trims to the tokens both hold, docs/domain.md §5). Raises :class:`.daemons.DaemonError`
+    if a daemon does not start."""
     t0 = time.monotonic()
     heads = total_kv_heads(preset)
-    p_spec = rank_spec(preset, prefill_tp, shard_state=shard_state)
+    p_spec = rank_spec(preset, prefill_tp, shard_state=shard_state, options=prefill_options)
     d_spec = rank_spec(preset, decode_tp, shard_state=shard_state)
     reqs = make_requests(p_spec, d_spec, requests, blocks, seed)
     report = TPReport(prefill_tp, decode_tp, preset, requests)
@@ -264,8 +277,17 @@ class _Run:
             for req in reqs:
                 res.sources[req.request_id] = sets[req.request_id][d]
                 if self._pull(res, watcher, req, holds):
+                    counts = [
+                        paired(pre.spec, self.decode.spec, g, req)
+                        for g in range(len(pre.spec.groups))
+                    ]
                     n, bad = _verify(
-                        self.decode, d, req.local_ids, seed=self.seed, what=req.request_id
+                        self.decode,
+                        d,
+                        req.local_ids,
+                        seed=self.seed,
+                        what=req.request_id,
+                        counts=counts,
                     )
                     res.blocks_checked += n
                     res.mismatches += bad

@@ -56,12 +56,16 @@ def total_kv_heads(text: str) -> int:
     return HEADS_DEFAULT[name]
 
 
-def rank_spec(text: str, tp_size: int, *, shard_state: bool = False) -> KVCacheSpec:
+def rank_spec(
+    text: str, tp_size: int, *, shard_state: bool = False, options: str = ""
+) -> KVCacheSpec:
     """The spec one rank of a ``tp_size``-way TP group registers for preset ``text``.
 
     ``shard_state``: divide each Mamba state's last dimension by the TP size (a state sharded
-    across ranks, which kvxferd refuses under heterogeneous TP)."""
+    across ranks, which kvxferd refuses under heterogeneous TP). ``options``: more
+    ``key=value`` options for this side only (``ppl=34``)."""
     name, opts = _name_opts(text)
+    opts = ",".join(o for o in (opts, options) if o)
     heads = total_kv_heads(text)
     full = f"{name}:{SMALL[name]},{opts}" if opts else f"{name}:{SMALL[name]}"
     extra: dict[str, object] = {}
@@ -93,20 +97,23 @@ class Request:
 def make_requests(
     prefill: KVCacheSpec, decode: KVCacheSpec, count: int, blocks: int, seed: int
 ) -> list[Request]:
-    """``count`` requests of ``blocks`` logical blocks (states) per group, on disjoint random
-    IDs of each side."""
+    """``count`` requests of ``blocks`` prefill logical blocks (states) per group, on disjoint
+    random IDs of each side. A decode token group whose ``ppl`` differs gets the logical blocks
+    covering the same tokens (rounded up, as its engine would allocate them)."""
     rng = np.random.default_rng(seed)
     picks = []
-    for spec in (prefill, decode):
+    for side, spec in (("prefill", prefill), ("decode", decode)):
         per_group = []
-        for g in range(len(spec.groups)):
+        for g, group in enumerate(spec.groups):
+            tokens = blocks * prefill.groups[g].ppl
+            need = blocks if group.kind.is_state else -(-tokens // group.ppl)
             n = spec.num_logical_blocks(g)
-            if count * blocks > n:
+            if count * need > n:
                 raise ValueError(
-                    f"{count} requests of {blocks} blocks need {count * blocks} blocks of group"
-                    f" {spec.groups[g].name!r}, the pool has {n}; raise num_blocks"
+                    f"{count} requests of {need} blocks need {count * need} blocks of the"
+                    f" {side} group {group.name!r}, the pool has {n}; raise num_blocks"
                 )
-            per_group.append(rng.permutation(n)[: count * blocks].reshape(count, blocks))
+            per_group.append(rng.permutation(n)[: count * need].reshape(count, need))
         picks.append(per_group)
     return [
         Request(
@@ -116,6 +123,14 @@ def make_requests(
         )
         for j in range(count)
     ]
+
+
+def paired(prefill: KVCacheSpec, decode: KVCacheSpec, group: int, request: Request) -> int:
+    """How many of the request's kernel blocks (states) of ``group`` a pull fills on the decode
+    side: the tokens both sides hold (prefix caching off: both start at token 0)."""
+    n_local = len(request.local_ids[group]) * decode.groups[group].ppl
+    n_remote = len(request.remote_ids[group]) * prefill.groups[group].ppl
+    return min(n_local, n_remote)
 
 
 def kernel_ids(spec: KVCacheSpec, group: int, logical: tuple[int, ...]) -> list[int]:

@@ -32,33 +32,48 @@ MODELS = {
     "hybrid": TPModel(kv_heads=2, state=True),
 }
 REQUESTS = 2
+# The hybrid prefill side allocates logical blocks of 34 kernel blocks, the decode side of 66
+# (the page size follows the TP size in such models): the Nemotron-style 4P1D pairing.
+PREFILL_OPTIONS = {"hybrid": "ppl=34"}
 
 
-@pytest.fixture(scope="module", params=[(p, d, s) for p, d in SHAPES for s in PRESETS])
+@pytest.fixture(
+    scope="module",
+    params=[(p, d, s) for p, d in SHAPES for s in PRESETS],
+    ids=lambda x: f"{x[0]}to{x[1]}-{x[2]}",
+)
 def report(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> TPReport:
     p, d, preset = request.param
-    return run_tp(p, d, preset, requests=REQUESTS, workdir=tmp_path_factory.mktemp("tp"))
+    return run_tp(
+        p,
+        d,
+        preset,
+        requests=REQUESTS,
+        prefill_options=PREFILL_OPTIONS.get(preset, ""),
+        workdir=tmp_path_factory.mktemp("tp"),
+    )
 
 
-def _block_bytes(spec: KVCacheSpec, blocks: int) -> int:
-    """Bytes of ``blocks`` logical blocks (states) of every group of one rank."""
-    total = 0
-    for r in spec.regions:
-        total += blocks * spec.groups[r.group].ppl * r.block_len
-    return total
+def _filled(report: TPReport) -> tuple[KVCacheSpec, list[int]]:
+    """The decode rank's spec and, per group, the kernel blocks (states) one request fills:
+    the prefill side's 2 logical blocks (run_tp's default), which the decode side covers."""
+    pre = rank_spec(
+        report.preset, report.prefill_tp, options=PREFILL_OPTIONS.get(report.preset, "")
+    )
+    return rank_spec(report.preset, report.decode_tp), [2 * g.ppl for g in pre.groups]
 
 
 @pytest.mark.slow
 def test_every_decode_rank_gets_every_block_it_needs(report: TPReport) -> None:
     assert report.ok, "\n".join(report.lines())
-    spec = rank_spec(report.preset, report.decode_tp)
-    kernel_blocks = sum(REQUESTS * 2 * g.ppl for g in spec.groups)  # run_tp: 2 blocks each
+    spec, filled = _filled(report)
     model = MODELS[report.preset]
     for res in report.decode:
-        assert res.blocks_checked == kernel_blocks
+        assert res.blocks_checked == REQUESTS * sum(filled)
         # Each local byte is read exactly once over the rank's pulls: replicated heads and
         # MLA latents are not read twice.
-        assert res.nbytes == REQUESTS * _block_bytes(spec, 2), "\n".join(report.lines())
+        nbytes = sum(filled[r.group] * r.block_len for r in spec.regions)
+        assert res.nbytes == REQUESTS * nbytes, "\n".join(report.lines())
         want = ranks_to_pull(model, res.rank, report.decode_tp, report.prefill_tp)
         assert all(src == want for src in res.sources.values()), (res.sources, want)
         assert res.pulls == REQUESTS * len(want)
