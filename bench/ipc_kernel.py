@@ -19,10 +19,11 @@ daemon's code) and copies into its own pool (a ``dense`` :class:`kvxferd.pool.KV
 * copy, owned: the stride kernel from a pool this process allocated (imported vs owned);
 * stride, pieces in source order: the same pieces sorted by source address;
 * torch index ops (index_select + index_copy_ per layer), the twin's way, for reference;
-* pull: ``KernelReader.pull`` end to end on an event loop (pieces, checks, table, launch, event
-  wait in the worker thread), 1 GiB random and contiguous and 16-block (32 MiB) random pulls,
-  per kernel at cap 64 and 0, with the reader's own split (``host``, ``launch``, ``wait``, and
-  ``hop``: the thread call seen from the loop minus those).
+* pull: ``KernelReader.pull`` end to end on an event loop, on plans made by the daemon's
+  planner (``plan_pull``), 1 GiB random and contiguous and 16-block (32 MiB) random pulls, per
+  kernel at cap 64 and 0, with the reader's own split (``cut``: pieces; ``launch``: bounds
+  checks, address table, upload, kernel launch; ``wait``: the event; ``hop``: the thread call
+  seen from the loop minus those).
 
 Copy rows: median of ``--repeat`` of ``wall`` (host clock around the call and a
 synchronisation: table build and upload included) and ``gpu`` (CUDA events around it). Every
@@ -237,26 +238,22 @@ class Bench:
         self.row(f"torch index ops {pattern}", rc.nbytes, *t, pattern=pattern)
 
     def pulls(self, pattern: str, n: int, count: int, cap: int, kernel: Any) -> None:
-        from kvxferd.blocks.ranges import RegionRanges, TransferPlan
+        from kvxferd.blocks import plan_pull
         from kvxferd.ipc.reader import KernelJob, KernelReader
 
+        spec = self.pool.spec
         reader = KernelReader(self.pool, self.cache, max_ctas=cap, kernel=kernel)
         assert reader.prepare(self.key, self.ipc) is None
         walls: list[float] = []
-        split: dict[str, list[float]] = {"host": [], "launch": [], "wait": [], "hop": []}
+        split: dict[str, list[float]] = {k: [] for k in ("cut", "launch", "wait", "hop")}
         ok = True
 
         async def run() -> None:
             nonlocal ok
             for i in range(count + 3):
                 local, remote = _ids(pattern, n, self.rng)
-                ln = np.full(n, BLOCK, dtype=np.int64)
-                plan = TransferPlan(
-                    tuple(
-                        RegionRanges(r, f"layer.{r}", local * BLOCK, remote * BLOCK, ln)
-                        for r in range(LAYERS)
-                    )
-                )
+                # The daemon's planner: every layer shares one set of offset arrays.
+                plan = plan_pull(spec, spec, [local], [remote], prefix_caching=False).per_rank[0]
                 job = KernelJob("t", "owner", "-", self.key, self.ipc, time.monotonic() + 10)
                 t0 = time.perf_counter()
                 res = await reader.pull(job, plan, (local,))
@@ -266,10 +263,10 @@ class Bench:
                     continue  # warm-up
                 walls.append(wall)
                 last = reader.last
-                split["host"].append(last.host)
+                split["cut"].append(last.cut)
                 split["launch"].append(last.launch)
                 split["wait"].append(last.wait)
-                split["hop"].append(last.call - last.host - last.launch - last.wait)
+                split["hop"].append(last.call - last.cut - last.launch - last.wait)
                 if i == 3:
                     ok = self.verify(local, remote)
 

@@ -11,7 +11,7 @@ all with one kernel launch (``cuda/copy_ranges.cu``; the piece table uploaded to
 it) on a side stream, grid capped at ``max_ctas`` so decode keeps SMs. The host work is a fixed
 number of NumPy operations over the pull's ranges, no Python loop per piece or region, and runs
 in one worker-thread call with the launch; completion is a CUDA event recorded after the launch
-and waited on in that thread: no polling. :attr:`KernelReader.last` keeps the last pull's host,
+and waited on in that thread: no polling. :attr:`KernelReader.last` keeps the last pull's cut,
 launch and wait times. On CPU (tests, or no CUDA build) the torch twin copies the same pieces.
 
 A running copy cannot be interrupted: cancel and deadline take effect when it ends (it moves a
@@ -36,7 +36,6 @@ from kvxferd.errors import DeadlineExceeded, KvxferdError, TransportError
 from kvxferd.ipc.mapping import Key, MappingCache, PeerMaps
 from kvxferd.ipc.publish import IpcPool
 from kvxferd.kernels import CopyKernel, RangeCopy, Regions, copy_ranges
-from kvxferd.kernels.ranges import check_ranges
 from kvxferd.logs import kv
 from kvxferd.pool import KVPool
 from kvxferd.transfer.state import TransferResult, TransferStatus
@@ -173,11 +172,12 @@ def region_bytes(pool: KVPool) -> list[torch.Tensor]:
 
 @dataclass
 class PullTimes:
-    """Where the last KERNEL pull's time went (seconds): building and checking its pieces and
-    table on the host, the launch, the wait for the copy's event, and the whole worker-thread
-    call seen from the event loop (the difference is the thread hop)."""
+    """Where the last KERNEL pull's time went (seconds): cutting the plan into pieces, the
+    launch (every piece checked against both sides' regions, the address table, its upload and
+    the kernel launch), the wait for the copy's event, and the whole worker-thread call seen
+    from the event loop (the rest of it is the thread hop)."""
 
-    host: float = 0.0
+    cut: float = 0.0
     launch: float = 0.0
     wait: float = 0.0
     call: float = 0.0
@@ -264,8 +264,8 @@ class KernelReader:
         try:
             maps = self.cache.get(job.key, job.ipc)
             with maps.use() as src:
-                # _copy checks every piece against the local regions and the *mapped* sizes
-                # before anything is launched (kvxferd.kernels.ranges.check_ranges).
+                # copy_ranges checks every piece against the local regions and the *mapped*
+                # sizes before anything is launched (kvxferd.kernels.ranges.check_ranges).
                 regions = self._regions(maps, src)
                 self.backend, runs = await asyncio.to_thread(self._copy, regions, plan)
             self.last.call = time.monotonic() - t0
@@ -301,18 +301,19 @@ class KernelReader:
         twin, inline. Returns which implementation ran and the run count."""
         t0 = time.perf_counter()
         rc, runs = pieces(plan, self.piece_bytes)
-        d, s = check_ranges(self.local, src, rc)
-        self.last = PullTimes(host=time.perf_counter() - t0, pieces=rc.pieces)
+        t2 = time.perf_counter()
+        self.last = PullTimes(cut=t2 - t0, pieces=rc.pieces)
         if self._stream is None:
-            ran = copy_ranges(d, s, rc, max_ctas=self.max_ctas, kernel=self.kernel)
-            self.last.launch = time.perf_counter() - t0 - self.last.host
+            ran = copy_ranges(self.local, src, rc, max_ctas=self.max_ctas, kernel=self.kernel)
+            self.last.launch = time.perf_counter() - t2
             return ran, runs
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
-            ran = copy_ranges(d, s, rc, max_ctas=self.max_ctas, kernel=self.kernel)
+            # copy_ranges checks every piece against both sides before it launches anything.
+            ran = copy_ranges(self.local, src, rc, max_ctas=self.max_ctas, kernel=self.kernel)
             done = torch.cuda.Event()  # type: ignore[no-untyped-call]
             done.record(self._stream)
-        t1 = time.perf_counter()
-        self.last.launch = t1 - t0 - self.last.host
+        t3 = time.perf_counter()
+        self.last.launch = t3 - t2
         done.synchronize()
-        self.last.wait = time.perf_counter() - t1
+        self.last.wait = time.perf_counter() - t3
         return ran, runs
