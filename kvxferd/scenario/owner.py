@@ -45,7 +45,6 @@ class OwnerCommand(StrEnum):
     STRAY = "stray"  # notifications that matched no lease
     NOTIFY = "notify"  # (agent name, message): send a NIXL notification
     RELEASED = "released"  # [(request ID, reason, readers done)] so far
-    SUM = "sum"  # (region, byte offsets, length): sum of the selected bytes
     DIGESTS = "digests"  # (region, block IDs, block bytes): BLAKE2b-64 hex per block
 
 
@@ -85,14 +84,6 @@ def quiet_nixl() -> None:
         logging.getLogger("nixl").setLevel(logging.WARNING)
 
 
-def _sum(tensor: torch.Tensor, offsets: Any, length: int) -> int:
-    import torch
-
-    idx = (np.asarray(offsets)[:, None] + np.arange(length)[None, :]).ravel()
-    picked = tensor[torch.from_numpy(idx).to(tensor.device)]
-    return int(picked.to(torch.int64).sum())
-
-
 def _owner_main(spec: OwnerSpec, conn: Connection) -> None:
     import torch
 
@@ -101,12 +92,13 @@ def _owner_main(spec: OwnerSpec, conn: Connection) -> None:
 
     quiet_nixl()
     cuda = cuda_index(spec.device)
-    if cuda is not None:
-        torch.cuda.set_device(cuda)
-    options = AgentOptions(progress_delay_us=spec.progress_delay_us)
-    agent = NixlAgent(spec.name, cuda_device=cuda, options=options)
+    agent: NixlAgent | None = None
     pump: NotificationPump | None = None
-    try:
+    try:  # every failure, the start's included, goes back to the parent
+        if cuda is not None:
+            torch.cuda.set_device(cuda)
+        options = AgentOptions(progress_delay_us=spec.progress_delay_us)
+        agent = NixlAgent(spec.name, cuda_device=cuda, options=options)
         agent.start()
         tensors = [torch.zeros(n, dtype=torch.uint8, device=spec.device) for n in spec.region_bytes]
         if spec.fill:
@@ -142,7 +134,8 @@ def _owner_main(spec: OwnerSpec, conn: Connection) -> None:
     finally:
         if pump is not None:
             pump.stop()
-        agent.close()
+        if agent is not None:
+            agent.close()
 
 
 @dataclass
@@ -173,9 +166,6 @@ def _answer(cmd: str, args: list[Any], o: _Owned) -> Any:
         return None
     if cmd == OwnerCommand.RELEASED:
         return list(o.released)
-    if cmd == OwnerCommand.SUM:
-        region, offsets, length = args
-        return _sum(o.tensors[region], offsets, length)
     if cmd == OwnerCommand.DIGESTS:
         region, blocks, block_bytes = args
         return block_digests(o.tensors[region], blocks, block_bytes)
@@ -225,7 +215,10 @@ class OwnerProcess:
             ) from None
         if isinstance(hello, Exception):
             self.kill()
-            raise RuntimeError(f"owner {self.spec.name} failed to start: {hello!r}")
+            raise RuntimeError(
+                f"owner {self.spec.name} failed to start on {self.spec.device}: {hello!r} "
+                "(a cuda device needs a GPU that torch sees; cpu needs nothing)"
+            )
         self.name, self.metadata, self.regions, self.pid = hello
         return self
 
