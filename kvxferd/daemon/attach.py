@@ -152,9 +152,6 @@ class Attacher:
             att.generation = self.d.slot.fill(Served(built.pool, info), metadata)
             self.d.rebind_staging(built.pool)
             self.attachment = att
-        m = self.d.metrics
-        m.registered_bytes.set(int(rows[:, 1].sum()))
-        m.pool_generation.set(att.generation)
         log.info(
             "engine attached",
             extra=kv(
@@ -260,10 +257,7 @@ class Attacher:
             segments, mappings = att.segments, att.mappings
             att.segments, att.mappings = [], []
             await asyncio.to_thread(drop_memory, segments, mappings, att.memory)
-        m = self.d.metrics
-        m.registered_bytes.set(0)
-        m.pool_generation.set(self.d.slot.generation)
-        m.engine_detaches.labels(cause).inc()
+        self.d.metrics.engine_detaches.labels(cause).inc()
         log.warning(
             "engine detached",
             extra=kv(

@@ -74,7 +74,6 @@ class Owner:
                 continue  # not held through this daemon (cannot happen; be safe)
             release = Release(rel.request_id, rel.reason, held.logical_ids)
             self.p.metrics.lease_releases.labels(rel.reason.value).inc()
-            self.p.metrics.leases_active.set(len(self.p.leases))
             log.info(
                 "lease released",
                 extra=kv(request_id=rel.request_id, reason=rel.reason.value, readers=rel.readers),
@@ -113,7 +112,6 @@ class Owner:
         )
         held = HeldRequest(request_id, tuple(checked), lease)
         self._held[request_id] = held
-        self.p.metrics.leases_active.set(len(self.p.leases))
         log.info(
             "request held",
             extra=kv(request_id=request_id, blocks=[int(a.size) for a in checked], readers=readers),

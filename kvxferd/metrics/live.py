@@ -29,6 +29,9 @@ class LiveState:
     staging: Occupancy | None = None
     # peer address -> (transport serving READs from it, probe READ GB/s; kvxferd.ipc.transport)
     transports: Mapping[str, tuple[str, float]] = field(default_factory=dict)
+    registered_bytes: int = 0  # the KV pool's memory registered with NIXL (0: no pool)
+    staging_ring_bytes: int = 0  # the staging ring's (0: staging disabled)
+    pool_generation: int = 0  # the pool slot's registration generation
 
 
 class LiveSource(Protocol):
@@ -80,6 +83,11 @@ class LiveCollector(Collector):
         for s in ACTIVE_STATES:
             pulls.add_metric([s], state.pulls.get(s, 0))
         yield pulls
+        yield GaugeMetricFamily(
+            "kvxferd_inflight_transfers",
+            "Pulls not yet terminal (the sum of kvxferd_pulls).",
+            value=sum(state.pulls.get(s, 0) for s in ACTIVE_STATES),
+        )
         inflight = GaugeMetricFamily(
             "kvxferd_inflight_bytes",
             "Bytes of READs posted and not yet complete, per peer (the budget is"
@@ -102,6 +110,22 @@ class LiveCollector(Collector):
         yield links
         yield GaugeMetricFamily(
             "kvxferd_leases_active", "Requests held for readers (owner side).", value=state.leases
+        )
+        yield GaugeMetricFamily(
+            "kvxferd_registered_bytes",
+            "KV pool memory registered with NIXL (the staging ring is"
+            " kvxferd_staging_ring_bytes; 0 while an attached daemon has no pool).",
+            value=state.registered_bytes,
+        )
+        yield GaugeMetricFamily(
+            "kvxferd_staging_ring_bytes",
+            "Staging ring memory registered with NIXL (0: staging disabled).",
+            value=state.staging_ring_bytes,
+        )
+        yield GaugeMetricFamily(
+            "kvxferd_pool_generation",
+            "Registration generation of the pool (bumped on every attach and detach).",
+            value=state.pool_generation,
         )
         occ = state.staging
         slots = GaugeMetricFamily(

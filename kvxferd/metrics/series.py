@@ -46,17 +46,15 @@ class Metrics:
     descriptors: Histogram
     naive_descriptors: Counter
     posted_descriptors: Counter
+    # Not exported: kvxferd_inflight_transfers and kvxferd_peers come from LiveCollector. The
+    # reader role still writes these two (daemon/reader.py); drop both once it no longer does.
     inflight_transfers: Gauge
-    peers: Gauge  # not exported: kvxferd_peers comes from LiveCollector
+    peers: Gauge
     handshakes: Counter
-    leases_active: Gauge  # not exported: kvxferd_leases_active comes from LiveCollector
     lease_releases: Counter
     notifications: Counter
     pull_stage_seconds: Histogram
     rpc_errors: Counter
-    registered_bytes: Gauge
-    staging_ring_bytes: Gauge
-    pool_generation: Gauge
     engine_detaches: Counter
     strategy_bytes: Counter
     staged_chunks: Histogram
@@ -161,7 +159,7 @@ class Metrics:
                 "kvxferd_posted_descriptors", "Descriptors actually posted.", registry=r
             ),
             inflight_transfers=Gauge(
-                "kvxferd_inflight_transfers", "Pulls not yet terminal.", registry=r
+                "kvxferd_inflight_transfers", "(superseded by the live series)", registry=None
             ),
             peers=Gauge(
                 "kvxferd_peers", "(superseded by the live series)", ["state"], registry=None
@@ -172,9 +170,6 @@ class Metrics:
                 " and result.",
                 ["side", "result"],
                 registry=r,
-            ),
-            leases_active=Gauge(
-                "kvxferd_leases_active", "(superseded by the live series)", registry=None
             ),
             lease_releases=Counter(
                 "kvxferd_lease_releases",
@@ -203,22 +198,6 @@ class Metrics:
                 "kvxferd_rpc_errors",
                 "gRPC calls that ended in an error, as the servicer answered them.",
                 ["method", "code"],
-                registry=r,
-            ),
-            registered_bytes=Gauge(
-                "kvxferd_registered_bytes",
-                "KV pool memory registered with NIXL (the staging ring is"
-                " kvxferd_staging_ring_bytes).",
-                registry=r,
-            ),
-            staging_ring_bytes=Gauge(
-                "kvxferd_staging_ring_bytes",
-                "Staging ring memory registered with NIXL (0: staging disabled).",
-                registry=r,
-            ),
-            pool_generation=Gauge(
-                "kvxferd_pool_generation",
-                "Registration generation of the pool (bumped on every attach and detach).",
                 registry=r,
             ),
             engine_detaches=Counter(

@@ -46,7 +46,22 @@ def live_source(
             occ = Occupancy(
                 slots=ring.info.chunks, free=ring.free_slots, reader_cap=0, local=ring.taken_slots
             )
-        return LiveState(pulls, inflight, by_state, len(daemon.leases), occ, transports)
+        slot = daemon.slot
+        pool_bytes = slot.current().spec.nbytes if slot.registered else 0
+        ring_bytes = 0
+        if staging is not None and staging.ring is not None:
+            ring_bytes = staging.ring.info.chunks * staging.ring.info.chunk_bytes
+        return LiveState(
+            pulls,
+            inflight,
+            by_state,
+            len(daemon.leases),
+            occ,
+            transports,
+            registered_bytes=pool_bytes,
+            staging_ring_bytes=ring_bytes,
+            pool_generation=slot.generation,
+        )
 
     def source() -> LiveState | None:
         if loop.is_closed():

@@ -99,8 +99,6 @@ async def open_memory(
         ring_row = np.array([ring.info.row()], dtype=np.int64)
         await asyncio.to_thread(agent.register, ring_row, mem)
     engine_rows = np.vstack([rows, ring_row])
-    metrics.registered_bytes.set(int(rows[:, 1].sum()))  # the KV pool only
-    metrics.staging_ring_bytes.set(int(ring_row[:, 1].sum()))
     engine = TransferEngine(
         agent,
         engine_rows,

@@ -233,6 +233,21 @@ async def _traffic(ds: Daemons, first: bool) -> None:
             pass  # refused at StartPull: also fine, the handshake was counted
 
 
+def _wait_leases_released(url: str, timeout_s: float = 10.0) -> None:
+    """Until the daemon at ``url`` holds no lease (its READ_DONE notifications arrived)."""
+    end = time.monotonic() + timeout_s
+    while True:
+        held = [
+            s.value
+            for f in text_string_to_metric_families(_get(url))
+            for s in f.samples
+            if s.name == "kvxferd_leases_active"
+        ]
+        if held == [0.0] or time.monotonic() > end:
+            return  # past the timeout, the assertions on the scrape say what is left
+        time.sleep(0.05)
+
+
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     tmp = tmp_path_factory.mktemp("ops")
@@ -257,6 +272,9 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         asyncio.run(_traffic(ds, first=False))
         if prom is not None:
             time.sleep(3)  # a few scrapes after the traffic
+        # A reader's pull is DONE when its READ completes; the owner ends that reader's share
+        # when the READ_DONE notification arrives, a moment later. Scrape once it has.
+        _wait_leases_released(f"http://{ds['prefill'].metrics}/metrics")
         scrapes = {n: _get(f"http://{ds[n].metrics}/metrics") for n in names}
         yield World(ds, scrapes, prom)
     finally:

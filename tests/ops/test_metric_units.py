@@ -71,3 +71,42 @@ def test_enum_series_exist_at_zero_and_no_created_series() -> None:
 def test_helpers() -> None:
     assert split_method("/kvxferd.v1.Peer/Handshake") == ("kvxferd.v1.Peer", "Handshake")
     assert code_name(5) == "NOT_FOUND" and code_name(None) == "UNKNOWN"
+
+
+def test_every_kvxferd_gauge_is_read_from_live_state_at_scrape_time() -> None:
+    """No gauge is a mirror set in code paths: without a live source only build_info is a
+    kvxferd gauge, and with one each live gauge follows the source from scrape to scrape."""
+    registry = CollectorRegistry()
+    m = Metrics.create(registry, process=False)
+    mirrored = [
+        f.name
+        for f in registry.collect()
+        if f.type == "gauge" and f.name.startswith("kvxferd_") and f.name != "kvxferd_build_info"
+    ]
+    assert mirrored == [], f"gauges set in code paths instead of read live: {mirrored}"
+
+    state = LiveState()
+    m.add_live(lambda: state)
+    text = _text(registry)
+    for family in (
+        "kvxferd_inflight_transfers",
+        "kvxferd_registered_bytes",
+        "kvxferd_staging_ring_bytes",
+        "kvxferd_pool_generation",
+        "kvxferd_leases_active",
+    ):
+        assert f"{family} 0.0" in text, family
+    state = LiveState(
+        pulls={"PENDING": 2, "TRANSFERRING": 3},
+        leases=4,
+        registered_bytes=4096,
+        staging_ring_bytes=512,
+        pool_generation=7,
+    )
+    text = _text(registry)
+    assert "kvxferd_inflight_transfers 5.0" in text
+    assert 'kvxferd_pulls{state="TRANSFERRING"} 3.0' in text
+    assert "kvxferd_leases_active 4.0" in text
+    assert "kvxferd_registered_bytes 4096.0" in text
+    assert "kvxferd_staging_ring_bytes 512.0" in text
+    assert "kvxferd_pool_generation 7.0" in text
