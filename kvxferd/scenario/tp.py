@@ -13,10 +13,12 @@ daemon's reasons, not raised.
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kvxferd.blocks.tp import kv_head_range
 from kvxferd.errors import KvxferdError
@@ -86,6 +88,10 @@ class TPReport:
             and all(not r.mismatches and not r.failures for r in self.decode)
             and all(r.blocks_checked for r in self.decode)
         )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every figure, for ``--json``."""
+        return {**dataclasses.asdict(self), "ok": self.ok}
 
     def lines(self) -> list[str]:
         head = (

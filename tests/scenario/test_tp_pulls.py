@@ -7,6 +7,7 @@ Each ``run_tp`` starts its own daemons (P prefill + D decode processes, NIXL ove
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -89,6 +90,8 @@ def test_ranks_that_hold_nothing_needed_end_done_reading_nothing(report: TPRepor
     key = (report.preset, report.prefill_tp, report.decode_tp)
     assert empty == REQUESTS * expected.get(key, 0), "\n".join(report.lines())
     assert not report.unreleased
+    doc = json.loads(json.dumps(report.to_dict()))  # what `--json` would write
+    assert doc["ok"] and sum(r["empty_pulls"] for r in doc["decode"]) == empty
 
 
 def test_decode_bytes_are_the_prefill_ranks_head_slices() -> None:
