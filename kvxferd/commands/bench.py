@@ -251,10 +251,12 @@ def run(args: argparse.Namespace) -> int:
                 got = measure_daemons(
                     workload,
                     rows_by[strategy],
-                    args,
                     workdir / strategy,
+                    repeat=args.repeat,
+                    seed=args.seed,
+                    verify=not args.no_verify,
                     strategy=strategy,
-                    latency_pulls=None if i == 0 else 0,
+                    latency_pulls=args.latency_pulls if i == 0 else 0,
                 )
             except (BenchFailure, DaemonError, RpcFailure) as exc:
                 # This strategy's rows say why; the other strategies are still measured.

@@ -5,7 +5,6 @@ what ran recorded from the terminal status and ``ListPeers``, then the small-req
 
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 from typing import Any
@@ -69,15 +68,20 @@ def _record_transport(decode: DaemonClient, cells: list[Cell]) -> None:
 def measure_daemons(
     workload: Workload,
     cells: list[Cell],
-    args: argparse.Namespace,
     workdir: Path,
     *,
+    repeat: int,
+    seed: int,
+    verify: bool = True,
     strategy: str = "auto",
-    latency_pulls: int | None = None,
+    latency_pulls: int = 0,
 ) -> dict[str, Any]:
+    """Pull every cell ``repeat`` times through a prefill and a decode daemon running
+    ``transfer.strategy = strategy`` (logs under ``workdir``), verifying each cell's first pull
+    when ``verify``; then ``latency_pulls`` small pulls. Returns the latency figures ({} when
+    none were asked)."""
     pool = f"dense:num_blocks={workload.shape.num_blocks}"
-    pulls = args.latency_pulls if latency_pulls is None else latency_pulls
-    verify = not args.no_verify
+    pulls = latency_pulls
     options = [
         DaemonOptions(
             "prefill",
@@ -105,11 +109,11 @@ def measure_daemons(
         decode = DaemonClient("decode", decode_r.grpc, decode_r.engine_socket)
         puller = DaemonPuller(prefill, decode)
         try:
-            puller.pull(*block_ids(workload, 256, CONTIGUOUS, WARMUP_REP, args.seed))  # handshake
+            puller.pull(*block_ids(workload, 256, CONTIGUOUS, WARMUP_REP, seed))  # handshake
             for cell in cells:
                 say(f"  kvxferd  {cell.tokens:>6} tokens {cell.pattern}")
-                for rep in range(args.repeat):
-                    local, remote = block_ids(workload, cell.tokens, cell.pattern, rep, args.seed)
+                for rep in range(repeat):
+                    local, remote = block_ids(workload, cell.tokens, cell.pattern, rep, seed)
                     out = puller.pull(local, remote)
                     st = out.status
                     cell.kvxferd_gbps.append(st.nbytes / out.seconds / 1e9)
@@ -127,7 +131,7 @@ def measure_daemons(
                             f" the request is {cell.nbytes}"
                         )
                     if verify and rep == 0:
-                        cell.mismatches = puller.verify(local, remote, args.seed + rep)
+                        cell.mismatches = puller.verify(local, remote, seed + rep)
                         if cell.mismatches:
                             raise BenchFailure(
                                 f"kvxferd {cell.tokens} tokens {cell.pattern}: {cell.mismatches}"
@@ -143,7 +147,7 @@ def measure_daemons(
             stages_ms: dict[str, list[float]] = {}  # the daemon's per-pull stages
             tokens = SMALL_BLOCKS * workload.spec.groups[0].kernel_block_size
             for rep in range(pulls):
-                local, remote = block_ids(workload, tokens, FRAGMENTED, 1000 + rep, args.seed)
+                local, remote = block_ids(workload, tokens, FRAGMENTED, 1000 + rep, seed)
                 out = puller.pull(local, remote)
                 client_ms.append(out.seconds * 1e3)
                 server_ms.append(out.server_seconds * 1e3)
