@@ -19,12 +19,15 @@ the planner for every TP pair and model kind.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvxferd.client import (
+    AsyncSchedulerClient,
     ErrorInfo,
     KvxferdRpcError,
     SchedulerClient,
@@ -200,6 +203,37 @@ def combine(
     return RankedPull(TransferState.DONE, None, None, invalid, dict(statuses))
 
 
+def _needed(
+    holds: Mapping[int, RankHold], model: TPModel, local_rank: int, local_tp: int, remote_tp: int
+) -> tuple[int, ...]:
+    need = ranks_to_pull(model, local_rank, local_tp, remote_tp)
+    missing = [r for r in need if r not in holds]
+    if missing:
+        raise ValueError(
+            f"decode rank {local_rank}/{local_tp} pulls from prefill ranks {list(need)} of"
+            f" {remote_tp}, but there is no Hold for ranks {missing}; hold the request on every"
+            " prefill rank (expected_readers from hold_readers()) and pass each HoldResponse"
+        )
+    return need
+
+
+def _start_args(
+    h: RankHold, local_block_ids: Sequence[Sequence[int]], tid: str, deadline_ms: int
+) -> dict[str, Any]:
+    return {
+        "request_id": h.request_id,
+        "peer_address": h.peer_address,
+        "remote_block_ids": h.remote_block_ids,
+        "local_block_ids": local_block_ids,
+        "transfer_id": tid,
+        "deadline_ms": deadline_ms,
+    }
+
+
+def _refusal(exc: KvxferdRpcError) -> ErrorInfo:
+    return exc.error or ErrorInfo(exc.code.name, exc.details)
+
+
 def pull_from_ranks(
     client: SchedulerClient,
     holds: Mapping[int, RankHold],
@@ -224,31 +258,17 @@ def pull_from_ranks(
     cancelled, so a failed rank can be pulled again alone (docs/tp.md §3). Raises
     ``TimeoutError`` when the pulls are not all terminal within ``timeout_s``.
     """
-    need = ranks_to_pull(model, local_rank, local_tp, remote_tp)
-    missing = [r for r in need if r not in holds]
-    if missing:
-        raise ValueError(
-            f"decode rank {local_rank}/{local_tp} pulls from prefill ranks {list(need)} of"
-            f" {remote_tp}, but there is no Hold for ranks {missing}; hold the request on every"
-            " prefill rank (expected_readers from hold_readers()) and pass each HoldResponse"
-        )
+    need = _needed(holds, model, local_rank, local_tp, remote_tp)
     base = transfer_id or uuid.uuid4().hex
     started: dict[int, str] = {}
     refused: tuple[int, ErrorInfo] | None = None
     for r in need:
-        h = holds[r]
         try:
             got = client.start_pull(
-                request_id=h.request_id,
-                peer_address=h.peer_address,
-                remote_block_ids=h.remote_block_ids,
-                local_block_ids=local_block_ids,
-                transfer_id=f"{base}.r{r}",
-                deadline_ms=deadline_ms,
+                **_start_args(holds[r], local_block_ids, f"{base}.r{r}", deadline_ms)
             )
         except KvxferdRpcError as exc:
-            if refused is None:
-                refused = (r, exc.error or ErrorInfo(exc.code.name, exc.details))
+            refused = refused or (r, _refusal(exc))
             continue
         started[r] = got.status.transfer_id
     deadline = time.monotonic() + timeout_s
@@ -257,3 +277,40 @@ def pull_from_ranks(
         for r, tid in started.items()
     }
     return combine(statuses, refused)
+
+
+async def pull_from_ranks_async(
+    client: AsyncSchedulerClient,
+    holds: Mapping[int, RankHold],
+    local_block_ids: Sequence[Sequence[int]],
+    *,
+    model: TPModel,
+    local_rank: int,
+    local_tp: int,
+    remote_tp: int,
+    transfer_id: str = "",
+    deadline_ms: int = 0,
+    timeout_s: float = 60.0,
+) -> RankedPull:
+    """:func:`pull_from_ranks` for asyncio: the StartPulls go out together, and the pulls are
+    awaited together."""
+    need = _needed(holds, model, local_rank, local_tp, remote_tp)
+    base = transfer_id or uuid.uuid4().hex
+    answers = await asyncio.gather(
+        *(
+            client.start_pull(**_start_args(holds[r], local_block_ids, f"{base}.r{r}", deadline_ms))
+            for r in need
+        ),
+        return_exceptions=True,
+    )
+    started: dict[int, str] = {}
+    refused: tuple[int, ErrorInfo] | None = None
+    for r, got in zip(need, answers, strict=True):
+        if isinstance(got, KvxferdRpcError):
+            refused = refused or (r, _refusal(got))
+        elif isinstance(got, BaseException):
+            raise got
+        else:
+            started[r] = got.status.transfer_id
+    done = await asyncio.gather(*(client.wait(tid, timeout_s) for tid in started.values()))
+    return combine(dict(zip(started, done, strict=True)), refused)

@@ -7,6 +7,7 @@ Each ``run_tp`` starts its own daemons (P prefill + D decode processes, NIXL ove
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,8 +16,16 @@ import numpy as np
 import pytest
 
 from kvxferd.blocks.tp import kv_head_range
-from kvxferd.client import SchedulerClient, TransferState
-from kvxferd.client.ranks import RankHold, TPModel, hold_readers, pull_from_ranks, ranks_to_pull
+from kvxferd.client import AsyncSchedulerClient, SchedulerClient, TransferState
+from kvxferd.client.ranks import (
+    RankedPull,
+    RankHold,
+    TPModel,
+    hold_readers,
+    pull_from_ranks,
+    pull_from_ranks_async,
+    ranks_to_pull,
+)
 from kvxferd.layout.spec import KVCacheSpec
 from kvxferd.scenario.client import DaemonClient, ReleaseWatcher
 from kvxferd.scenario.daemons import DaemonOptions, DaemonSet
@@ -261,3 +270,35 @@ def test_pull_from_ranks_reports_the_first_failure(mla: _Mla2To1) -> None:
     assert out.state is TransferState.FAILED and out.failed_rank == 1, out
     assert out.error is not None and "not held" in out.error.message, out.error
     assert out.statuses[0].state is TransferState.DONE
+
+
+@pytest.mark.slow
+def test_pull_from_ranks_async_pulls_every_rank_together(mla: _Mla2To1) -> None:
+    model = TPModel(mla=True)
+    req = mla.reqs[3]
+    holds = {}
+    for r in range(2):
+        h = mla.client(f"p{r}").hold(req.request_id, req.remote_ids)
+        holds[r] = RankHold(h.peer_address, h.request_id, [list(req.remote_ids[0])])
+    ready = mla.ready["d0"]
+    assert ready is not None
+
+    async def go() -> RankedPull:
+        async with AsyncSchedulerClient(ready.grpc) as decode:
+            return await pull_from_ranks_async(
+                decode,
+                holds,
+                [list(req.local_ids[0])],
+                model=model,
+                local_rank=0,
+                local_tp=1,
+                remote_tp=2,
+                transfer_id="async-1",
+                timeout_s=60,
+            )
+
+    out = asyncio.run(go())
+    assert out.state is TransferState.DONE, out
+    assert {r: s.transfer_id for r, s in out.statuses.items()} == {0: "async-1.r0", 1: "async-1.r1"}
+    ids = kernel_ids(mla.d_spec, 0, req.local_ids[0])
+    assert mla.client("d0").checksum(0, ids) == group_digests(mla.d_spec, 0, range(len(ids)), 0, 9)
