@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import io
 import logging
 import re
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -73,3 +75,43 @@ def test_traceback_lines_are_indented() -> None:
     lines = stream.getvalue().splitlines()
     assert lines[0].endswith("failed request_id=r")
     assert all(line.startswith("    | ") for line in lines[1:]), lines
+
+
+_LEVELS = {"debug", "info", "warning", "error", "exception", "critical"}
+# kvxferd.vllm runs inside vLLM's process and logs through vLLM's handlers, which print the
+# message alone: there the values belong in the message.
+_OWN_HANDLERS_ONLY = ("vllm",)
+
+
+def _printf_style_log_calls(path: Path) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        if not (isinstance(node.func.value, ast.Name) and node.func.value.id in ("log", "logger")):
+            continue
+        method = node.func.attr
+        if method not in _LEVELS and method != "log":
+            continue
+        args = node.args[1:] if method == "log" else node.args
+        if not args:
+            continue
+        msg = args[0]
+        text = msg.value if isinstance(msg, ast.Constant) and isinstance(msg.value, str) else ""
+        if len(args) > 1 or "event=" in text or isinstance(msg, ast.JoinedStr):
+            found.append(f"{path}:{node.lineno}: {ast.unparse(node)[:100]}")
+    return found
+
+
+def test_kvxferd_logs_a_fixed_message_with_its_values_as_fields() -> None:
+    """One structured style: ``log.info("pull done", extra=kv(...))``, never values formatted
+    into the message (printf arguments, f-strings, ``event=...`` text), which arrive as one
+    unqueryable string in the JSON stream."""
+    root = Path(__file__).resolve().parents[1] / "kvxferd"
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if rel.parts[0] in _OWN_HANDLERS_ONLY or rel.parts[0] == "v1":
+            continue
+        found += _printf_style_log_calls(path)
+    assert not found, "pass the values as extra=kv(...) fields instead:\n" + "\n".join(found)

@@ -112,7 +112,7 @@ class Owner:
         )
         held = HeldRequest(request_id, tuple(checked), lease)
         self._held[request_id] = held
-        log.info(
+        log.debug(  # the release is the request's one INFO line on this side
             "request held",
             extra=kv(request_id=request_id, blocks=[int(a.size) for a in checked], readers=readers),
         )

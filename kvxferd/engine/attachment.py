@@ -18,6 +18,7 @@ from kvxferd.engine.shared import forget_shared
 from kvxferd.engine.values import HoldTicket, ReleaseEvent
 from kvxferd.errors import EngineDetached, KvxferdError
 from kvxferd.layout.spec import KVCacheSpec, MemoryType
+from kvxferd.logs import kv
 from kvxferd.v1 import common_pb2, engine_pb2
 from kvxferd.wire.codec import group_ids_from_proto, group_ids_to_proto
 
@@ -167,7 +168,7 @@ class Attachment:
             try:
                 self.detach(force=True)
             except KvxferdError as err:
-                log.warning("detach on exit failed: %s", err)
+                log.warning("detach on exit failed", extra=kv(error=str(err)))
                 self._end("closed")
 
 

@@ -59,7 +59,7 @@ class NotificationPump:
         try:
             notifs = self._agent.get_notifs()
         except KvxferdError as err:
-            log.warning("event=notif_poll_failed error=%s", err)
+            log.warning("notification poll failed", extra=kv(error=str(err)))
             notifs = {}
         for sender, msgs in notifs.items():
             for msg in msgs:

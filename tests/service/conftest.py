@@ -23,6 +23,7 @@ class Daemon:
     engine_socket: str
     metrics: str
     alive: object  # () -> bool
+    log: Path  # its stdout and stderr (JSON log lines)
 
 
 @dataclass
@@ -34,7 +35,7 @@ class Daemons:
     def __getitem__(self, name: str) -> Daemon:
         d = self.set[name]
         assert d.ready is not None
-        return Daemon(d.ready.grpc, d.ready.engine_socket, d.ready.metrics, d.alive)
+        return Daemon(d.ready.grpc, d.ready.engine_socket, d.ready.metrics, d.alive, d.log_path)
 
     def stop(self) -> None:
         self.set.stop()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import urllib.request
 from collections.abc import Sequence
@@ -215,5 +216,43 @@ def test_a_pull_reports_where_its_time_went(pair: tuple[Daemon, Daemon]) -> None
         assert sum(s.seconds for s in done.stages) <= total + 0.05
         after = _stage_counts(pair[1].metrics)
         assert {k: after.get(k, 0) - before.get(k, 0) for k in stages} == dict.fromkeys(stages, 1)
+
+    run(go())
+
+
+def _info_lines(daemon: Daemon, start: int) -> list[dict[str, object]]:
+    """INFO (and louder) records the daemon logged after byte ``start`` of its log."""
+    text = daemon.log.read_bytes()[start:].decode(errors="replace")
+    out = []
+    for line in text.splitlines():
+        if line.startswith("{"):
+            rec = json.loads(line)
+            if rec.get("level") in ("info", "warning", "error", "critical"):
+                out.append(rec)
+    return out
+
+
+def test_a_pull_logs_at_most_one_info_line_per_daemon(pair: tuple[Daemon, Daemon]) -> None:
+    """In the normal case each daemon says one thing per request at INFO (the reader: the
+    pull's end; the owner: the release); the steps in between are DEBUG."""
+
+    async def go() -> None:
+        c = Client(*pair)
+        warm = await c.hold("req-log-warm", [30, 31])  # first pull: peer lines, once per peer
+        assert (await c.wait((await c.pull(warm, [30, 31])).transfer_id)).state == (
+            scheduler_pb2.TRANSFER_STATE_DONE
+        )
+        time.sleep(0.5)
+        marks = [d.log.stat().st_size for d in pair]
+        held = await c.hold("req-log", [32, 33, 34])
+        done = await c.wait((await c.pull(held, [40, 41, 42])).transfer_id)
+        assert done.state == scheduler_pb2.TRANSFER_STATE_DONE, done.error.message
+        time.sleep(0.5)  # the owner's release follows the READ_DONE notification
+        seen = []
+        for daemon, mark in zip(pair, marks, strict=True):
+            lines = _info_lines(daemon, mark)
+            assert len(lines) <= 1, f"{daemon.grpc} logged {len(lines)} INFO lines: {lines}"
+            seen += lines
+        assert any(line.get("request_id") == "req-log" for line in seen), seen  # not silent
 
     run(go())
