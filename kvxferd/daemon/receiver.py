@@ -35,6 +35,7 @@ from kvxferd.daemon.peers import PeerLink
 from kvxferd.errors import DeadlineExceeded, KvxferdError
 from kvxferd.logs import kv
 from kvxferd.transfer import TransferResult, TransferStatus, notify
+from kvxferd.transfer.descriptors import coalesce
 from kvxferd.v1 import peer_pb2
 from kvxferd.wire.codec import group_ids_to_proto
 
@@ -50,6 +51,20 @@ def write_timeout_s(left_s: float) -> float:
     """How long the owner's WRITE may take when the pull has ``left_s``: a quarter of it kept
     back (50 ms to 1 s), so the owner gives up on its WRITE before this pull's deadline."""
     return left_s - min(MAX_WRITE_MARGIN_S, max(MIN_WRITE_MARGIN_S, left_s / 4))
+
+
+def descriptors(plan: TransferPlan) -> int:
+    """How many descriptors the owner posts for ``plan`` (ranges coalesced as it does)."""
+    return sum(coalesce(r.local_offset, r.remote_offset, r.length)[0].size for r in plan.ranges)
+
+
+def _answered(call: asyncio.Task[peer_pb2.PushResponse]) -> None:
+    """The owner's late answer to a push that already landed: only logged."""
+    if call.cancelled():
+        return
+    err = call.exception()
+    if err is not None:
+        log.info("the owner answered a landed push with an error", extra=kv(error=str(err)))
 
 
 @dataclass
@@ -75,6 +90,10 @@ class PushReceiver:
         """Request ID -> local blocks under a push not yet landed."""
         with self._lock:
             return {x.request_id: x.blocks for x in self._leases.values()}
+
+    def expecting(self) -> bool:
+        """Whether a WRITE_DONE is due (the pump then polls notifications back to back)."""
+        return bool(self._leases)
 
     def landed(self, sender: str, note: notify.Notification) -> bool:
         """A WRITE_DONE notification (NIXL thread): True if it completed a push we wait for."""
@@ -161,7 +180,9 @@ class PushReceiver:
                         fix="raise deadline_ms, or check the prefill daemon's health and load",
                     ),
                 )
-            resp = await self._response(call, deadline)
+            # Landed: DONE now. The owner's answer follows (it ends our share when it saw its
+            # WRITE complete); cancelling the call would stop that, so it is left to finish.
+            call.add_done_callback(_answered)
             return self._end(
                 transfer_id,
                 agent,
@@ -169,29 +190,14 @@ class PushReceiver:
                 TransferStatus.DONE,
                 posted=posted,
                 completed=lease.landed.result(),
-                descriptors=resp.descriptors if resp is not None else 0,
+                descriptors=descriptors(plan),
             )
         finally:
             with self._lock:
                 self._leases.pop(ticket, None)
             self._calls.pop(transfer_id, None)
-            if not call.done():
+            if not call.done() and not lease.landed.done():
                 call.cancel()
-
-    @staticmethod
-    async def _response(
-        call: asyncio.Task[peer_pb2.PushResponse], deadline: float
-    ) -> peer_pb2.PushResponse | None:
-        """The owner's answer, for its figures; the notification already proved the write."""
-        try:
-            return await asyncio.wait_for(
-                asyncio.shield(call), max(1e-3, min(1.0, deadline - time.monotonic()))
-            )
-        except (TimeoutError, KvxferdError, asyncio.CancelledError) as err:
-            if isinstance(err, asyncio.CancelledError) and not call.cancelled():
-                raise
-            log.info("push landed before the owner answered", extra=kv(error=str(err)))
-            return None
 
     @staticmethod
     def _end(

@@ -183,6 +183,7 @@ async def _build(
     address = cfg.server.advertise or hostport(host, bound)
     daemon = compose_daemon(cfg, memory, leases, metrics, address)
     pump.on_write_done = daemon.reader.receiver.landed  # push mode: a WRITE landed here
+    pump.expecting = daemon.reader.receiver.expecting
 
     async def probe(link: PeerLink, remote: RemoteDescription) -> TransportReport:
         """Which transport serves READs from a handshaken peer (kvxferd.ipc.transport)."""

@@ -7,8 +7,10 @@ name is logged, never trusted), and reaps expired shares and leases every ``reap
 Undecodable and stray messages are dropped and reported to ``on_result``
 (``counted``/``stray``/``undecodable``) for the metrics. WRITE_DONE notifications (push mode:
 an owner finished writing into this daemon's blocks) go to ``on_write_done(sender, note)``,
-which says whether they completed a push this daemon is waiting for. :class:`ReleaseFeed` turns the
-table's release callbacks into an async iterator for the service layer.
+which says whether they completed a push this daemon is waiting for; while ``expecting()`` says
+one is due, the pump polls back to back (``busy_poll_s``) instead of at the agent's idle pace.
+:class:`ReleaseFeed` turns the table's release callbacks into an async iterator for the service
+layer.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ class NotificationPump:
     ) -> None:
         self.on_result = on_result
         self.on_write_done: Callable[[str, notify.Notification], bool] | None = None
+        self.expecting: Callable[[], bool] | None = None
+        self.busy_poll_s = 20e-6
         self._agent = agent
         self._leases = leases
         self._reap_interval_s = reap_interval_s
@@ -98,6 +102,8 @@ class NotificationPump:
         if now >= self._next_reap:
             self._leases.reap()
             self._next_reap = now + self._reap_interval_s
+        if self.expecting is not None and self.expecting():
+            return self.busy_poll_s  # a WRITE_DONE is due: do not sleep the idle wait
         return None
 
     def _report(self, result: str) -> None:

@@ -11,10 +11,10 @@ from kvxferd.scenario.daemons import DaemonOptions
 from tests.service.conftest import Daemons, launch
 
 
-def mode_config(tmp: Path, mode: str) -> tuple[str, ...]:
-    """``--config`` flags of a file setting ``transfer.mode``."""
-    path = tmp / f"{mode}.toml"
-    path.write_text(f'[transfer]\nmode = "{mode}"\n', encoding="utf-8")
+def mode_config(tmp: Path, mode: str, strategy: str = "auto") -> tuple[str, ...]:
+    """``--config`` flags of a file setting ``transfer.mode`` (and ``transfer.strategy``)."""
+    path = tmp / f"{mode}-{strategy}.toml"
+    path.write_text(f'[transfer]\nmode = "{mode}"\nstrategy = "{strategy}"\n', encoding="utf-8")
     return ("--config", str(path))
 
 

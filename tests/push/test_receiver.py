@@ -213,5 +213,5 @@ def test_the_owner_write_timeout_ends_before_the_pull(left: float) -> None:
     t = write_timeout_s(left)
     assert t < left  # the owner's WRITE is cancelled before this pull can expire
     assert left - t <= 1.0 + 1e-9  # and keeps all but at most a second of it
-    if left >= 0.1:
+    if left >= 0.2:  # below, the 50 ms floor of the margin takes more than a quarter
         assert t >= left * 0.75 - 1e-9
