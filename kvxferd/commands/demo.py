@@ -48,12 +48,14 @@ from kvxferd.scenario.demo_results import (
 )
 from kvxferd.scenario.mix import request_mix
 from kvxferd.scenario.report import Progress, fmt, human_bytes, json_safe
+from kvxferd.scenario.tp import run_tp
 
 _EXAMPLES = """\
 examples:
   kvxferd demo                          dense Llama-3-8B-shaped pools, 12 requests
   kvxferd demo --preset hybrid          attention + Mamba, ppl 34 (decode) vs 66 (prefill)
   kvxferd demo --requests 6 --num-blocks 64 --quiet --json demo.json
+  kvxferd demo --tp 2:1 --preset mla    one daemon per TP rank: 2 prefill, 1 decode (docs/tp.md)
 """
 
 
@@ -62,6 +64,22 @@ def _num_blocks(text: str) -> int:
     if n < MIN_NUM_BLOCKS:
         raise argparse.ArgumentTypeError(f"--num-blocks must be at least {MIN_NUM_BLOCKS}")
     return n
+
+
+TP_PRESETS = ("dense", "mla", "hybrid")
+
+
+def _tp_shape(text: str) -> tuple[int, int]:
+    p, sep, d = text.partition(":")
+    try:
+        shape = (positive_int(p), positive_int(d)) if sep else None
+    except argparse.ArgumentTypeError:
+        shape = None
+    if shape is None or max(shape) % min(shape):
+        raise argparse.ArgumentTypeError(
+            f"--tp {text!r}: give prefill:decode TP sizes where one divides the other, e.g. 2:1"
+        )
+    return shape
 
 
 def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
@@ -129,6 +147,14 @@ def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
         " kvxferd's connector beside vLLM's NixlConnector (docs/vllm.md)",
     )
     p.add_argument(
+        "--tp",
+        type=_tp_shape,
+        metavar="P:D",
+        help="one daemon per TP rank, P prefill and D decode (e.g. 2:1, 1:2, 4:1; presets"
+        f" {', '.join(TP_PRESETS)}): every decode rank pulls from the prefill ranks holding its"
+        " heads, every pulled block of every rank verified by Checksum (docs/tp.md)",
+    )
+    p.add_argument(
         "--ready-timeout",
         type=float,
         default=120.0,
@@ -160,6 +186,8 @@ def run(args: argparse.Namespace) -> int:
         from kvxferd.commands import demo_vllm
 
         return demo_vllm.run(args)
+    if getattr(args, "tp", None) is not None:
+        return _run_tp(args)
     num_blocks: int = args.num_blocks or DEFAULT_NUM_BLOCKS[args.preset]
     pair = demo_pair(args.preset, num_blocks, device=args.device, seed=args.seed)
     refusal = refusal_pair()
@@ -281,6 +309,33 @@ def run(args: argparse.Namespace) -> int:
     elif temporary:
         shutil.rmtree(workdir, ignore_errors=True)
     return 0 if not errors else 1
+
+
+def _run_tp(args: argparse.Namespace) -> int:
+    p, d = args.tp
+    if args.preset not in TP_PRESETS:
+        print(
+            f"kvxferd demo: error: --tp runs the presets {', '.join(TP_PRESETS)}, not"
+            f" {args.preset!r}",
+            file=sys.stderr,
+        )
+        return 2
+    print(
+        f"kvxferd demo: TP {p}:{d}, preset {args.preset}, {args.requests} requests: starting"
+        f" {p + d} daemons (one per rank) ...",
+        flush=True,
+    )
+    try:
+        report = run_tp(p, d, args.preset, requests=args.requests, seed=args.seed)
+    except DaemonError as exc:
+        print(f"kvxferd demo: error: {exc}", file=sys.stderr)
+        return 1
+    for line in report.lines():
+        print(line)
+    print(f"result: {'OK' if report.ok else 'FAILED'}")
+    if args.json:
+        args.json.write_text(json.dumps(json_safe(report.to_dict()), indent=2) + "\n")
+    return 0 if report.ok else 1
 
 
 def _print_summary(doc: dict[str, Any], results: list[RequestResult], out: Any) -> None:

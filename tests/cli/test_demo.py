@@ -288,6 +288,29 @@ def test_table_and_progress_lines() -> None:
     assert quiet.getvalue() == ""
 
 
+@pytest.mark.slow
+def test_demo_tp_two_prefill_ranks_to_one_decode_rank(tmp_path: Path) -> None:
+    """``--tp 2:1``: three daemons, the decode rank reads half its heads from each prefill rank,
+    every block verified (docs/tp.md)."""
+    out = tmp_path / "tp.json"
+    cmd = [sys.executable, "-m", "kvxferd", "demo", "--tp", "2:1", "--requests", "2"]
+    proc = subprocess.run(
+        [*cmd, "--json", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=DEMO_TIMEOUT_S,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "result: OK" in proc.stdout
+    doc = json.loads(out.read_text())
+    assert doc["ok"] is True and (doc["prefill_tp"], doc["decode_tp"]) == (2, 1)
+    (rank,) = doc["decode"]
+    assert rank["blocks_checked"] > 0 and not rank["mismatches"]
+    assert sorted({s for v in rank["sources"].values() for s in v}) == [0, 1]
+
+
 def test_arguments() -> None:
     parser = argparse.ArgumentParser()
     demo.add_parser(parser.add_subparsers())
@@ -295,7 +318,15 @@ def test_arguments() -> None:
     assert (args.preset, args.requests, args.num_blocks, args.seed) == ("dense", 12, None, 0)
     args = parser.parse_args(["demo", "--preset", "hybrid", "--requests", "3", "--quiet"])
     assert (args.preset, args.requests, args.quiet) == ("hybrid", 3, True)
-    for bad in (["--requests", "0"], ["--num-blocks", "4"], ["--preset", "nope"]):
+    assert parser.parse_args(["demo", "--tp", "4:1"]).tp == (4, 1)
+    for bad in (
+        ["--requests", "0"],
+        ["--num-blocks", "4"],
+        ["--preset", "nope"],
+        ["--tp", "3:2"],
+        ["--tp", "2"],
+        ["--tp", "0:1"],
+    ):
         with pytest.raises(SystemExit):
             parser.parse_args(["demo", *bad])
 
