@@ -122,6 +122,7 @@ class Pusher:
         self.owner = owner
         self._connect = connect
         self._loaded: dict[str, tuple[str, str, int]] = {}  # agent -> the incarnation loaded
+        self._loading = asyncio.Lock()  # a second load of one agent cancels WRITEs to it
 
     async def push(self, session: PeerSession, order: PushOrder) -> Pushed:
         """Check everything, then WRITE and wait for the WRITE to complete (see the module)."""
@@ -229,7 +230,8 @@ class Pusher:
     async def _load(self, remote: RemoteDescription) -> None:
         """Load the caller's NIXL metadata and regions once per incarnation (a pull-mode owner
         never does: only a writer needs them)."""
-        if self._loaded.get(remote.agent_name) == remote.key:
-            return
-        await asyncio.to_thread(self._connect, remote)
-        self._loaded[remote.agent_name] = remote.key
+        async with self._loading:
+            if self._loaded.get(remote.agent_name) == remote.key:
+                return
+            await asyncio.to_thread(self._connect, remote)
+            self._loaded[remote.agent_name] = remote.key

@@ -48,13 +48,25 @@ def test_push_writes_exactly_the_requested_bytes(
     run(go())
 
 
-def test_push_of_a_hybrid_request_is_byte_exact(push: Daemons) -> None:
+def test_concurrent_hybrid_pushes_are_byte_exact(push: Daemons) -> None:
+    """Three pushes at once, the first this pair ever runs: the prefill daemon loads the
+    decode daemon's NIXL metadata once, and no push cancels another's WRITE."""
+
     async def go() -> None:
         c = Client(push["h-prefill"], push["h-decode"])
-        remote, local = [[3, 11, 7], [5]], [[14, 0, 9], [2]]
-        done = await c.pull(await c.hold("push-hybrid", remote), local)
-        assert done.state == scheduler_pb2.TRANSFER_STATE_DONE, done.error.message
-        assert await c.same(remote, local)
+        pairs = [
+            ([[3, 11, 7], [5]], [[14, 0, 9], [2]]),
+            ([[1, 2], [0]], [[4, 5], [1]]),
+            ([[8, 6, 12, 13], [3]], [[7, 3, 10, 15], [6]]),
+        ]
+        helds = [await c.hold(f"push-hybrid-{i}", r) for i, (r, _) in enumerate(pairs)]
+        starts = await asyncio.gather(
+            *(c.start(h, lo) for h, (_, lo) in zip(helds, pairs, strict=True))
+        )
+        for st, (remote, local) in zip(starts, pairs, strict=True):
+            done = await c.wait(st.transfer_id)
+            assert done.state == scheduler_pb2.TRANSFER_STATE_DONE, done.error.message
+            assert await c.same(remote, local)
 
     run(go())
 
