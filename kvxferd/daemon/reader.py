@@ -357,7 +357,8 @@ class Reader:
                 )
                 stages.at("post", result.posted_at)
                 stages.at("transfer", result.completed_at)
-                share.ticket = 0 if result.status is TransferStatus.DONE else share.ticket
+                if result.status is TransferStatus.DONE:
+                    share.ticket = 0  # the owner ended our share itself when its WRITE completed
             elif staged is not None and staged.choice.strategy is Strategy.KERNEL:
                 # KERNEL (kvxferd.ipc): one SM copy from the owner's regions mapped over CUDA IPC.
                 assert self.p.staging is not None and link.remote is not None
