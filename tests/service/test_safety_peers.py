@@ -87,7 +87,7 @@ def test_a_restarted_owner_is_handshaken_again_before_the_first_read(tmp_path: P
     def view(ds: DaemonSet) -> Daemon:
         d = ds["prefill"]
         assert d.ready is not None
-        return Daemon(d.ready.grpc, d.ready.engine_socket, d.ready.metrics, d.alive)
+        return Daemon(d.ready.grpc, d.ready.engine_socket, d.ready.metrics, d.alive, d.log_path)
 
     first = prefill(tmp_path / "p1", seed=31)
     second: DaemonSet | None = None
