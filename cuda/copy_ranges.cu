@@ -24,9 +24,14 @@
 // the whole warp); vectors past a short piece's end are skipped. Every thread issues
 // kIpcUnroll independent loads before its first store; loads and stores are streaming (.cs).
 //
-// kCtaPerPiece (the previous kernel, kept for the benchmark's comparison): CTA b copies
-// pieces b, b + grid, ... each by all its kThreads threads in tiles. Measured (one H100, 1 GiB):
-// 383 GB/s for 64 KiB random pieces and 681 GB/s contiguous, 0.27 / 0.47 of the raw copy.
+// kCtaPerPiece (the first kernel, kept for the benchmark's comparison): CTA b copies pieces
+// b, b + grid, ... each by all its kThreads threads in tiles.
+//
+// Measured side by side (docs/benchmarks.md, "Issue 13, second pass"; one H100, 1 GiB read over
+// CUDA IPC): both kernels 0.54-0.65 of the raw copy on random 64 KiB blocks and 0.73-0.86 on
+// contiguous runs, the same within the run-to-run spread. The 0.27 / 0.47 measured before was
+// mostly host work inside the call (three gcd per row where one OR now is, and per-call
+// checks of the region tensors).
 //
 // Errors: "" on success or a message, as in staging.cu (and for the same reason: no
 // TORCH_CHECK with numbers; see the comment there).
