@@ -74,7 +74,9 @@ class Owner:
                 continue  # not held through this daemon (cannot happen; be safe)
             release = Release(rel.request_id, rel.reason, held.logical_ids)
             self.p.metrics.lease_releases.labels(rel.reason.value).inc()
-            log.info(
+            # Read as asked: the hold was this request's INFO line. Anything else stands out.
+            log.log(
+                logging.DEBUG if rel.reason is ReleaseReason.DONE else logging.INFO,
                 "lease released",
                 extra=kv(request_id=rel.request_id, reason=rel.reason.value, readers=rel.readers),
             )
@@ -112,7 +114,7 @@ class Owner:
         )
         held = HeldRequest(request_id, tuple(checked), lease)
         self._held[request_id] = held
-        log.debug(  # the release is the request's one INFO line on this side
+        log.info(
             "request held",
             extra=kv(request_id=request_id, blocks=[int(a.size) for a in checked], readers=readers),
         )

@@ -233,8 +233,8 @@ def _info_lines(daemon: Daemon, start: int) -> list[dict[str, object]]:
 
 
 def test_a_pull_logs_at_most_one_info_line_per_daemon(pair: tuple[Daemon, Daemon]) -> None:
-    """In the normal case each daemon says one thing per request at INFO (the reader: the
-    pull's end; the owner: the release); the steps in between are DEBUG."""
+    """In the normal case each daemon says at most one thing per request at INFO (the owner:
+    the hold; a release that is not DONE stands out); the steps of a pull are DEBUG."""
 
     async def go() -> None:
         c = Client(*pair)
@@ -247,7 +247,7 @@ def test_a_pull_logs_at_most_one_info_line_per_daemon(pair: tuple[Daemon, Daemon
         held = await c.hold("req-log", [32, 33, 34])
         done = await c.wait((await c.pull(held, [40, 41, 42])).transfer_id)
         assert done.state == scheduler_pb2.TRANSFER_STATE_DONE, done.error.message
-        time.sleep(0.5)  # the owner's release follows the READ_DONE notification
+        time.sleep(0.5)  # the owner's release follows the READ_DONE notification: not INFO
         seen = []
         for daemon, mark in zip(pair, marks, strict=True):
             lines = _info_lines(daemon, mark)
