@@ -215,3 +215,28 @@ def test_vectorised_pieces_equal_per_region_coalescing(seed: int) -> None:
     )
     want, want_runs = _pieces_reference(plan, 3000)
     assert got == want and runs == want_runs and rc.pieces == len(want)
+
+
+def test_regions_are_prepared_at_handshake_and_kept_per_generation() -> None:
+    """prepare() maps and checks the peer's regions once; pulls of that generation reuse them
+    (no per-pull validation of every region), a new generation replaces them, and the pull
+    reports where its time went."""
+    owner, reader_pool = _pools(SPECS["dense"])
+    host = FakeHost()
+    ipc1, ipc2 = export_pool(host, owner, "gen1"), export_pool(host, owner, "gen2")
+    reader = _reader(host, reader_pool)
+    assert reader.prepare(("owner-agent", "i1", 1), ipc1) is None
+    prepared = reader._src
+    assert prepared is not None and len(prepared[1]) == len(owner.spec.regions)
+    plan = plan_pull(owner.spec, owner.spec, [[1, 2]], [[3, 5]], prefix_caching=False)
+    part = plan.per_rank[0]
+    result = asyncio.run(reader.pull(_job(ipc1), part, plan.local_kernel_blocks))
+    assert result.status is TransferStatus.DONE, result.reason
+    assert reader._src is prepared  # the same checked regions, not rebuilt
+    last = reader.last
+    assert last.pieces > 0 and last.call >= last.cut + last.launch > 0
+    result = asyncio.run(reader.pull(_job(ipc2, generation=2), part, plan.local_kernel_blocks))
+    assert result.status is TransferStatus.DONE, result.reason
+    assert reader._src is not None and reader._src[0] is not prepared[0]
+    assert reader_pool.checksums(0, [1, 2]) == owner.checksums(0, [3, 5])
+    assert reader.prepare(("owner-agent", "i1", 3), IpcPool((), "not exported")) is not None
