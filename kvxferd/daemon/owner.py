@@ -144,7 +144,9 @@ class Owner:
     def accept_handshake(self, remote: RemoteDescription, who: str) -> PeerSession:
         """A peer handshook: give it a session. Its NIXL metadata is not loaded here: an owner
         only answers READs and receives notifications, and a reader loads what it reads from
-        when it handshakes itself (so a handshake never disturbs this daemon's own pulls)."""
+        when it handshakes itself (so a handshake never disturbs this daemon's own pulls). The
+        description is kept with the session: in push mode the owner loads it at the first
+        Push (:mod:`kvxferd.daemon.pusher`)."""
         session = self.sessions.open(
             remote.agent_name, remote.instance_id, remote.daemon_id, remote.address or who
         )
