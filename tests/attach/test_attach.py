@@ -183,6 +183,7 @@ def test_engine_writes_shared_memory_and_a_peer_pulls_it(
         eng.kill()
 
 
+@pytest.mark.slow
 def test_attach_refusals_say_what_was_wrong(pair: tuple[Daemon, Daemon]) -> None:
     att, _ = pair
     with EngineClient(att.engine_socket) as client:
@@ -204,6 +205,7 @@ def test_attach_refusals_say_what_was_wrong(pair: tuple[Daemon, Daemon]) -> None
             eng.detach()
 
 
+@pytest.mark.slow
 def test_killed_engine_is_detached_and_a_restarted_one_reattaches(
     pair: tuple[Daemon, Daemon],
 ) -> None:
@@ -243,6 +245,7 @@ def test_killed_engine_is_detached_and_a_restarted_one_reattaches(
     assert att.alive()  # type: ignore[operator]
 
 
+@pytest.mark.slow
 def test_staged_pulls_follow_each_attached_pool(tmp_path: Path) -> None:
     """The staging ring outlives attachments: a STAGED pull from an attached pool gathers from
     that pool, and after a detach and a re-attach (new memory) from the new one."""

@@ -30,6 +30,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, Dae
     ds.stop()
 
 
+@pytest.mark.slow
 def test_a_third_party_release_never_lets_the_engine_overwrite_a_readers_blocks(
     pair: tuple[Daemon, Daemon],
 ) -> None:

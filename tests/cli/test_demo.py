@@ -83,6 +83,7 @@ def _check_common(doc: dict[str, Any], requests: int) -> None:
     assert "ppl" in refusal["message"] and refusal["error"] == ""
 
 
+@pytest.mark.slow
 def test_demo_dense_small(tmp_path: Path) -> None:
     doc = _run_demo(tmp_path, "--requests", "6", "--num-blocks", "64")
     _check_common(doc, 6)
@@ -100,6 +101,7 @@ def test_demo_dense_small(tmp_path: Path) -> None:
     assert doc["changed_blocks"] == doc["requested_blocks"]
 
 
+@pytest.mark.slow
 def test_demo_hybrid_different_ppl(tmp_path: Path) -> None:
     doc = _run_demo(tmp_path, "--preset", "hybrid", "--requests", "6", "--num-blocks", "16")
     _check_common(doc, 6)
@@ -113,6 +115,7 @@ def test_demo_hybrid_different_ppl(tmp_path: Path) -> None:
     assert all(r["local_blocks"][1] == r["remote_blocks"][1] == 1 for r in per)
 
 
+@pytest.mark.slow
 def test_demo_reports_a_daemon_that_fails_to_start(tmp_path: Path) -> None:
     """A daemon that exits at start-up fails the demo with its output's tail, no traceback."""
     out = tmp_path / "demo.json"
@@ -134,6 +137,7 @@ def test_demo_reports_a_daemon_that_fails_to_start(tmp_path: Path) -> None:
     assert doc["ok"] is False and doc["failures"] >= 1 and doc["requests"] == 0
 
 
+@pytest.mark.slow
 def test_bench_smoke(tmp_path: Path) -> None:
     """``kvxferd bench`` at its smallest: one table row per pattern, every figure in JSON."""
     out = tmp_path / "bench.json"

@@ -173,6 +173,7 @@ def _idle_cpu(q: mp.Queue) -> None:  # type: ignore[type-arg]
         agent.close()
 
 
+@pytest.mark.slow
 def test_idle_agent_does_not_spin() -> None:
     # NIXL's Python default spins a core (progress delay 0); neither kvxferd mode may.
     ctx = mp.get_context("spawn")

@@ -191,6 +191,7 @@ def test_an_impostor_cannot_take_a_live_readers_name(daemons: Daemons) -> None:
     run(go())
 
 
+@pytest.mark.slow
 def test_cancels_racing_the_lease_confirmation_never_write_unlisted_blocks(
     daemons: Daemons,
 ) -> None:

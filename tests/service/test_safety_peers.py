@@ -42,6 +42,7 @@ async def pull_verified(
     assert await c.digests(c.decode, local) == await c.digests(c.prefill, remote)
 
 
+@pytest.mark.slow
 def test_reverse_and_aliased_handshakes_disturb_no_pull(tmp_path: Path) -> None:
     """Prefill pulls from decode while decode pulls from prefill, and decode reaches prefill
     under two spellings of its address at once: every pull completes with the right bytes."""
@@ -67,6 +68,7 @@ def test_reverse_and_aliased_handshakes_disturb_no_pull(tmp_path: Path) -> None:
         ds.stop()
 
 
+@pytest.mark.slow
 def test_a_restarted_owner_is_handshaken_again_before_the_first_read(tmp_path: Path) -> None:
     """prefill SIGKILLed and restarted on the same address (new instance, new memory): the
     first pull afterwards is DONE with the new instance's bytes, not FAILED on stale metadata."""
@@ -105,6 +107,7 @@ def test_a_restarted_owner_is_handshaken_again_before_the_first_read(tmp_path: P
         decode.stop()
 
 
+@pytest.mark.slow
 def test_dead_addresses_do_not_grow_the_peer_directory(tmp_path: Path) -> None:
     ds = launch(
         tmp_path,

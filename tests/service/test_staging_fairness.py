@@ -69,6 +69,7 @@ def _ids(ids: Sequence[int]) -> common_pb2.GroupBlockIds:
     return common_pb2.GroupBlockIds(groups=[common_pb2.BlockIds(ids=list(ids))])
 
 
+@pytest.mark.slow
 def test_a_reader_at_its_cap_cannot_starve_a_staged_pull(daemons: Daemons) -> None:
     async def go() -> None:
         prefill, decode = daemons["prefill"], daemons["decode"]

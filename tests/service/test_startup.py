@@ -102,6 +102,7 @@ def listening_tcp() -> tuple[socket.socket, int]:
 # --- auth fails closed ------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("content", ["", "  \n\t\n"])
 def test_empty_token_file_is_refused_not_unauthenticated(tmp_path: Path, content: str) -> None:
     token = tmp_path / "token"
@@ -114,11 +115,13 @@ def test_empty_token_file_is_refused_not_unauthenticated(tmp_path: Path, content
     assert "auth.token_file" in line
 
 
+@pytest.mark.slow
 def test_whitespace_token_is_refused(tmp_path: Path) -> None:
     line = refused(tmp_path, "--listen", "0.0.0.0:0", env={"KVXFERD_AUTH_TOKEN": "   "})
     assert "auth.token" in line and "whitespace" in line
 
 
+@pytest.mark.slow
 def test_plaintext_token_on_a_remote_listener_needs_tls_or_opt_in(tmp_path: Path) -> None:
     line = refused(tmp_path, "--listen", "0.0.0.0:0", "--token", "s3cret")
     assert "auth.token" in line and "auth.allow_plaintext_token" in line
@@ -135,6 +138,7 @@ def test_plaintext_token_on_a_remote_listener_needs_tls_or_opt_in(tmp_path: Path
     assert out.started, out.stderr
 
 
+@pytest.mark.slow
 def test_remote_metrics_need_an_explicit_opt_in(tmp_path: Path) -> None:
     line = refused(tmp_path, "--metrics-listen", "0.0.0.0:0")
     assert "server.metrics_listen" in line and "server.metrics_allow_remote" in line
@@ -147,6 +151,7 @@ def test_remote_metrics_need_an_explicit_opt_in(tmp_path: Path) -> None:
 # --- the Engine socket ------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_engine_socket_never_replaces_a_regular_file(tmp_path: Path) -> None:
     path = tmp_path / "engine.sock"
     path.write_text("precious")
@@ -155,6 +160,7 @@ def test_engine_socket_never_replaces_a_regular_file(tmp_path: Path) -> None:
     assert path.read_text() == "precious"
 
 
+@pytest.mark.slow
 def test_engine_socket_of_a_live_listener_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "engine.sock"
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as other:
