@@ -11,13 +11,15 @@ import dataclasses
 import enum
 import time
 from collections import OrderedDict
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
 
-from kvxferd.errors import KvxferdError, NotFound
+from kvxferd.errors import InvalidRequest, KvxferdError, NotFound
 from kvxferd.staging.stats import StageTimes
+from kvxferd.transfer import notify
 
 Int64Array = npt.NDArray[np.int64]
 
@@ -142,3 +144,73 @@ class PullBook:
         for ids, q in self._watchers:
             if not ids or rec.transfer_id in ids:
                 q.put_nowait(rec)
+
+    async def follow(self, transfer_ids: frozenset[str]) -> AsyncIterator[PullRecord]:
+        """Every change of the named pulls (all pulls when empty), after a snapshot of their
+        current state; with names, the stream ends once every named pull is terminal."""
+        for tid in transfer_ids:
+            self.get(tid)  # NotFound for unknown IDs, before streaming
+        q = self.watch(transfer_ids)
+        pending = set(transfer_ids)
+        try:
+            while True:
+                rec = await q.get()
+                yield rec
+                if transfer_ids and rec.state.terminal:
+                    pending.discard(rec.transfer_id)
+                    if not pending:
+                        return
+        finally:
+            self.unwatch(q)
+
+
+@dataclass(frozen=True)
+class PullRequest:
+    """A scheduler's StartPull, decoded. Block IDs are logical, one array per KV group."""
+
+    transfer_id: str
+    request_id: str
+    peer_address: str
+    remote_ids: tuple[Int64Array, ...]
+    local_ids: tuple[Int64Array, ...]
+    deadline_s: float
+    notify: bool = True
+    fingerprint: bytes = b""  # identifies the request for idempotent retries
+
+    def check(self, max_deadline_s: float) -> None:
+        """Refuse a request a caller can fix: empty or malformed IDs and address, a deadline
+        outside ``(0, max_deadline_s]``."""
+        if not self.request_id:
+            raise InvalidRequest("request_id is empty", field="request_id")
+        notify.check_request_id(self.request_id)
+        if not self.peer_address:
+            raise InvalidRequest(
+                "peer_address is empty", field="peer_address", fix="pass HoldResponse.peer_address"
+            )
+        if not 0 < self.deadline_s <= max_deadline_s:
+            raise InvalidRequest(
+                f"deadline {self.deadline_s:g}s is outside (0, {max_deadline_s:g}]",
+                field="deadline_ms",
+                fix=f"ask for at most {int(max_deadline_s * 1000)} ms (the longest"
+                " lease an owner grants), or 0 for transfer.default_deadline_ms",
+            )
+
+
+class Stages:
+    """Where one pull's time went: named marks on the monotonic clock, in the order they
+    happen; each stage's duration is its mark minus the previous one."""
+
+    def __init__(self, t0: float) -> None:
+        self.t0 = t0
+        self._last = t0
+        self.items: list[tuple[str, float]] = []
+
+    def mark(self, name: str) -> tuple[tuple[str, float], ...]:
+        return self.at(name, time.monotonic())
+
+    def at(self, name: str, t: float) -> tuple[tuple[str, float], ...]:
+        if t > 0:
+            t = max(t, self._last)
+            self.items.append((name, t - self._last))
+            self._last = t
+        return tuple(self.items)

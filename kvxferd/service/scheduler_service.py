@@ -11,8 +11,7 @@ from collections.abc import AsyncIterator
 
 from kvxferd.daemon.core import Daemon
 from kvxferd.daemon.peers import LinkState
-from kvxferd.daemon.pulls import PullRecord, PullState
-from kvxferd.daemon.reader import PullRequest
+from kvxferd.daemon.pulls import PullRecord, PullRequest, PullState
 from kvxferd.errors import InvalidRequest, KvxferdError
 from kvxferd.ipc.host import host_id
 from kvxferd.service.rpc import Ctx, rpc

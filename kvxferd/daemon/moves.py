@@ -1,0 +1,223 @@
+"""How a confirmed pull moves its bytes: the owner WRITEs (push mode), one SM copy over CUDA
+IPC (KERNEL), staged chunks (STAGED), or one NIXL READ (DIRECT); and the record a finished
+pull leaves in the metrics and the log.
+
+:class:`Mover` is called by the reader (:mod:`kvxferd.daemon.reader`) after the lease share is
+confirmed, at its one decision point; it only moves bytes and returns the transfer's result.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import numpy.typing as npt
+
+from kvxferd.blocks import plan_pull
+from kvxferd.blocks.plan import PullPlan
+from kvxferd.blocks.ranges import TransferPlan
+from kvxferd.daemon.parts import Parts
+from kvxferd.daemon.peers import PeerLink
+from kvxferd.daemon.pulls import PullBook, PullRecord, PullRequest, PullState, Stages
+from kvxferd.daemon.receiver import PushReceiver
+from kvxferd.logs import kv
+from kvxferd.metrics import Metrics
+from kvxferd.staging.reader import StagedJob
+from kvxferd.staging.setup import Decision, decide
+from kvxferd.staging.strategy import Strategy
+from kvxferd.transfer import TransferResult
+from kvxferd.transfer.engine import Prepared
+
+log = logging.getLogger(__name__)
+
+Int64Array = npt.NDArray[np.int64]
+
+
+class Mover:
+    """Moves one confirmed pull's bytes with the strategy it was given."""
+
+    def __init__(self, parts: Parts, pulls: PullBook, receiver: PushReceiver | None) -> None:
+        self.p = parts
+        self.pulls = pulls
+        self.receiver = receiver  # set in push mode: the owner WRITEs
+
+    def choose(
+        self, req: PullRequest, link: PeerLink
+    ) -> tuple[PullPlan, TransferPlan, Decision | None, Decision | None]:
+        """Plan the pull (kvxferd.blocks) and pick its strategy: the whole plan, the part read
+        from this peer's rank, the decision (None without staging or in push mode) and the
+        decision again when it is STAGED or KERNEL (None for DIRECT and push)."""
+        remote = link.remote
+        assert remote is not None
+        plan = plan_pull(
+            self.p.pool.spec,
+            remote.info.spec,
+            list(req.local_ids),
+            list(req.remote_ids),
+            prefix_caching=self.p.info.prefix_caching,
+            local_tp=(self.p.info.tp_rank, self.p.info.tp_size),
+            remote_tp=(remote.info.tp_rank, remote.info.tp_size),
+            max_ids=self.p.limits.max_block_ids,
+        )
+        part = plan.per_rank.get(remote.info.tp_rank) or TransferPlan(ranges=())
+        decision = None
+        if self.p.staging is not None and not self.receiver is not None:
+            decision = decide(
+                self.p.staging,
+                local=self.p.pool.spec,
+                remote=remote.info.spec,
+                local_tp_size=self.p.info.tp_size,
+                remote_tp_size=remote.info.tp_size,
+                remote_ring=remote.staging,
+                plan=plan,
+                part=part,
+                peer=req.peer_address,
+                link=link,
+            )
+            log.debug(
+                "pull strategy",
+                extra=kv(
+                    transfer_id=req.transfer_id,
+                    strategy=decision.choice.strategy.value,
+                    reason=decision.choice.reason,
+                    chunks=len(decision.chunks),
+                ),
+            )
+        staged = (
+            decision
+            if decision and decision.choice.strategy in (Strategy.STAGED, Strategy.KERNEL)
+            else None
+        )
+        return plan, part, decision, staged
+
+    async def move(
+        self,
+        req: PullRequest,
+        link: PeerLink,
+        plan: TransferPlan,
+        local_blocks: tuple[Int64Array, ...],
+        *,
+        deadline: float,
+        stages: Stages,
+        prepared: Prepared | None,
+        staged: Decision | None,
+        remote_blocks: tuple[Int64Array, ...],
+    ) -> TransferResult:
+        # The READ carries no notification: the owner hears DONE only once the reader saw its
+        # READ complete, so a READ that a cancel cuts short is never counted as read.
+        if self.receiver is not None:  # the owner WRITEs; DONE when its notification lands
+            result = await self.receiver.receive(
+                req.transfer_id,
+                req.request_id,
+                link,
+                remote_ids=req.remote_ids,
+                local_ids=req.local_ids,
+                plan=plan,
+                deadline=deadline,
+            )
+            stages.at("post", result.posted_at)
+            stages.at("transfer", result.completed_at)
+        elif staged is not None and staged.choice.strategy is Strategy.KERNEL:
+            # KERNEL (kvxferd.ipc): one SM copy from the owner's regions mapped over CUDA IPC.
+            assert self.p.staging is not None and link.remote is not None
+            result = await self.p.staging.kernel_pull(
+                req.transfer_id,
+                link.remote,
+                peer_address=req.peer_address,
+                plan=plan,
+                local_blocks=local_blocks,
+                deadline=deadline,
+            )
+        elif staged is not None:
+            job = self._staged_job(
+                req,
+                link,
+                staged,
+                local_blocks=local_blocks,
+                remote_blocks=remote_blocks,
+                deadline=deadline,
+                notif=b"",
+            )
+            result = await self._staged_pull(job, plan)
+        else:
+            agent = link.remote.agent_name if link.remote else ""
+            if prepared is None or prepared.peer != agent:
+                # Built before the confirmation, which may have found a restarted owner
+                # (a new NIXL agent): build against the peer we confirmed with.
+                prepared = self.p.engine.prepare(req.transfer_id, agent, plan)
+            xfer = self.p.engine.submit_prepared(
+                prepared, notif=b"", timeout_s=max(1e-3, deadline - time.monotonic())
+            )
+            result = await xfer.wait()
+            stages.at("post", result.posted_at)
+            stages.at("transfer", result.completed_at)
+        return result
+
+    def _staged_job(
+        self,
+        req: PullRequest,
+        link: PeerLink,
+        staged: Decision,
+        *,
+        local_blocks: tuple[Int64Array, ...],
+        remote_blocks: tuple[Int64Array, ...],
+        deadline: float,
+        notif: bytes,
+    ) -> StagedJob:
+        assert link.remote is not None and link.remote.staging is not None
+        assert self.p.peers is not None
+        return StagedJob(
+            transfer_id=req.transfer_id,
+            request_id=req.request_id,
+            reader_id=self.p.agent_name,
+            peer_agent=link.remote.agent_name,
+            peer_address=req.peer_address,
+            client=link.client,
+            remote_ring=link.remote.staging,
+            local_ids=local_blocks,
+            remote_ids=remote_blocks,
+            chunks=staged.chunks,
+            deadline=deadline,
+            notif=notif,
+        )
+
+    async def _staged_pull(self, job: StagedJob, plan: TransferPlan) -> TransferResult:
+        assert self.p.staging is not None and self.p.staging.reader is not None
+        try:
+            return await self.p.staging.reader.pull(job, plan.local_kernel_blocks, plan.nbytes)
+        finally:
+            self.pulls.update(job.transfer_id, stage_times=job.times)
+
+
+def account(metrics: Metrics, rec: PullRecord, seconds: float) -> None:
+    """A finished pull: its metrics and its one INFO line."""
+    m = metrics
+    m.inflight_transfers.dec()
+    m.transfers.labels(rec.state.value, rec.strategy).inc()
+    m.transfer_seconds.labels(rec.state.value).observe(seconds)
+    if rec.state is PullState.DONE:
+        for stage, sec in rec.stages:
+            m.pull_stage_seconds.labels(stage).observe(sec)
+        m.observe_strategy(rec.strategy, rec.nbytes, rec.stage_times)
+        m.transfer_bytes.labels(rec.peer_address).inc(rec.nbytes)
+        m.transfer_size_bytes.observe(rec.nbytes)
+        m.descriptors.observe(rec.posted_descriptors)
+        m.posted_descriptors.inc(rec.posted_descriptors)
+        m.naive_descriptors.inc(rec.naive_descriptors)
+    log.info(
+        "pull finished",
+        extra=kv(
+            transfer_id=rec.transfer_id,
+            request_id=rec.request_id,
+            peer=rec.peer_address,
+            state=rec.state.value,
+            bytes=rec.nbytes,
+            descriptors=rec.posted_descriptors,
+            naive=rec.naive_descriptors,
+            ms=round(seconds * 1e3, 3),
+            error=str(rec.error) if rec.error else "",
+            strategy=rec.strategy,
+            **(rec.stage_times.as_log() if rec.stage_times else {}),
+        ),
+    )

@@ -1,0 +1,208 @@
+"""The reader's shares of owners' leases: confirming one for a pull, renewing them by
+heartbeat while pulls read, and ending them (a NIXL notification once read, or the RPC).
+
+A pull's share is confirmed while it plans (:mod:`kvxferd.daemon.reader`); a peer that
+restarted is handshaken again first. While pulls from a peer are in flight, one heartbeat loop
+per peer renews their shares; a share the owner lost cancels its pull's read, because the
+owner may reuse the blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from kvxferd.daemon.parts import Parts
+from kvxferd.daemon.peers import LinkState, PeerLink
+from kvxferd.daemon.pulls import PullBook
+from kvxferd.errors import KvxferdError, LeaseRefused, PeerUnavailable, UnknownSession
+from kvxferd.logs import kv
+from kvxferd.peers import compat_digest
+from kvxferd.transfer import notify
+
+log = logging.getLogger(__name__)
+
+Int64Array = npt.NDArray[np.int64]
+
+
+@dataclass
+class Share:
+    """This reader's share of an owner's lease, for one pull."""
+
+    ticket: int  # 0: never confirmed
+    valid_until: float  # monotonic; the owner may reuse the blocks after it
+    address: str
+    done: bool = False
+    lost: bool = False
+
+
+class Shares:
+    """This reader's lease shares, by transfer ID, and the per-peer heartbeat loops."""
+
+    def __init__(
+        self, parts: Parts, pulls: PullBook, abort: Callable[[str, str], Awaitable[None]]
+    ) -> None:
+        self.p = parts
+        self._pulls = pulls
+        self._abort = abort
+        self.by_transfer: dict[str, Share] = {}
+        self._heartbeats: dict[str, asyncio.Task[None]] = {}
+
+    async def confirm(
+        self,
+        link: PeerLink,
+        request_id: str,
+        remote_ids: tuple[Int64Array, ...],
+        deadline: float,
+    ) -> Share:
+        """Confirm our share of the lease. A peer that restarted (it no longer knows our
+        session, or answers with another instance) is handshaken again first: its metadata
+        changed, and reading with the old would fail or read the wrong memory."""
+        assert self.p.peers is not None
+        for attempt in (1, 2):
+            remote = link.remote
+            assert remote is not None
+            left = deadline - time.monotonic()
+            sent = time.monotonic()
+            try:
+                resp = await link.client.confirm(
+                    request_id,
+                    self.p.agent_name,
+                    int(min(max(1.0, left), self.p.limits.max_deadline_s) * 1000),
+                    left,
+                )
+            except UnknownSession:
+                if attempt == 2:
+                    raise
+                link.client.session = ""  # the peer forgot it: take the new handshake's
+                await self.rehandshake(link, "the peer no longer knows our session")
+                continue
+            if resp.instance_id and resp.instance_id != remote.instance_id:
+                if attempt == 1:
+                    await self.rehandshake(link, f"the peer is now instance {resp.instance_id}")
+                    continue
+                raise PeerUnavailable(
+                    f"peer {link.address} changed instance while we confirmed",
+                    field="peer_address",
+                    fix="retry the pull",
+                )
+            break
+        share = Share(resp.ticket, sent + resp.lease.remaining_ms / 1000, link.address)
+        # The owner re-registered (its engine re-attached): its regions moved.
+        await self.p.peers.refresh(link, resp.lease.registration_generation)
+        held = resp.lease.block_ids.groups
+        for g, ids in enumerate(remote_ids):
+            have = np.asarray(held[g].ids if g < len(held) else [], dtype=np.int64)
+            missing = np.setdiff1d(ids, have)
+            if missing.size:
+                self.p.spawn(self.release(link, request_id, done=False))
+                raise LeaseRefused(
+                    f"remote block IDs {missing[:8].tolist()} of group {g} are not held under"
+                    f" request {request_id!r} on {link.address}",
+                    field=f"remote_block_ids.groups[{g}]",
+                    fix="pass exactly the remote_block_ids that Hold returned",
+                )
+        return share
+
+    async def rehandshake(self, link: PeerLink, why: str) -> None:
+        assert self.p.peers is not None
+        log.info("peer restarted; handshaking again", extra=kv(peer=link.address, why=why))
+        before = link.remote
+        await self.p.peers.invalidate(link.address, why, LinkState.STALE)
+        await self.p.peers.ready(link.address)
+        self.p.peer_gauge()
+        after = link.remote
+        if (
+            before is not None
+            and after is not None
+            and (
+                compat_digest(before.info.spec) != compat_digest(after.info.spec)
+                or (before.info.tp_rank, before.info.tp_size)
+                != (after.info.tp_rank, after.info.tp_size)
+            )
+        ):
+            raise PeerUnavailable(
+                f"peer {link.address} restarted with a different KV layout or TP rank than this"
+                " pull was planned for",
+                field="peer_address",
+                fix="start the pull again: it is planned against the new layout",
+            )
+
+    async def notify_done(self, link: PeerLink, request_id: str, ticket: int) -> None:
+        """Tell the owner we read (the NIXL notification with our ticket; the RPC if NIXL
+        cannot deliver it)."""
+        agent = link.remote.agent_name if link.remote else ""
+        try:
+            note = notify.encode(request_id, ticket)
+            await asyncio.wrap_future(self.p.engine.notify(agent, note))
+        except KvxferdError as err:
+            log.info("notification failed; releasing by RPC", extra=kv(error=str(err)))
+            await self.release(link, request_id, done=True)
+
+    async def release(self, link: PeerLink, request_id: str, *, done: bool) -> None:
+        """Best effort: tell the owner our share ended (it would lapse anyway)."""
+        try:
+            await link.client.release(request_id, self.p.agent_name, done=done)
+        except KvxferdError as err:
+            log.info(
+                "releasing a lease share failed (it lapses on the owner)",
+                extra=kv(peer=link.address, request_id=request_id, error=str(err)),
+            )
+
+    def ensure_heartbeat(self, link: PeerLink) -> None:
+        task = self._heartbeats.get(link.address)
+        if task is None or task.done():
+            self._heartbeats[link.address] = asyncio.get_running_loop().create_task(
+                self._heartbeat_loop(link)
+            )
+
+    async def _heartbeat_loop(self, link: PeerLink) -> None:
+        """While pulls from ``link`` are in flight, renew their shares and watch for a restart
+        or a lost lease; a pull whose share is lost is cancelled (its blocks may be reused)."""
+        assert self.p.peers is not None
+        interval = self.p.limits.heartbeat_interval_s
+        while link.active > 0:
+            await asyncio.sleep(interval)
+            mine = {
+                tid: sh
+                for tid, sh in self.by_transfer.items()
+                if sh.address == link.address and sh.ticket and not sh.done
+            }
+            if not mine or link.remote is None:
+                continue
+            rids = {self._pulls.get(tid).request_id: tid for tid in mine}
+            sent = time.monotonic()
+            try:
+                resp = await self.p.peers.heartbeat(
+                    link,
+                    list(rids),
+                    int(self.p.limits.heartbeat_timeout_s * 1000),
+                    max(interval, 1e-3),
+                )
+            except KvxferdError as err:
+                log.info("heartbeat failed", extra=kv(peer=link.address, error=str(err)))
+                continue
+            lost = set(resp.lost_request_ids)
+            if resp.instance_id != link.remote.instance_id:
+                lost = set(rids)
+                await self.p.peers.invalidate(
+                    link.address, f"peer restarted (instance {resp.instance_id})", LinkState.STALE
+                )
+                self.p.peer_gauge()
+            for rid, tid in rids.items():
+                share = mine[tid]
+                if rid in lost:
+                    share.lost = True
+                    await self._abort(tid, "the owner no longer holds our share of the lease")
+                elif resp.renewed_ms:
+                    share.valid_until = max(share.valid_until, sent + resp.renewed_ms / 1000)
+
+    def stop(self) -> None:
+        for hb in self._heartbeats.values():
+            hb.cancel()
