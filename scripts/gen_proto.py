@@ -13,6 +13,10 @@ Usage::
                                             # scripts/check_proto.sh)
     python scripts/gen_proto.py --pins      # print the pinned generator requirements
 
+Run it with an interpreter that has the pins (``pip install $(python scripts/gen_proto.py
+--pins)`` into a virtualenv of their own: grpcio-tools 1.66.2 wants protobuf < 6, which the
+project's dev environment does not hold); scripts/check_proto.sh makes and caches one.
+
 The output is deterministic for a given grpcio-tools (which bundles protoc) and mypy-protobuf
 version, so both are pinned below; the script refuses to run with other versions, because the
 checked-in code would then drift for no reason. In place, stale generated files (of a deleted
@@ -35,8 +39,8 @@ from pathlib import Path
 # generated code refuses to import under grpcio < GRPCIO_TOOLS and protobuf < the protoc
 # version grpcio-tools bundles (see the header of any *_pb2.py).
 PINNED = {
-    "grpcio-tools": "1.85.1",
-    "mypy-protobuf": "5.1.0",
+    "grpcio-tools": "1.66.2",
+    "mypy-protobuf": "3.7.0",
 }
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -3,28 +3,28 @@
 isort:skip_file
 """
 
-from collections import abc as _abc
-from google.protobuf import descriptor as _descriptor
-from google.protobuf import message as _message
-from google.protobuf.internal import containers as _containers
-from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
-import builtins as _builtins
+import builtins
+import collections.abc
+import google.protobuf.descriptor
+import google.protobuf.internal.containers
+import google.protobuf.internal.enum_type_wrapper
+import google.protobuf.message
 import sys
-import typing as _typing
+import typing
 
-if sys.version_info >= (3, 11):
-    from typing import TypeAlias as _TypeAlias, Never as _Never
+if sys.version_info >= (3, 10):
+    import typing as typing_extensions
 else:
-    from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
+    import typing_extensions
 
-DESCRIPTOR: _descriptor.FileDescriptor
+DESCRIPTOR: google.protobuf.descriptor.FileDescriptor
 
 class _ReleaseReason:
-    ValueType = _typing.NewType("ValueType", _builtins.int)
-    V: _TypeAlias = ValueType  # noqa: Y015
+    ValueType = typing.NewType("ValueType", builtins.int)
+    V: typing_extensions.TypeAlias = ValueType
 
-class _ReleaseReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ReleaseReason.ValueType], _builtins.type):
-    DESCRIPTOR: _descriptor.EnumDescriptor
+class _ReleaseReasonEnumTypeWrapper(google.protobuf.internal.enum_type_wrapper._EnumTypeWrapper[_ReleaseReason.ValueType], builtins.type):
+    DESCRIPTOR: google.protobuf.descriptor.EnumDescriptor
     RELEASE_REASON_UNSPECIFIED: _ReleaseReason.ValueType  # 0
     """Not set."""
     RELEASE_REASON_DONE: _ReleaseReason.ValueType  # 1
@@ -53,14 +53,14 @@ RELEASE_REASON_ENGINE_DETACHED: ReleaseReason.ValueType  # 4
 """The engine detached (Detach) or its session ended (engine process gone): the pool was
 deregistered, so nothing held in it may be read any more.
 """
-Global___ReleaseReason: _TypeAlias = ReleaseReason  # noqa: Y015
+Global___ReleaseReason: typing_extensions.TypeAlias = ReleaseReason
 
 class _ErrorKind:
-    ValueType = _typing.NewType("ValueType", _builtins.int)
-    V: _TypeAlias = ValueType  # noqa: Y015
+    ValueType = typing.NewType("ValueType", builtins.int)
+    V: typing_extensions.TypeAlias = ValueType
 
-class _ErrorKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorKind.ValueType], _builtins.type):
-    DESCRIPTOR: _descriptor.EnumDescriptor
+class _ErrorKindEnumTypeWrapper(google.protobuf.internal.enum_type_wrapper._EnumTypeWrapper[_ErrorKind.ValueType], builtins.type):
+    DESCRIPTOR: google.protobuf.descriptor.EnumDescriptor
     ERROR_KIND_UNSPECIFIED: _ErrorKind.ValueType  # 0
     """Not set / not a kvxferd error (an internal bug)."""
     ERROR_KIND_CONFIG: _ErrorKind.ValueType  # 1
@@ -145,20 +145,20 @@ ERROR_KIND_UNKNOWN_SESSION: ErrorKind.ValueType  # 17
 """UnknownSession (a kind of Unauthenticated): the peer session is unknown; handshake again."""
 ERROR_KIND_SLOW_TRANSPORT: ErrorKind.ValueType  # 18
 """SlowTransport: a VRAM link would run at TCP speed and transfer.allow_slow_transport is off."""
-Global___ErrorKind: _TypeAlias = ErrorKind  # noqa: Y015
+Global___ErrorKind: typing_extensions.TypeAlias = ErrorKind
 
-@_typing.final
-class BlockIds(_message.Message):
+@typing.final
+class BlockIds(google.protobuf.message.Message):
     """Messages shared by the Peer, Scheduler and Engine services.
 
     Block IDs of one KV cache group, in request order.
     """
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    IDS_FIELD_NUMBER: _builtins.int
-    @_builtins.property
-    def ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+    IDS_FIELD_NUMBER: builtins.int
+    @property
+    def ids(self) -> google.protobuf.internal.containers.RepeatedScalarFieldContainer[builtins.int]:
         """Block IDs (packed, the proto3 default). Signed so that a negative ID arrives as itself and
         is rejected by the bounds check naming it, instead of wrapping to a huge unsigned value.
         Whether they are logical or kernel IDs is said by the field that holds the list.
@@ -167,76 +167,64 @@ class BlockIds(_message.Message):
     def __init__(
         self,
         *,
-        ids: _abc.Iterable[_builtins.int] | None = ...,
+        ids: collections.abc.Iterable[builtins.int] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ids", b"ids"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    def ClearField(self, field_name: typing.Literal["ids", b"ids"]) -> None: ...
 
-Global___BlockIds: _TypeAlias = BlockIds  # noqa: Y015
+Global___BlockIds: typing_extensions.TypeAlias = BlockIds
 
-@_typing.final
-class GroupBlockIds(_message.Message):
+@typing.final
+class GroupBlockIds(google.protobuf.message.Message):
     """One BlockIds per KV cache group, in the order of KvCacheSpec.groups."""
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    GROUPS_FIELD_NUMBER: _builtins.int
-    @_builtins.property
-    def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___BlockIds]:
+    GROUPS_FIELD_NUMBER: builtins.int
+    @property
+    def groups(self) -> google.protobuf.internal.containers.RepeatedCompositeFieldContainer[Global___BlockIds]:
         """groups[i] holds the IDs of KvCacheSpec.groups[i]; an empty BlockIds means none in that group."""
 
     def __init__(
         self,
         *,
-        groups: _abc.Iterable[Global___BlockIds] | None = ...,
+        groups: collections.abc.Iterable[Global___BlockIds] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["groups", b"groups"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    def ClearField(self, field_name: typing.Literal["groups", b"groups"]) -> None: ...
 
-Global___GroupBlockIds: _TypeAlias = GroupBlockIds  # noqa: Y015
+Global___GroupBlockIds: typing_extensions.TypeAlias = GroupBlockIds
 
-@_typing.final
-class Mismatch(_message.Message):
+@typing.final
+class Mismatch(google.protobuf.message.Message):
     """One reason two peers are incompatible. Mirrors kvxferd.errors.Mismatch."""
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    WHAT_FIELD_NUMBER: _builtins.int
-    LOCAL_FIELD_NUMBER: _builtins.int
-    REMOTE_FIELD_NUMBER: _builtins.int
-    FIX_FIELD_NUMBER: _builtins.int
-    what: _builtins.str
+    WHAT_FIELD_NUMBER: builtins.int
+    LOCAL_FIELD_NUMBER: builtins.int
+    REMOTE_FIELD_NUMBER: builtins.int
+    FIX_FIELD_NUMBER: builtins.int
+    what: builtins.str
     """What differs, e.g. "regions[3].dtype"."""
-    local: _builtins.str
+    local: builtins.str
     """The local side's value, as text."""
-    remote: _builtins.str
+    remote: builtins.str
     """The remote side's value, as text."""
-    fix: _builtins.str
+    fix: builtins.str
     """What to change."""
     def __init__(
         self,
         *,
-        what: _builtins.str = ...,
-        local: _builtins.str = ...,
-        remote: _builtins.str = ...,
-        fix: _builtins.str = ...,
+        what: builtins.str = ...,
+        local: builtins.str = ...,
+        remote: builtins.str = ...,
+        fix: builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fix", b"fix", "local", b"local", "remote", b"remote", "what", b"what"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    def ClearField(self, field_name: typing.Literal["fix", b"fix", "local", b"local", "remote", b"remote", "what", b"what"]) -> None: ...
 
-Global___Mismatch: _TypeAlias = Mismatch  # noqa: Y015
+Global___Mismatch: typing_extensions.TypeAlias = Mismatch
 
-@_typing.final
-class ErrorDetail(_message.Message):
+@typing.final
+class ErrorDetail(google.protobuf.message.Message):
     """Structured form of a kvxferd.errors.KvxferdError.
 
     A failed RPC is a gRPC status code plus message (the service's one error table decides the
@@ -245,38 +233,34 @@ class ErrorDetail(_message.Message):
     of a failed call. TransferStatus and PeerInfo embed it to describe asynchronous failures.
     """
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    KIND_FIELD_NUMBER: _builtins.int
-    MESSAGE_FIELD_NUMBER: _builtins.int
-    FIELD_FIELD_NUMBER: _builtins.int
-    FIX_FIELD_NUMBER: _builtins.int
-    MISMATCHES_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: builtins.int
+    MESSAGE_FIELD_NUMBER: builtins.int
+    FIELD_FIELD_NUMBER: builtins.int
+    FIX_FIELD_NUMBER: builtins.int
+    MISMATCHES_FIELD_NUMBER: builtins.int
     kind: Global___ErrorKind.ValueType
     """The error's class."""
-    message: _builtins.str
+    message: builtins.str
     """What was wrong (KvxferdError.message)."""
-    field: _builtins.str
+    field: builtins.str
     """The input it concerns, a dotted path such as "local_block_ids.groups[1].ids[3]"; empty if none."""
-    fix: _builtins.str
+    fix: builtins.str
     """How to fix it; empty if unknown."""
-    @_builtins.property
-    def mismatches(self) -> _containers.RepeatedCompositeFieldContainer[Global___Mismatch]:
+    @property
+    def mismatches(self) -> google.protobuf.internal.containers.RepeatedCompositeFieldContainer[Global___Mismatch]:
         """For ERROR_KIND_INCOMPATIBLE_PEER: every mismatch found, not just the first."""
 
     def __init__(
         self,
         *,
         kind: Global___ErrorKind.ValueType = ...,
-        message: _builtins.str = ...,
-        field: _builtins.str = ...,
-        fix: _builtins.str = ...,
-        mismatches: _abc.Iterable[Global___Mismatch] | None = ...,
+        message: builtins.str = ...,
+        field: builtins.str = ...,
+        fix: builtins.str = ...,
+        mismatches: collections.abc.Iterable[Global___Mismatch] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["field", b"field", "fix", b"fix", "kind", b"kind", "message", b"message", "mismatches", b"mismatches"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    def ClearField(self, field_name: typing.Literal["field", b"field", "fix", b"fix", "kind", b"kind", "message", b"message", "mismatches", b"mismatches"]) -> None: ...
 
-Global___ErrorDetail: _TypeAlias = ErrorDetail  # noqa: Y015
+Global___ErrorDetail: typing_extensions.TypeAlias = ErrorDetail

@@ -3,30 +3,30 @@
 isort:skip_file
 """
 
-from collections import abc as _abc
-from google.protobuf import descriptor as _descriptor
-from google.protobuf import message as _message
-from google.protobuf.internal import containers as _containers
-from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
-from kvxferd.v1 import common_pb2 as _common_pb2
-from kvxferd.v1 import spec_pb2 as _spec_pb2
-import builtins as _builtins
+import builtins
+import collections.abc
+import google.protobuf.descriptor
+import google.protobuf.internal.containers
+import google.protobuf.internal.enum_type_wrapper
+import google.protobuf.message
+import kvxferd.v1.common_pb2
+import kvxferd.v1.spec_pb2
 import sys
-import typing as _typing
+import typing
 
-if sys.version_info >= (3, 11):
-    from typing import TypeAlias as _TypeAlias, Never as _Never
+if sys.version_info >= (3, 10):
+    import typing as typing_extensions
 else:
-    from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
+    import typing_extensions
 
-DESCRIPTOR: _descriptor.FileDescriptor
+DESCRIPTOR: google.protobuf.descriptor.FileDescriptor
 
 class _MemoryMode:
-    ValueType = _typing.NewType("ValueType", _builtins.int)
-    V: _TypeAlias = ValueType  # noqa: Y015
+    ValueType = typing.NewType("ValueType", builtins.int)
+    V: typing_extensions.TypeAlias = ValueType
 
-class _MemoryModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_MemoryMode.ValueType], _builtins.type):
-    DESCRIPTOR: _descriptor.EnumDescriptor
+class _MemoryModeEnumTypeWrapper(google.protobuf.internal.enum_type_wrapper._EnumTypeWrapper[_MemoryMode.ValueType], builtins.type):
+    DESCRIPTOR: google.protobuf.descriptor.EnumDescriptor
     MEMORY_MODE_UNSPECIFIED: _MemoryMode.ValueType  # 0
     """Not set: always rejected."""
     MEMORY_MODE_OWNED: _MemoryMode.ValueType  # 1
@@ -47,14 +47,14 @@ MEMORY_MODE_IMPORTED: MemoryMode.ValueType  # 2
 """The engine allocates and passes handles (CUDA IPC or shared memory) the daemon imports."""
 MEMORY_MODE_IN_PROCESS: MemoryMode.ValueType  # 3
 """The engine embeds the daemon (Python API only; Describe may report it, Attach refuses it)."""
-Global___MemoryMode: _TypeAlias = MemoryMode  # noqa: Y015
+Global___MemoryMode: typing_extensions.TypeAlias = MemoryMode
 
 class _RegistrationState:
-    ValueType = _typing.NewType("ValueType", _builtins.int)
-    V: _TypeAlias = ValueType  # noqa: Y015
+    ValueType = typing.NewType("ValueType", builtins.int)
+    V: typing_extensions.TypeAlias = ValueType
 
-class _RegistrationStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RegistrationState.ValueType], _builtins.type):
-    DESCRIPTOR: _descriptor.EnumDescriptor
+class _RegistrationStateEnumTypeWrapper(google.protobuf.internal.enum_type_wrapper._EnumTypeWrapper[_RegistrationState.ValueType], builtins.type):
+    DESCRIPTOR: google.protobuf.descriptor.EnumDescriptor
     REGISTRATION_STATE_UNSPECIFIED: _RegistrationState.ValueType  # 0
     """Not set."""
     REGISTRATION_STATE_DETACHED: _RegistrationState.ValueType  # 1
@@ -75,134 +75,126 @@ REGISTRATION_STATE_REGISTERING: RegistrationState.ValueType  # 2
 """Allocating/importing and registering with NIXL."""
 REGISTRATION_STATE_REGISTERED: RegistrationState.ValueType  # 3
 """Registered; peers may handshake and read."""
-Global___RegistrationState: _TypeAlias = RegistrationState  # noqa: Y015
+Global___RegistrationState: typing_extensions.TypeAlias = RegistrationState
 
-@_typing.final
-class MemoryHandle(_message.Message):
+@typing.final
+class MemoryHandle(google.protobuf.message.Message):
     """A handle to one region's memory shared between the engine and the daemon."""
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    REGION_NAME_FIELD_NUMBER: _builtins.int
-    CUDA_IPC_HANDLE_FIELD_NUMBER: _builtins.int
-    SHM_NAME_FIELD_NUMBER: _builtins.int
-    OFFSET_FIELD_NUMBER: _builtins.int
-    DEVICE_ID_FIELD_NUMBER: _builtins.int
-    NBYTES_FIELD_NUMBER: _builtins.int
-    SHAPE_FIELD_NUMBER: _builtins.int
-    STRIDES_FIELD_NUMBER: _builtins.int
-    DTYPE_FIELD_NUMBER: _builtins.int
-    region_name: _builtins.str
+    REGION_NAME_FIELD_NUMBER: builtins.int
+    CUDA_IPC_HANDLE_FIELD_NUMBER: builtins.int
+    SHM_NAME_FIELD_NUMBER: builtins.int
+    OFFSET_FIELD_NUMBER: builtins.int
+    DEVICE_ID_FIELD_NUMBER: builtins.int
+    NBYTES_FIELD_NUMBER: builtins.int
+    SHAPE_FIELD_NUMBER: builtins.int
+    STRIDES_FIELD_NUMBER: builtins.int
+    DTYPE_FIELD_NUMBER: builtins.int
+    region_name: builtins.str
     """KvRegion.name of the region."""
-    cuda_ipc_handle: _builtins.bytes
+    cuda_ipc_handle: builtins.bytes
     """A cudaIpcMemHandle_t (64 bytes) for VRAM."""
-    shm_name: _builtins.str
+    shm_name: builtins.str
     """A POSIX shared-memory name (as for shm_open) for DRAM."""
-    offset: _builtins.int
+    offset: builtins.int
     """Bytes from the start of the shared allocation to block 0."""
-    device_id: _builtins.int
+    device_id: builtins.int
     """CUDA device ordinal for VRAM; 0 for DRAM."""
-    nbytes: _builtins.int
+    nbytes: builtins.int
     """Bytes the region spans from offset (KvRegion's size); the shared allocation must hold
     offset + nbytes.
     """
-    dtype: _spec_pb2.KvDtype.ValueType
+    dtype: kvxferd.v1.spec_pb2.KvDtype.ValueType
     """IMPORTED only: the engine tensor's element type, verified against the spec."""
-    @_builtins.property
-    def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+    @property
+    def shape(self) -> google.protobuf.internal.containers.RepeatedScalarFieldContainer[builtins.int]:
         """IMPORTED only: the engine tensor's logical shape, verified against the spec."""
 
-    @_builtins.property
-    def strides(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+    @property
+    def strides(self) -> google.protobuf.internal.containers.RepeatedScalarFieldContainer[builtins.int]:
         """IMPORTED only: the engine tensor's strides in elements, verified against the spec."""
 
     def __init__(
         self,
         *,
-        region_name: _builtins.str = ...,
-        cuda_ipc_handle: _builtins.bytes = ...,
-        shm_name: _builtins.str = ...,
-        offset: _builtins.int = ...,
-        device_id: _builtins.int = ...,
-        nbytes: _builtins.int = ...,
-        shape: _abc.Iterable[_builtins.int] | None = ...,
-        strides: _abc.Iterable[_builtins.int] | None = ...,
-        dtype: _spec_pb2.KvDtype.ValueType = ...,
+        region_name: builtins.str = ...,
+        cuda_ipc_handle: builtins.bytes = ...,
+        shm_name: builtins.str = ...,
+        offset: builtins.int = ...,
+        device_id: builtins.int = ...,
+        nbytes: builtins.int = ...,
+        shape: collections.abc.Iterable[builtins.int] | None = ...,
+        strides: collections.abc.Iterable[builtins.int] | None = ...,
+        dtype: kvxferd.v1.spec_pb2.KvDtype.ValueType = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["cuda_ipc_handle", b"cuda_ipc_handle", "handle", b"handle", "shm_name", b"shm_name"]  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cuda_ipc_handle", b"cuda_ipc_handle", "device_id", b"device_id", "dtype", b"dtype", "handle", b"handle", "nbytes", b"nbytes", "offset", b"offset", "region_name", b"region_name", "shape", b"shape", "shm_name", b"shm_name", "strides", b"strides"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_handle: _TypeAlias = _typing.Literal["cuda_ipc_handle", "shm_name"]  # noqa: Y015
-    _WhichOneofArgType_handle: _TypeAlias = _typing.Literal["handle", b"handle"]  # noqa: Y015
-    def WhichOneof(self, oneof_group: _WhichOneofArgType_handle) -> _WhichOneofReturnType_handle | None: ...
+    def HasField(self, field_name: typing.Literal["cuda_ipc_handle", b"cuda_ipc_handle", "handle", b"handle", "shm_name", b"shm_name"]) -> builtins.bool: ...
+    def ClearField(self, field_name: typing.Literal["cuda_ipc_handle", b"cuda_ipc_handle", "device_id", b"device_id", "dtype", b"dtype", "handle", b"handle", "nbytes", b"nbytes", "offset", b"offset", "region_name", b"region_name", "shape", b"shape", "shm_name", b"shm_name", "strides", b"strides"]) -> None: ...
+    def WhichOneof(self, oneof_group: typing.Literal["handle", b"handle"]) -> typing.Literal["cuda_ipc_handle", "shm_name"] | None: ...
 
-Global___MemoryHandle: _TypeAlias = MemoryHandle  # noqa: Y015
+Global___MemoryHandle: typing_extensions.TypeAlias = MemoryHandle
 
-@_typing.final
-class AttachRequest(_message.Message):
+@typing.final
+class AttachRequest(google.protobuf.message.Message):
     """Attach a KV pool."""
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    SPEC_FIELD_NUMBER: _builtins.int
-    PRESET_FIELD_NUMBER: _builtins.int
-    MEMORY_MODE_FIELD_NUMBER: _builtins.int
-    MEMORY_FIELD_NUMBER: _builtins.int
-    IMPORTS_FIELD_NUMBER: _builtins.int
-    TP_RANK_FIELD_NUMBER: _builtins.int
-    TP_SIZE_FIELD_NUMBER: _builtins.int
-    PREFIX_CACHING_FIELD_NUMBER: _builtins.int
-    preset: _builtins.str
+    SPEC_FIELD_NUMBER: builtins.int
+    PRESET_FIELD_NUMBER: builtins.int
+    MEMORY_MODE_FIELD_NUMBER: builtins.int
+    MEMORY_FIELD_NUMBER: builtins.int
+    IMPORTS_FIELD_NUMBER: builtins.int
+    TP_RANK_FIELD_NUMBER: builtins.int
+    TP_SIZE_FIELD_NUMBER: builtins.int
+    PREFIX_CACHING_FIELD_NUMBER: builtins.int
+    preset: builtins.str
     """The name of a built-in preset (kvxferd/layout/presets/<name>.toml), e.g. "llama3-8b"."""
     memory_mode: Global___MemoryMode.ValueType
     """Who provides the memory (OWNED or IMPORTED)."""
-    memory: _spec_pb2.MemoryType.ValueType
+    memory: kvxferd.v1.spec_pb2.MemoryType.ValueType
     """Overrides every region's memory type; UNSPECIFIED keeps the spec's."""
-    tp_rank: _builtins.int
+    tp_rank: builtins.int
     """The engine's tensor-parallel rank, 0-based."""
-    tp_size: _builtins.int
+    tp_size: builtins.int
     """The engine's tensor-parallel size; 0 means 1."""
-    prefix_caching: _builtins.bool
+    prefix_caching: builtins.bool
     """Whether the engine uses prefix caching (published in the handshake)."""
-    @_builtins.property
-    def spec(self) -> _spec_pb2.KvCacheSpec:
+    @property
+    def spec(self) -> kvxferd.v1.spec_pb2.KvCacheSpec:
         """A full spec."""
 
-    @_builtins.property
-    def imports(self) -> _containers.RepeatedCompositeFieldContainer[Global___MemoryHandle]:
+    @property
+    def imports(self) -> google.protobuf.internal.containers.RepeatedCompositeFieldContainer[Global___MemoryHandle]:
         """IMPORTED only: one handle per region, in spec order."""
 
     def __init__(
         self,
         *,
-        spec: _spec_pb2.KvCacheSpec | None = ...,
-        preset: _builtins.str = ...,
+        spec: kvxferd.v1.spec_pb2.KvCacheSpec | None = ...,
+        preset: builtins.str = ...,
         memory_mode: Global___MemoryMode.ValueType = ...,
-        memory: _spec_pb2.MemoryType.ValueType = ...,
-        imports: _abc.Iterable[Global___MemoryHandle] | None = ...,
-        tp_rank: _builtins.int = ...,
-        tp_size: _builtins.int = ...,
-        prefix_caching: _builtins.bool = ...,
+        memory: kvxferd.v1.spec_pb2.MemoryType.ValueType = ...,
+        imports: collections.abc.Iterable[Global___MemoryHandle] | None = ...,
+        tp_rank: builtins.int = ...,
+        tp_size: builtins.int = ...,
+        prefix_caching: builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["preset", b"preset", "source", b"source", "spec", b"spec"]  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["imports", b"imports", "memory", b"memory", "memory_mode", b"memory_mode", "prefix_caching", b"prefix_caching", "preset", b"preset", "source", b"source", "spec", b"spec", "tp_rank", b"tp_rank", "tp_size", b"tp_size"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_source: _TypeAlias = _typing.Literal["spec", "preset"]  # noqa: Y015
-    _WhichOneofArgType_source: _TypeAlias = _typing.Literal["source", b"source"]  # noqa: Y015
-    def WhichOneof(self, oneof_group: _WhichOneofArgType_source) -> _WhichOneofReturnType_source | None: ...
+    def HasField(self, field_name: typing.Literal["preset", b"preset", "source", b"source", "spec", b"spec"]) -> builtins.bool: ...
+    def ClearField(self, field_name: typing.Literal["imports", b"imports", "memory", b"memory", "memory_mode", b"memory_mode", "prefix_caching", b"prefix_caching", "preset", b"preset", "source", b"source", "spec", b"spec", "tp_rank", b"tp_rank", "tp_size", b"tp_size"]) -> None: ...
+    def WhichOneof(self, oneof_group: typing.Literal["source", b"source"]) -> typing.Literal["spec", "preset"] | None: ...
 
-Global___AttachRequest: _TypeAlias = AttachRequest  # noqa: Y015
+Global___AttachRequest: typing_extensions.TypeAlias = AttachRequest
 
-@_typing.final
-class AttachResponse(_message.Message):
+@typing.final
+class AttachResponse(google.protobuf.message.Message):
     """The attached pool."""
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    POOL_FIELD_NUMBER: _builtins.int
-    @_builtins.property
+    POOL_FIELD_NUMBER: builtins.int
+    @property
     def pool(self) -> Global___PoolInfo:
         """The pool after attaching."""
 
@@ -211,39 +203,31 @@ class AttachResponse(_message.Message):
         *,
         pool: Global___PoolInfo | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["pool", b"pool"]  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["pool", b"pool"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    def HasField(self, field_name: typing.Literal["pool", b"pool"]) -> builtins.bool: ...
+    def ClearField(self, field_name: typing.Literal["pool", b"pool"]) -> None: ...
 
-Global___AttachResponse: _TypeAlias = AttachResponse  # noqa: Y015
+Global___AttachResponse: typing_extensions.TypeAlias = AttachResponse
 
-@_typing.final
-class DescribeRequest(_message.Message):
+@typing.final
+class DescribeRequest(google.protobuf.message.Message):
     """Describe the pool."""
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
     def __init__(
         self,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___DescribeRequest: _TypeAlias = DescribeRequest  # noqa: Y015
+Global___DescribeRequest: typing_extensions.TypeAlias = DescribeRequest
 
-@_typing.final
-class DescribeResponse(_message.Message):
+@typing.final
+class DescribeResponse(google.protobuf.message.Message):
     """The pool's description."""
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    POOL_FIELD_NUMBER: _builtins.int
-    @_builtins.property
+    POOL_FIELD_NUMBER: builtins.int
+    @property
     def pool(self) -> Global___PoolInfo:
         """The pool (state DETACHED and the rest empty if none is attached)."""
 
@@ -252,54 +236,51 @@ class DescribeResponse(_message.Message):
         *,
         pool: Global___PoolInfo | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["pool", b"pool"]  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["pool", b"pool"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    def HasField(self, field_name: typing.Literal["pool", b"pool"]) -> builtins.bool: ...
+    def ClearField(self, field_name: typing.Literal["pool", b"pool"]) -> None: ...
 
-Global___DescribeResponse: _TypeAlias = DescribeResponse  # noqa: Y015
+Global___DescribeResponse: typing_extensions.TypeAlias = DescribeResponse
 
-@_typing.final
-class PoolInfo(_message.Message):
+@typing.final
+class PoolInfo(google.protobuf.message.Message):
     """The KV pool as the daemon holds it."""
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    STATE_FIELD_NUMBER: _builtins.int
-    MEMORY_MODE_FIELD_NUMBER: _builtins.int
-    SPEC_FIELD_NUMBER: _builtins.int
-    REGISTRATIONS_FIELD_NUMBER: _builtins.int
-    EXPORTS_FIELD_NUMBER: _builtins.int
-    REGISTRATION_GENERATION_FIELD_NUMBER: _builtins.int
-    NIXL_AGENT_NAME_FIELD_NUMBER: _builtins.int
-    PEER_ADDRESS_FIELD_NUMBER: _builtins.int
-    HELD_REQUESTS_FIELD_NUMBER: _builtins.int
-    ATTACHMENT_ID_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: builtins.int
+    MEMORY_MODE_FIELD_NUMBER: builtins.int
+    SPEC_FIELD_NUMBER: builtins.int
+    REGISTRATIONS_FIELD_NUMBER: builtins.int
+    EXPORTS_FIELD_NUMBER: builtins.int
+    REGISTRATION_GENERATION_FIELD_NUMBER: builtins.int
+    NIXL_AGENT_NAME_FIELD_NUMBER: builtins.int
+    PEER_ADDRESS_FIELD_NUMBER: builtins.int
+    HELD_REQUESTS_FIELD_NUMBER: builtins.int
+    ATTACHMENT_ID_FIELD_NUMBER: builtins.int
     state: Global___RegistrationState.ValueType
     """Registration state."""
     memory_mode: Global___MemoryMode.ValueType
     """Who provides the memory."""
-    registration_generation: _builtins.int
+    registration_generation: builtins.int
     """Bumped on every (re)registration."""
-    nixl_agent_name: _builtins.str
+    nixl_agent_name: builtins.str
     """This daemon's NIXL agent name."""
-    peer_address: _builtins.str
+    peer_address: builtins.str
     """This daemon's Peer address, "host:port"."""
-    held_requests: _builtins.int
+    held_requests: builtins.int
     """Requests currently held."""
-    attachment_id: _builtins.str
+    attachment_id: builtins.str
     """Identifies this attachment (Session and Detach name it); empty when detached or owned."""
-    @_builtins.property
-    def spec(self) -> _spec_pb2.KvCacheSpec:
+    @property
+    def spec(self) -> kvxferd.v1.spec_pb2.KvCacheSpec:
         """The resolved spec (a preset expanded)."""
 
-    @_builtins.property
-    def registrations(self) -> _containers.RepeatedCompositeFieldContainer[_spec_pb2.RegionRegistration]:
+    @property
+    def registrations(self) -> google.protobuf.internal.containers.RepeatedCompositeFieldContainer[kvxferd.v1.spec_pb2.RegionRegistration]:
         """One per spec.regions, same order."""
 
-    @_builtins.property
-    def exports(self) -> _containers.RepeatedCompositeFieldContainer[Global___MemoryHandle]:
+    @property
+    def exports(self) -> google.protobuf.internal.containers.RepeatedCompositeFieldContainer[Global___MemoryHandle]:
         """OWNED only: one handle per region, in spec order, for the engine to map."""
 
     def __init__(
@@ -307,242 +288,214 @@ class PoolInfo(_message.Message):
         *,
         state: Global___RegistrationState.ValueType = ...,
         memory_mode: Global___MemoryMode.ValueType = ...,
-        spec: _spec_pb2.KvCacheSpec | None = ...,
-        registrations: _abc.Iterable[_spec_pb2.RegionRegistration] | None = ...,
-        exports: _abc.Iterable[Global___MemoryHandle] | None = ...,
-        registration_generation: _builtins.int = ...,
-        nixl_agent_name: _builtins.str = ...,
-        peer_address: _builtins.str = ...,
-        held_requests: _builtins.int = ...,
-        attachment_id: _builtins.str = ...,
+        spec: kvxferd.v1.spec_pb2.KvCacheSpec | None = ...,
+        registrations: collections.abc.Iterable[kvxferd.v1.spec_pb2.RegionRegistration] | None = ...,
+        exports: collections.abc.Iterable[Global___MemoryHandle] | None = ...,
+        registration_generation: builtins.int = ...,
+        nixl_agent_name: builtins.str = ...,
+        peer_address: builtins.str = ...,
+        held_requests: builtins.int = ...,
+        attachment_id: builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attachment_id", b"attachment_id", "exports", b"exports", "held_requests", b"held_requests", "memory_mode", b"memory_mode", "nixl_agent_name", b"nixl_agent_name", "peer_address", b"peer_address", "registration_generation", b"registration_generation", "registrations", b"registrations", "spec", b"spec", "state", b"state"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    def HasField(self, field_name: typing.Literal["spec", b"spec"]) -> builtins.bool: ...
+    def ClearField(self, field_name: typing.Literal["attachment_id", b"attachment_id", "exports", b"exports", "held_requests", b"held_requests", "memory_mode", b"memory_mode", "nixl_agent_name", b"nixl_agent_name", "peer_address", b"peer_address", "registration_generation", b"registration_generation", "registrations", b"registrations", "spec", b"spec", "state", b"state"]) -> None: ...
 
-Global___PoolInfo: _TypeAlias = PoolInfo  # noqa: Y015
+Global___PoolInfo: typing_extensions.TypeAlias = PoolInfo
 
-@_typing.final
-class HoldRequest(_message.Message):
+@typing.final
+class HoldRequest(google.protobuf.message.Message):
     """Hold a finished request's blocks."""
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    REQUEST_ID_FIELD_NUMBER: _builtins.int
-    BLOCK_IDS_FIELD_NUMBER: _builtins.int
-    EXPECTED_READERS_FIELD_NUMBER: _builtins.int
-    TTL_MS_FIELD_NUMBER: _builtins.int
-    request_id: _builtins.str
+    REQUEST_ID_FIELD_NUMBER: builtins.int
+    BLOCK_IDS_FIELD_NUMBER: builtins.int
+    EXPECTED_READERS_FIELD_NUMBER: builtins.int
+    TTL_MS_FIELD_NUMBER: builtins.int
+    request_id: builtins.str
     """The engine's request ID; unique among held requests."""
-    expected_readers: _builtins.int
+    expected_readers: builtins.int
     """Readers that will notify before the blocks are freed; 0 means 1."""
-    ttl_ms: _builtins.int
+    ttl_ms: builtins.int
     """Lease length before the first confirmation, ms; 0 uses the configured default."""
-    @_builtins.property
-    def block_ids(self) -> _common_pb2.GroupBlockIds:
+    @property
+    def block_ids(self) -> kvxferd.v1.common_pb2.GroupBlockIds:
         """Logical block IDs per group to keep."""
 
     def __init__(
         self,
         *,
-        request_id: _builtins.str = ...,
-        block_ids: _common_pb2.GroupBlockIds | None = ...,
-        expected_readers: _builtins.int = ...,
-        ttl_ms: _builtins.int = ...,
+        request_id: builtins.str = ...,
+        block_ids: kvxferd.v1.common_pb2.GroupBlockIds | None = ...,
+        expected_readers: builtins.int = ...,
+        ttl_ms: builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids"]  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "expected_readers", b"expected_readers", "request_id", b"request_id", "ttl_ms", b"ttl_ms"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    def HasField(self, field_name: typing.Literal["block_ids", b"block_ids"]) -> builtins.bool: ...
+    def ClearField(self, field_name: typing.Literal["block_ids", b"block_ids", "expected_readers", b"expected_readers", "request_id", b"request_id", "ttl_ms", b"ttl_ms"]) -> None: ...
 
-Global___HoldRequest: _TypeAlias = HoldRequest  # noqa: Y015
+Global___HoldRequest: typing_extensions.TypeAlias = HoldRequest
 
-@_typing.final
-class HoldResponse(_message.Message):
+@typing.final
+class HoldResponse(google.protobuf.message.Message):
     """What the scheduler must pass on to the decode side's StartPull (same field names)."""
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    PEER_ADDRESS_FIELD_NUMBER: _builtins.int
-    REQUEST_ID_FIELD_NUMBER: _builtins.int
-    REMOTE_BLOCK_IDS_FIELD_NUMBER: _builtins.int
-    EXPIRES_UNIX_NS_FIELD_NUMBER: _builtins.int
-    peer_address: _builtins.str
+    PEER_ADDRESS_FIELD_NUMBER: builtins.int
+    REQUEST_ID_FIELD_NUMBER: builtins.int
+    REMOTE_BLOCK_IDS_FIELD_NUMBER: builtins.int
+    EXPIRES_UNIX_NS_FIELD_NUMBER: builtins.int
+    peer_address: builtins.str
     """This daemon's Peer address, "host:port" (StartPullRequest.peer_address)."""
-    request_id: _builtins.str
+    request_id: builtins.str
     """The held request (StartPullRequest.request_id)."""
-    expires_unix_ns: _builtins.int
+    expires_unix_ns: builtins.int
     """When the lease ends unless confirmed or extended, unix time in ns."""
-    @_builtins.property
-    def remote_block_ids(self) -> _common_pb2.GroupBlockIds:
+    @property
+    def remote_block_ids(self) -> kvxferd.v1.common_pb2.GroupBlockIds:
         """The held logical block IDs per group (StartPullRequest.remote_block_ids)."""
 
     def __init__(
         self,
         *,
-        peer_address: _builtins.str = ...,
-        request_id: _builtins.str = ...,
-        remote_block_ids: _common_pb2.GroupBlockIds | None = ...,
-        expires_unix_ns: _builtins.int = ...,
+        peer_address: builtins.str = ...,
+        request_id: builtins.str = ...,
+        remote_block_ids: kvxferd.v1.common_pb2.GroupBlockIds | None = ...,
+        expires_unix_ns: builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["remote_block_ids", b"remote_block_ids"]  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["expires_unix_ns", b"expires_unix_ns", "peer_address", b"peer_address", "remote_block_ids", b"remote_block_ids", "request_id", b"request_id"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    def HasField(self, field_name: typing.Literal["remote_block_ids", b"remote_block_ids"]) -> builtins.bool: ...
+    def ClearField(self, field_name: typing.Literal["expires_unix_ns", b"expires_unix_ns", "peer_address", b"peer_address", "remote_block_ids", b"remote_block_ids", "request_id", b"request_id"]) -> None: ...
 
-Global___HoldResponse: _TypeAlias = HoldResponse  # noqa: Y015
+Global___HoldResponse: typing_extensions.TypeAlias = HoldResponse
 
-@_typing.final
-class WatchReleasesRequest(_message.Message):
+@typing.final
+class WatchReleasesRequest(google.protobuf.message.Message):
     """Which releases to stream."""
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    REQUEST_IDS_FIELD_NUMBER: _builtins.int
-    @_builtins.property
-    def request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+    REQUEST_IDS_FIELD_NUMBER: builtins.int
+    @property
+    def request_ids(self) -> google.protobuf.internal.containers.RepeatedScalarFieldContainer[builtins.str]:
         """Request IDs to watch; empty watches every release."""
 
     def __init__(
         self,
         *,
-        request_ids: _abc.Iterable[_builtins.str] | None = ...,
+        request_ids: collections.abc.Iterable[builtins.str] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_ids", b"request_ids"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    def ClearField(self, field_name: typing.Literal["request_ids", b"request_ids"]) -> None: ...
 
-Global___WatchReleasesRequest: _TypeAlias = WatchReleasesRequest  # noqa: Y015
+Global___WatchReleasesRequest: typing_extensions.TypeAlias = WatchReleasesRequest
 
-@_typing.final
-class WatchReleasesResponse(_message.Message):
+@typing.final
+class WatchReleasesResponse(google.protobuf.message.Message):
     """One released request."""
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    REQUEST_ID_FIELD_NUMBER: _builtins.int
-    REASON_FIELD_NUMBER: _builtins.int
-    BLOCK_IDS_FIELD_NUMBER: _builtins.int
-    RELEASED_UNIX_NS_FIELD_NUMBER: _builtins.int
-    request_id: _builtins.str
+    REQUEST_ID_FIELD_NUMBER: builtins.int
+    REASON_FIELD_NUMBER: builtins.int
+    BLOCK_IDS_FIELD_NUMBER: builtins.int
+    RELEASED_UNIX_NS_FIELD_NUMBER: builtins.int
+    request_id: builtins.str
     """The released request."""
-    reason: _common_pb2.ReleaseReason.ValueType
+    reason: kvxferd.v1.common_pb2.ReleaseReason.ValueType
     """Why it was released."""
-    released_unix_ns: _builtins.int
+    released_unix_ns: builtins.int
     """When it was released, unix time in ns."""
-    @_builtins.property
-    def block_ids(self) -> _common_pb2.GroupBlockIds:
+    @property
+    def block_ids(self) -> kvxferd.v1.common_pb2.GroupBlockIds:
         """The logical block IDs per group that may now be reused."""
 
     def __init__(
         self,
         *,
-        request_id: _builtins.str = ...,
-        reason: _common_pb2.ReleaseReason.ValueType = ...,
-        block_ids: _common_pb2.GroupBlockIds | None = ...,
-        released_unix_ns: _builtins.int = ...,
+        request_id: builtins.str = ...,
+        reason: kvxferd.v1.common_pb2.ReleaseReason.ValueType = ...,
+        block_ids: kvxferd.v1.common_pb2.GroupBlockIds | None = ...,
+        released_unix_ns: builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids"]  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "reason", b"reason", "released_unix_ns", b"released_unix_ns", "request_id", b"request_id"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    def HasField(self, field_name: typing.Literal["block_ids", b"block_ids"]) -> builtins.bool: ...
+    def ClearField(self, field_name: typing.Literal["block_ids", b"block_ids", "reason", b"reason", "released_unix_ns", b"released_unix_ns", "request_id", b"request_id"]) -> None: ...
 
-Global___WatchReleasesResponse: _TypeAlias = WatchReleasesResponse  # noqa: Y015
+Global___WatchReleasesResponse: typing_extensions.TypeAlias = WatchReleasesResponse
 
-@_typing.final
-class DetachRequest(_message.Message):
+@typing.final
+class DetachRequest(google.protobuf.message.Message):
     """Detach the pool."""
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    FORCE_FIELD_NUMBER: _builtins.int
-    ATTACHMENT_ID_FIELD_NUMBER: _builtins.int
-    force: _builtins.bool
+    FORCE_FIELD_NUMBER: builtins.int
+    ATTACHMENT_ID_FIELD_NUMBER: builtins.int
+    force: builtins.bool
     """Release every held request (reason ENGINE_DETACHED in attached mode, CANCELLED for an
     owned pool) instead of failing with FAILED_PRECONDITION.
     """
-    attachment_id: _builtins.str
+    attachment_id: builtins.str
     """The attachment to end (PoolInfo.attachment_id); empty ends whichever is attached."""
     def __init__(
         self,
         *,
-        force: _builtins.bool = ...,
-        attachment_id: _builtins.str = ...,
+        force: builtins.bool = ...,
+        attachment_id: builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attachment_id", b"attachment_id", "force", b"force"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    def ClearField(self, field_name: typing.Literal["attachment_id", b"attachment_id", "force", b"force"]) -> None: ...
 
-Global___DetachRequest: _TypeAlias = DetachRequest  # noqa: Y015
+Global___DetachRequest: typing_extensions.TypeAlias = DetachRequest
 
-@_typing.final
-class DetachResponse(_message.Message):
+@typing.final
+class DetachResponse(google.protobuf.message.Message):
     """The pool is detached."""
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    RELEASED_REQUESTS_FIELD_NUMBER: _builtins.int
-    released_requests: _builtins.int
+    RELEASED_REQUESTS_FIELD_NUMBER: builtins.int
+    released_requests: builtins.int
     """Held requests released by force."""
     def __init__(
         self,
         *,
-        released_requests: _builtins.int = ...,
+        released_requests: builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["released_requests", b"released_requests"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    def ClearField(self, field_name: typing.Literal["released_requests", b"released_requests"]) -> None: ...
 
-Global___DetachResponse: _TypeAlias = DetachResponse  # noqa: Y015
+Global___DetachResponse: typing_extensions.TypeAlias = DetachResponse
 
-@_typing.final
-class SessionRequest(_message.Message):
+@typing.final
+class SessionRequest(google.protobuf.message.Message):
     """Open the engine's session for one attachment."""
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    ATTACHMENT_ID_FIELD_NUMBER: _builtins.int
-    attachment_id: _builtins.str
+    ATTACHMENT_ID_FIELD_NUMBER: builtins.int
+    attachment_id: builtins.str
     """PoolInfo.attachment_id from AttachResponse; a stale or unknown ID fails with
     FAILED_PRECONDITION.
     """
     def __init__(
         self,
         *,
-        attachment_id: _builtins.str = ...,
+        attachment_id: builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attachment_id", b"attachment_id"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    def ClearField(self, field_name: typing.Literal["attachment_id", b"attachment_id"]) -> None: ...
 
-Global___SessionRequest: _TypeAlias = SessionRequest  # noqa: Y015
+Global___SessionRequest: typing_extensions.TypeAlias = SessionRequest
 
-@_typing.final
-class SessionResponse(_message.Message):
+@typing.final
+class SessionResponse(google.protobuf.message.Message):
     """One event of the engine's session."""
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    OPENED_FIELD_NUMBER: _builtins.int
-    RELEASE_FIELD_NUMBER: _builtins.int
-    @_builtins.property
+    OPENED_FIELD_NUMBER: builtins.int
+    RELEASE_FIELD_NUMBER: builtins.int
+    @property
     def opened(self) -> Global___PoolInfo:
         """The first message: the session is open and the attachment is live."""
 
-    @_builtins.property
+    @property
     def release(self) -> Global___WatchReleasesResponse:
         """A held request was released; its blocks may be reused."""
 
@@ -552,12 +505,8 @@ class SessionResponse(_message.Message):
         opened: Global___PoolInfo | None = ...,
         release: Global___WatchReleasesResponse | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "opened", b"opened", "release", b"release"]  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "opened", b"opened", "release", b"release"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["opened", "release"]  # noqa: Y015
-    _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
-    def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
+    def HasField(self, field_name: typing.Literal["event", b"event", "opened", b"opened", "release", b"release"]) -> builtins.bool: ...
+    def ClearField(self, field_name: typing.Literal["event", b"event", "opened", b"opened", "release", b"release"]) -> None: ...
+    def WhichOneof(self, oneof_group: typing.Literal["event", b"event"]) -> typing.Literal["opened", "release"] | None: ...
 
-Global___SessionResponse: _TypeAlias = SessionResponse  # noqa: Y015
+Global___SessionResponse: typing_extensions.TypeAlias = SessionResponse

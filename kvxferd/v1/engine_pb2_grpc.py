@@ -5,7 +5,7 @@ import warnings
 
 from kvxferd.v1 import engine_pb2 as kvxferd_dot_v1_dot_engine__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.66.2'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -18,14 +18,14 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in kvxferd/v1/engine_pb2_grpc.py depends on'
+        + f' but the generated code in kvxferd/v1/engine_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class EngineStub:
+class EngineStub(object):
     """The engine API: the inference engine next to the daemon attaches its KV cache, holds a
     finished prefill's blocks under a lease, and learns when they may be freed. Served on a Unix
     socket (the same calls exist in-process as a Python API).
@@ -71,7 +71,7 @@ class EngineStub:
                 _registered_method=True)
 
 
-class EngineServicer:
+class EngineServicer(object):
     """The engine API: the inference engine next to the daemon attaches its KV cache, holds a
     finished prefill's blocks under a lease, and learns when they may be freed. Served on a Unix
     socket (the same calls exist in-process as a Python API).
@@ -169,7 +169,7 @@ def add_EngineServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class Engine:
+class Engine(object):
     """The engine API: the inference engine next to the daemon attaches its KV cache, holds a
     finished prefill's blocks under a lease, and learns when they may be freed. Served on a Unix
     socket (the same calls exist in-process as a Python API).

@@ -3,30 +3,125 @@
 isort:skip_file
 """
 
-from collections import abc as _abc
-from grpc import aio as _aio
-from kvxferd.v1 import engine_pb2 as _engine_pb2
-import abc as _abc_1
-import grpc as _grpc
+import abc
+import collections.abc
+import grpc
+import grpc.aio
+import kvxferd.v1.engine_pb2
 import sys
-import typing as _typing
+import typing
 
-if sys.version_info >= (3, 11):
-    from typing import Self as _Self
+if sys.version_info >= (3, 13):
+    import typing as typing_extensions
 else:
-    from typing_extensions import Self as _Self
+    import typing_extensions
 
-_T = _typing.TypeVar("_T")
+_T = typing.TypeVar("_T")
 
-class _MaybeAsyncIterator(_abc.AsyncIterator[_T], _abc.Iterator[_T], metaclass=_abc_1.ABCMeta): ...
+class _MaybeAsyncIterator(collections.abc.AsyncIterator[_T], collections.abc.Iterator[_T], metaclass=abc.ABCMeta): ...
 
-class _ServicerContext(_grpc.ServicerContext, _aio.ServicerContext):  # type: ignore[misc, type-arg]
+class _ServicerContext(grpc.ServicerContext, grpc.aio.ServicerContext):  # type: ignore[misc, type-arg]
     ...
 
 GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
+_EngineAttachType = typing_extensions.TypeVar(
+    '_EngineAttachType',
+    grpc.UnaryUnaryMultiCallable[
+        kvxferd.v1.engine_pb2.AttachRequest,
+        kvxferd.v1.engine_pb2.AttachResponse,
+    ],
+    grpc.aio.UnaryUnaryMultiCallable[
+        kvxferd.v1.engine_pb2.AttachRequest,
+        kvxferd.v1.engine_pb2.AttachResponse,
+    ],
+    default=grpc.UnaryUnaryMultiCallable[
+        kvxferd.v1.engine_pb2.AttachRequest,
+        kvxferd.v1.engine_pb2.AttachResponse,
+    ],
+)
 
-class EngineStub:
+_EngineDescribeType = typing_extensions.TypeVar(
+    '_EngineDescribeType',
+    grpc.UnaryUnaryMultiCallable[
+        kvxferd.v1.engine_pb2.DescribeRequest,
+        kvxferd.v1.engine_pb2.DescribeResponse,
+    ],
+    grpc.aio.UnaryUnaryMultiCallable[
+        kvxferd.v1.engine_pb2.DescribeRequest,
+        kvxferd.v1.engine_pb2.DescribeResponse,
+    ],
+    default=grpc.UnaryUnaryMultiCallable[
+        kvxferd.v1.engine_pb2.DescribeRequest,
+        kvxferd.v1.engine_pb2.DescribeResponse,
+    ],
+)
+
+_EngineHoldType = typing_extensions.TypeVar(
+    '_EngineHoldType',
+    grpc.UnaryUnaryMultiCallable[
+        kvxferd.v1.engine_pb2.HoldRequest,
+        kvxferd.v1.engine_pb2.HoldResponse,
+    ],
+    grpc.aio.UnaryUnaryMultiCallable[
+        kvxferd.v1.engine_pb2.HoldRequest,
+        kvxferd.v1.engine_pb2.HoldResponse,
+    ],
+    default=grpc.UnaryUnaryMultiCallable[
+        kvxferd.v1.engine_pb2.HoldRequest,
+        kvxferd.v1.engine_pb2.HoldResponse,
+    ],
+)
+
+_EngineWatchReleasesType = typing_extensions.TypeVar(
+    '_EngineWatchReleasesType',
+    grpc.UnaryStreamMultiCallable[
+        kvxferd.v1.engine_pb2.WatchReleasesRequest,
+        kvxferd.v1.engine_pb2.WatchReleasesResponse,
+    ],
+    grpc.aio.UnaryStreamMultiCallable[
+        kvxferd.v1.engine_pb2.WatchReleasesRequest,
+        kvxferd.v1.engine_pb2.WatchReleasesResponse,
+    ],
+    default=grpc.UnaryStreamMultiCallable[
+        kvxferd.v1.engine_pb2.WatchReleasesRequest,
+        kvxferd.v1.engine_pb2.WatchReleasesResponse,
+    ],
+)
+
+_EngineDetachType = typing_extensions.TypeVar(
+    '_EngineDetachType',
+    grpc.UnaryUnaryMultiCallable[
+        kvxferd.v1.engine_pb2.DetachRequest,
+        kvxferd.v1.engine_pb2.DetachResponse,
+    ],
+    grpc.aio.UnaryUnaryMultiCallable[
+        kvxferd.v1.engine_pb2.DetachRequest,
+        kvxferd.v1.engine_pb2.DetachResponse,
+    ],
+    default=grpc.UnaryUnaryMultiCallable[
+        kvxferd.v1.engine_pb2.DetachRequest,
+        kvxferd.v1.engine_pb2.DetachResponse,
+    ],
+)
+
+_EngineSessionType = typing_extensions.TypeVar(
+    '_EngineSessionType',
+    grpc.UnaryStreamMultiCallable[
+        kvxferd.v1.engine_pb2.SessionRequest,
+        kvxferd.v1.engine_pb2.SessionResponse,
+    ],
+    grpc.aio.UnaryStreamMultiCallable[
+        kvxferd.v1.engine_pb2.SessionRequest,
+        kvxferd.v1.engine_pb2.SessionResponse,
+    ],
+    default=grpc.UnaryStreamMultiCallable[
+        kvxferd.v1.engine_pb2.SessionRequest,
+        kvxferd.v1.engine_pb2.SessionResponse,
+    ],
+)
+
+class EngineStub(typing.Generic[_EngineAttachType, _EngineDescribeType, _EngineHoldType, _EngineWatchReleasesType, _EngineDetachType, _EngineSessionType]):
     """The engine API: the inference engine next to the daemon attaches its KV cache, holds a
     finished prefill's blocks under a lease, and learns when they may be freed. Served on a Unix
     socket (the same calls exist in-process as a Python API).
@@ -34,36 +129,119 @@ class EngineStub:
     Engine-facing service (Unix socket).
     """
 
-    @_typing.overload
-    def __new__(cls, channel: _grpc.Channel) -> _Self: ...
-    @_typing.overload
-    def __new__(cls, channel: _aio.Channel) -> EngineAsyncStub: ...
-    Attach: _grpc.UnaryUnaryMultiCallable[_engine_pb2.AttachRequest, _engine_pb2.AttachResponse]
+    @typing.overload
+    def __init__(self: EngineStub[
+        grpc.UnaryUnaryMultiCallable[
+            kvxferd.v1.engine_pb2.AttachRequest,
+            kvxferd.v1.engine_pb2.AttachResponse,
+        ],
+        grpc.UnaryUnaryMultiCallable[
+            kvxferd.v1.engine_pb2.DescribeRequest,
+            kvxferd.v1.engine_pb2.DescribeResponse,
+        ],
+        grpc.UnaryUnaryMultiCallable[
+            kvxferd.v1.engine_pb2.HoldRequest,
+            kvxferd.v1.engine_pb2.HoldResponse,
+        ],
+        grpc.UnaryStreamMultiCallable[
+            kvxferd.v1.engine_pb2.WatchReleasesRequest,
+            kvxferd.v1.engine_pb2.WatchReleasesResponse,
+        ],
+        grpc.UnaryUnaryMultiCallable[
+            kvxferd.v1.engine_pb2.DetachRequest,
+            kvxferd.v1.engine_pb2.DetachResponse,
+        ],
+        grpc.UnaryStreamMultiCallable[
+            kvxferd.v1.engine_pb2.SessionRequest,
+            kvxferd.v1.engine_pb2.SessionResponse,
+        ],
+    ], channel: grpc.Channel) -> None: ...
+
+    @typing.overload
+    def __init__(self: EngineStub[
+        grpc.aio.UnaryUnaryMultiCallable[
+            kvxferd.v1.engine_pb2.AttachRequest,
+            kvxferd.v1.engine_pb2.AttachResponse,
+        ],
+        grpc.aio.UnaryUnaryMultiCallable[
+            kvxferd.v1.engine_pb2.DescribeRequest,
+            kvxferd.v1.engine_pb2.DescribeResponse,
+        ],
+        grpc.aio.UnaryUnaryMultiCallable[
+            kvxferd.v1.engine_pb2.HoldRequest,
+            kvxferd.v1.engine_pb2.HoldResponse,
+        ],
+        grpc.aio.UnaryStreamMultiCallable[
+            kvxferd.v1.engine_pb2.WatchReleasesRequest,
+            kvxferd.v1.engine_pb2.WatchReleasesResponse,
+        ],
+        grpc.aio.UnaryUnaryMultiCallable[
+            kvxferd.v1.engine_pb2.DetachRequest,
+            kvxferd.v1.engine_pb2.DetachResponse,
+        ],
+        grpc.aio.UnaryStreamMultiCallable[
+            kvxferd.v1.engine_pb2.SessionRequest,
+            kvxferd.v1.engine_pb2.SessionResponse,
+        ],
+    ], channel: grpc.aio.Channel) -> None: ...
+
+    Attach: _EngineAttachType
     """Attach the KV pool: describe it and, by memory mode, allocate or import it, then register it
     with NIXL. A second Attach while attached fails with ALREADY_EXISTS (Detach first); a
     daemon that owns its pool (pool.mode = owned) refuses with INVALID_ARGUMENT.
     """
-    Describe: _grpc.UnaryUnaryMultiCallable[_engine_pb2.DescribeRequest, _engine_pb2.DescribeResponse]
+
+    Describe: _EngineDescribeType
     """The attached pool's spec and registration state (DETACHED if none)."""
-    Hold: _grpc.UnaryUnaryMultiCallable[_engine_pb2.HoldRequest, _engine_pb2.HoldResponse]
+
+    Hold: _EngineHoldType
     """Hold a finished request's blocks under a lease; the answer is what the scheduler passes on.
     A request_id already held fails with ALREADY_EXISTS.
     """
-    WatchReleases: _grpc.UnaryStreamMultiCallable[_engine_pb2.WatchReleasesRequest, _engine_pb2.WatchReleasesResponse]
+
+    WatchReleases: _EngineWatchReleasesType
     """Stream releases: one message each time a held request's blocks may be reused."""
-    Detach: _grpc.UnaryUnaryMultiCallable[_engine_pb2.DetachRequest, _engine_pb2.DetachResponse]
+
+    Detach: _EngineDetachType
     """Deregister and drop the pool (attached mode); held requests are released with reason
     ENGINE_DETACHED and the registration generation is bumped.
     """
-    Session: _grpc.UnaryStreamMultiCallable[_engine_pb2.SessionRequest, _engine_pb2.SessionResponse]
+
+    Session: _EngineSessionType
     """The engine's liveness session, opened right after Attach and kept open while attached. The
     first message confirms the attachment; later ones carry releases. When the stream ends
     (the engine process died, so its connection closed) the daemon detaches the pool exactly
     as Detach(force) does.
     """
 
-@_typing.type_check_only
-class EngineAsyncStub(EngineStub):
+EngineAsyncStub: typing_extensions.TypeAlias = EngineStub[
+    grpc.aio.UnaryUnaryMultiCallable[
+        kvxferd.v1.engine_pb2.AttachRequest,
+        kvxferd.v1.engine_pb2.AttachResponse,
+    ],
+    grpc.aio.UnaryUnaryMultiCallable[
+        kvxferd.v1.engine_pb2.DescribeRequest,
+        kvxferd.v1.engine_pb2.DescribeResponse,
+    ],
+    grpc.aio.UnaryUnaryMultiCallable[
+        kvxferd.v1.engine_pb2.HoldRequest,
+        kvxferd.v1.engine_pb2.HoldResponse,
+    ],
+    grpc.aio.UnaryStreamMultiCallable[
+        kvxferd.v1.engine_pb2.WatchReleasesRequest,
+        kvxferd.v1.engine_pb2.WatchReleasesResponse,
+    ],
+    grpc.aio.UnaryUnaryMultiCallable[
+        kvxferd.v1.engine_pb2.DetachRequest,
+        kvxferd.v1.engine_pb2.DetachResponse,
+    ],
+    grpc.aio.UnaryStreamMultiCallable[
+        kvxferd.v1.engine_pb2.SessionRequest,
+        kvxferd.v1.engine_pb2.SessionResponse,
+    ],
+]
+
+class EngineServicer(metaclass=abc.ABCMeta):
     """The engine API: the inference engine next to the daemon attaches its KV cache, holds a
     finished prefill's blocks under a lease, and learns when they may be freed. Served on a Unix
     socket (the same calls exist in-process as a Python API).
@@ -71,96 +249,63 @@ class EngineAsyncStub(EngineStub):
     Engine-facing service (Unix socket).
     """
 
-    def __init__(self, channel: _aio.Channel) -> None: ...
-    Attach: _aio.UnaryUnaryMultiCallable[_engine_pb2.AttachRequest, _engine_pb2.AttachResponse]  # type: ignore[assignment]
-    """Attach the KV pool: describe it and, by memory mode, allocate or import it, then register it
-    with NIXL. A second Attach while attached fails with ALREADY_EXISTS (Detach first); a
-    daemon that owns its pool (pool.mode = owned) refuses with INVALID_ARGUMENT.
-    """
-    Describe: _aio.UnaryUnaryMultiCallable[_engine_pb2.DescribeRequest, _engine_pb2.DescribeResponse]  # type: ignore[assignment]
-    """The attached pool's spec and registration state (DETACHED if none)."""
-    Hold: _aio.UnaryUnaryMultiCallable[_engine_pb2.HoldRequest, _engine_pb2.HoldResponse]  # type: ignore[assignment]
-    """Hold a finished request's blocks under a lease; the answer is what the scheduler passes on.
-    A request_id already held fails with ALREADY_EXISTS.
-    """
-    WatchReleases: _aio.UnaryStreamMultiCallable[_engine_pb2.WatchReleasesRequest, _engine_pb2.WatchReleasesResponse]  # type: ignore[assignment]
-    """Stream releases: one message each time a held request's blocks may be reused."""
-    Detach: _aio.UnaryUnaryMultiCallable[_engine_pb2.DetachRequest, _engine_pb2.DetachResponse]  # type: ignore[assignment]
-    """Deregister and drop the pool (attached mode); held requests are released with reason
-    ENGINE_DETACHED and the registration generation is bumped.
-    """
-    Session: _aio.UnaryStreamMultiCallable[_engine_pb2.SessionRequest, _engine_pb2.SessionResponse]  # type: ignore[assignment]
-    """The engine's liveness session, opened right after Attach and kept open while attached. The
-    first message confirms the attachment; later ones carry releases. When the stream ends
-    (the engine process died, so its connection closed) the daemon detaches the pool exactly
-    as Detach(force) does.
-    """
-
-class EngineServicer(metaclass=_abc_1.ABCMeta):
-    """The engine API: the inference engine next to the daemon attaches its KV cache, holds a
-    finished prefill's blocks under a lease, and learns when they may be freed. Served on a Unix
-    socket (the same calls exist in-process as a Python API).
-
-    Engine-facing service (Unix socket).
-    """
-
-    @_abc_1.abstractmethod
+    @abc.abstractmethod
     def Attach(
         self,
-        request: _engine_pb2.AttachRequest,
+        request: kvxferd.v1.engine_pb2.AttachRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_engine_pb2.AttachResponse, _abc.Awaitable[_engine_pb2.AttachResponse]]:
+    ) -> typing.Union[kvxferd.v1.engine_pb2.AttachResponse, collections.abc.Awaitable[kvxferd.v1.engine_pb2.AttachResponse]]:
         """Attach the KV pool: describe it and, by memory mode, allocate or import it, then register it
         with NIXL. A second Attach while attached fails with ALREADY_EXISTS (Detach first); a
         daemon that owns its pool (pool.mode = owned) refuses with INVALID_ARGUMENT.
         """
 
-    @_abc_1.abstractmethod
+    @abc.abstractmethod
     def Describe(
         self,
-        request: _engine_pb2.DescribeRequest,
+        request: kvxferd.v1.engine_pb2.DescribeRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_engine_pb2.DescribeResponse, _abc.Awaitable[_engine_pb2.DescribeResponse]]:
+    ) -> typing.Union[kvxferd.v1.engine_pb2.DescribeResponse, collections.abc.Awaitable[kvxferd.v1.engine_pb2.DescribeResponse]]:
         """The attached pool's spec and registration state (DETACHED if none)."""
 
-    @_abc_1.abstractmethod
+    @abc.abstractmethod
     def Hold(
         self,
-        request: _engine_pb2.HoldRequest,
+        request: kvxferd.v1.engine_pb2.HoldRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_engine_pb2.HoldResponse, _abc.Awaitable[_engine_pb2.HoldResponse]]:
+    ) -> typing.Union[kvxferd.v1.engine_pb2.HoldResponse, collections.abc.Awaitable[kvxferd.v1.engine_pb2.HoldResponse]]:
         """Hold a finished request's blocks under a lease; the answer is what the scheduler passes on.
         A request_id already held fails with ALREADY_EXISTS.
         """
 
-    @_abc_1.abstractmethod
+    @abc.abstractmethod
     def WatchReleases(
         self,
-        request: _engine_pb2.WatchReleasesRequest,
+        request: kvxferd.v1.engine_pb2.WatchReleasesRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_abc.Iterator[_engine_pb2.WatchReleasesResponse], _abc.AsyncIterator[_engine_pb2.WatchReleasesResponse]]:
+    ) -> typing.Union[collections.abc.Iterator[kvxferd.v1.engine_pb2.WatchReleasesResponse], collections.abc.AsyncIterator[kvxferd.v1.engine_pb2.WatchReleasesResponse]]:
         """Stream releases: one message each time a held request's blocks may be reused."""
 
-    @_abc_1.abstractmethod
+    @abc.abstractmethod
     def Detach(
         self,
-        request: _engine_pb2.DetachRequest,
+        request: kvxferd.v1.engine_pb2.DetachRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_engine_pb2.DetachResponse, _abc.Awaitable[_engine_pb2.DetachResponse]]:
+    ) -> typing.Union[kvxferd.v1.engine_pb2.DetachResponse, collections.abc.Awaitable[kvxferd.v1.engine_pb2.DetachResponse]]:
         """Deregister and drop the pool (attached mode); held requests are released with reason
         ENGINE_DETACHED and the registration generation is bumped.
         """
 
-    @_abc_1.abstractmethod
+    @abc.abstractmethod
     def Session(
         self,
-        request: _engine_pb2.SessionRequest,
+        request: kvxferd.v1.engine_pb2.SessionRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_abc.Iterator[_engine_pb2.SessionResponse], _abc.AsyncIterator[_engine_pb2.SessionResponse]]:
+    ) -> typing.Union[collections.abc.Iterator[kvxferd.v1.engine_pb2.SessionResponse], collections.abc.AsyncIterator[kvxferd.v1.engine_pb2.SessionResponse]]:
         """The engine's liveness session, opened right after Attach and kept open while attached. The
         first message confirms the attachment; later ones carry releases. When the stream ends
         (the engine process died, so its connection closed) the daemon detaches the pool exactly
         as Detach(force) does.
         """
 
-def add_EngineServicer_to_server(servicer: EngineServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
+def add_EngineServicer_to_server(servicer: EngineServicer, server: typing.Union[grpc.Server, grpc.aio.Server]) -> None: ...

@@ -3,30 +3,30 @@
 isort:skip_file
 """
 
-from collections import abc as _abc
-from google.protobuf import descriptor as _descriptor
-from google.protobuf import message as _message
-from google.protobuf.internal import containers as _containers
-from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
-from kvxferd.v1 import common_pb2 as _common_pb2
-from kvxferd.v1 import spec_pb2 as _spec_pb2
-import builtins as _builtins
+import builtins
+import collections.abc
+import google.protobuf.descriptor
+import google.protobuf.internal.containers
+import google.protobuf.internal.enum_type_wrapper
+import google.protobuf.message
+import kvxferd.v1.common_pb2
+import kvxferd.v1.spec_pb2
 import sys
-import typing as _typing
+import typing
 
-if sys.version_info >= (3, 11):
-    from typing import TypeAlias as _TypeAlias, Never as _Never
+if sys.version_info >= (3, 10):
+    import typing as typing_extensions
 else:
-    from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
+    import typing_extensions
 
-DESCRIPTOR: _descriptor.FileDescriptor
+DESCRIPTOR: google.protobuf.descriptor.FileDescriptor
 
 class _ProtocolVersion:
-    ValueType = _typing.NewType("ValueType", _builtins.int)
-    V: _TypeAlias = ValueType  # noqa: Y015
+    ValueType = typing.NewType("ValueType", builtins.int)
+    V: typing_extensions.TypeAlias = ValueType
 
-class _ProtocolVersionEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ProtocolVersion.ValueType], _builtins.type):
-    DESCRIPTOR: _descriptor.EnumDescriptor
+class _ProtocolVersionEnumTypeWrapper(google.protobuf.internal.enum_type_wrapper._EnumTypeWrapper[_ProtocolVersion.ValueType], builtins.type):
+    DESCRIPTOR: google.protobuf.descriptor.EnumDescriptor
     PROTOCOL_VERSION_UNSPECIFIED: _ProtocolVersion.ValueType  # 0
     """Not set: always refused."""
     PROTOCOL_VERSION_V1: _ProtocolVersion.ValueType  # 1
@@ -57,14 +57,14 @@ PROTOCOL_VERSION_V1: ProtocolVersion.ValueType  # 1
 """v1: initial."""
 PROTOCOL_VERSION_V2: ProtocolVersion.ValueType  # 2
 """v2: heterogeneous kernel block sizes; the compat digest no longer covers them."""
-Global___ProtocolVersion: _TypeAlias = ProtocolVersion  # noqa: Y015
+Global___ProtocolVersion: typing_extensions.TypeAlias = ProtocolVersion
 
 class _TransferMode:
-    ValueType = _typing.NewType("ValueType", _builtins.int)
-    V: _TypeAlias = ValueType  # noqa: Y015
+    ValueType = typing.NewType("ValueType", builtins.int)
+    V: typing_extensions.TypeAlias = ValueType
 
-class _TransferModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TransferMode.ValueType], _builtins.type):
-    DESCRIPTOR: _descriptor.EnumDescriptor
+class _TransferModeEnumTypeWrapper(google.protobuf.internal.enum_type_wrapper._EnumTypeWrapper[_TransferMode.ValueType], builtins.type):
+    DESCRIPTOR: google.protobuf.descriptor.EnumDescriptor
     TRANSFER_MODE_UNSPECIFIED: _TransferMode.ValueType  # 0
     """Not set: read as TRANSFER_MODE_PULL (what every peer without this field does)."""
     TRANSFER_MODE_PULL: _TransferMode.ValueType  # 1
@@ -81,14 +81,14 @@ TRANSFER_MODE_PULL: TransferMode.ValueType  # 1
 """The decode daemon READs the held blocks (RDMA GET)."""
 TRANSFER_MODE_PUSH: TransferMode.ValueType  # 2
 """The decode daemon asks the prefill daemon (Peer.Push) to WRITE them (RDMA PUT)."""
-Global___TransferMode: _TypeAlias = TransferMode  # noqa: Y015
+Global___TransferMode: typing_extensions.TypeAlias = TransferMode
 
 class _LeaseState:
-    ValueType = _typing.NewType("ValueType", _builtins.int)
-    V: _TypeAlias = ValueType  # noqa: Y015
+    ValueType = typing.NewType("ValueType", builtins.int)
+    V: typing_extensions.TypeAlias = ValueType
 
-class _LeaseStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_LeaseState.ValueType], _builtins.type):
-    DESCRIPTOR: _descriptor.EnumDescriptor
+class _LeaseStateEnumTypeWrapper(google.protobuf.internal.enum_type_wrapper._EnumTypeWrapper[_LeaseState.ValueType], builtins.type):
+    DESCRIPTOR: google.protobuf.descriptor.EnumDescriptor
     LEASE_STATE_UNSPECIFIED: _LeaseState.ValueType  # 0
     """Not set."""
     LEASE_STATE_ACTIVE: _LeaseState.ValueType  # 1
@@ -109,60 +109,56 @@ LEASE_STATE_RELEASED: LeaseState.ValueType  # 2
 """Every expected reader is done (or gave up): blocks were freed."""
 LEASE_STATE_EXPIRED: LeaseState.ValueType  # 3
 """The lease ran out: blocks were freed and may have been reused."""
-Global___LeaseState: _TypeAlias = LeaseState  # noqa: Y015
+Global___LeaseState: typing_extensions.TypeAlias = LeaseState
 
-@_typing.final
-class HandshakeRequest(_message.Message):
+@typing.final
+class HandshakeRequest(google.protobuf.message.Message):
     """Handshake request. Fields 1 and 2 are the fixed envelope that every protocol version keeps:
     the server checks them before decoding payload.
     """
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    PROTOCOL_VERSION_FIELD_NUMBER: _builtins.int
-    COMPAT_DIGEST_FIELD_NUMBER: _builtins.int
-    PAYLOAD_FIELD_NUMBER: _builtins.int
-    protocol_version: _builtins.int
+    PROTOCOL_VERSION_FIELD_NUMBER: builtins.int
+    COMPAT_DIGEST_FIELD_NUMBER: builtins.int
+    PAYLOAD_FIELD_NUMBER: builtins.int
+    protocol_version: builtins.int
     """The caller's protocol version (a ProtocolVersion value; uint32 so unknown versions are read)."""
-    compat_digest: _builtins.bytes
+    compat_digest: builtins.bytes
     """The caller's hash of the fields that must be identical on both peers, computed by
     kvxferd.peers.version.compat_digest (its coverage is fixed per protocol version). Raw digest
     bytes, not hex: bytes.fromhex() of that function's result (8 bytes in v1).
     """
-    payload: _builtins.bytes
+    payload: builtins.bytes
     """A serialized HandshakePayload of protocol_version's schema; decoded only after 1 and 2 pass."""
     def __init__(
         self,
         *,
-        protocol_version: _builtins.int = ...,
-        compat_digest: _builtins.bytes = ...,
-        payload: _builtins.bytes = ...,
+        protocol_version: builtins.int = ...,
+        compat_digest: builtins.bytes = ...,
+        payload: builtins.bytes = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compat_digest", b"compat_digest", "payload", b"payload", "protocol_version", b"protocol_version"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    def ClearField(self, field_name: typing.Literal["compat_digest", b"compat_digest", "payload", b"payload", "protocol_version", b"protocol_version"]) -> None: ...
 
-Global___HandshakeRequest: _TypeAlias = HandshakeRequest  # noqa: Y015
+Global___HandshakeRequest: typing_extensions.TypeAlias = HandshakeRequest
 
-@_typing.final
-class HandshakeResponse(_message.Message):
+@typing.final
+class HandshakeResponse(google.protobuf.message.Message):
     """Handshake response: the server's own envelope, the same shape as the request."""
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    PROTOCOL_VERSION_FIELD_NUMBER: _builtins.int
-    COMPAT_DIGEST_FIELD_NUMBER: _builtins.int
-    PAYLOAD_FIELD_NUMBER: _builtins.int
-    SESSION_FIELD_NUMBER: _builtins.int
-    protocol_version: _builtins.int
+    PROTOCOL_VERSION_FIELD_NUMBER: builtins.int
+    COMPAT_DIGEST_FIELD_NUMBER: builtins.int
+    PAYLOAD_FIELD_NUMBER: builtins.int
+    SESSION_FIELD_NUMBER: builtins.int
+    protocol_version: builtins.int
     """The server's protocol version."""
-    compat_digest: _builtins.bytes
+    compat_digest: builtins.bytes
     """The server's compatibility digest, raw bytes."""
-    payload: _builtins.bytes
+    payload: builtins.bytes
     """The server's serialized HandshakePayload."""
-    session: _builtins.bytes
+    session: builtins.bytes
     """A secret naming the caller as it handshook (its NIXL agent name and instance ID). The caller
     sends it as "kvxferd-session" metadata (hex) on every other Peer call: that session, never a
     field of a request, is who the caller is for leases and staging slots. It is valid until
@@ -172,59 +168,55 @@ class HandshakeResponse(_message.Message):
     def __init__(
         self,
         *,
-        protocol_version: _builtins.int = ...,
-        compat_digest: _builtins.bytes = ...,
-        payload: _builtins.bytes = ...,
-        session: _builtins.bytes = ...,
+        protocol_version: builtins.int = ...,
+        compat_digest: builtins.bytes = ...,
+        payload: builtins.bytes = ...,
+        session: builtins.bytes = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compat_digest", b"compat_digest", "payload", b"payload", "protocol_version", b"protocol_version", "session", b"session"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    def ClearField(self, field_name: typing.Literal["compat_digest", b"compat_digest", "payload", b"payload", "protocol_version", b"protocol_version", "session", b"session"]) -> None: ...
 
-Global___HandshakeResponse: _TypeAlias = HandshakeResponse  # noqa: Y015
+Global___HandshakeResponse: typing_extensions.TypeAlias = HandshakeResponse
 
-@_typing.final
-class HandshakePayload(_message.Message):
+@typing.final
+class HandshakePayload(google.protobuf.message.Message):
     """Everything a daemon publishes about itself, carried serialized inside the handshake envelope."""
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    SPEC_FIELD_NUMBER: _builtins.int
-    REGISTRATIONS_FIELD_NUMBER: _builtins.int
-    NIXL_AGENT_NAME_FIELD_NUMBER: _builtins.int
-    NIXL_AGENT_METADATA_FIELD_NUMBER: _builtins.int
-    REGISTRATION_GENERATION_FIELD_NUMBER: _builtins.int
-    TP_RANK_FIELD_NUMBER: _builtins.int
-    TP_SIZE_FIELD_NUMBER: _builtins.int
-    PREFIX_CACHING_FIELD_NUMBER: _builtins.int
-    DAEMON_ID_FIELD_NUMBER: _builtins.int
-    INSTANCE_ID_FIELD_NUMBER: _builtins.int
-    PEER_ADDRESS_FIELD_NUMBER: _builtins.int
-    STAGING_FIELD_NUMBER: _builtins.int
-    HOST_ID_FIELD_NUMBER: _builtins.int
-    CUDA_IPC_FIELD_NUMBER: _builtins.int
-    TRANSFER_MODE_FIELD_NUMBER: _builtins.int
-    nixl_agent_name: _builtins.str
+    SPEC_FIELD_NUMBER: builtins.int
+    REGISTRATIONS_FIELD_NUMBER: builtins.int
+    NIXL_AGENT_NAME_FIELD_NUMBER: builtins.int
+    NIXL_AGENT_METADATA_FIELD_NUMBER: builtins.int
+    REGISTRATION_GENERATION_FIELD_NUMBER: builtins.int
+    TP_RANK_FIELD_NUMBER: builtins.int
+    TP_SIZE_FIELD_NUMBER: builtins.int
+    PREFIX_CACHING_FIELD_NUMBER: builtins.int
+    DAEMON_ID_FIELD_NUMBER: builtins.int
+    INSTANCE_ID_FIELD_NUMBER: builtins.int
+    PEER_ADDRESS_FIELD_NUMBER: builtins.int
+    STAGING_FIELD_NUMBER: builtins.int
+    HOST_ID_FIELD_NUMBER: builtins.int
+    CUDA_IPC_FIELD_NUMBER: builtins.int
+    TRANSFER_MODE_FIELD_NUMBER: builtins.int
+    nixl_agent_name: builtins.str
     """The NIXL agent's name (unique per daemon process)."""
-    nixl_agent_metadata: _builtins.bytes
+    nixl_agent_metadata: builtins.bytes
     """Opaque NIXL agent metadata (get_agent_metadata()), about 550 bytes + 44 per region."""
-    registration_generation: _builtins.int
+    registration_generation: builtins.int
     """Bumped on every (re)registration of memory; metadata from an older generation is stale."""
-    tp_rank: _builtins.int
+    tp_rank: builtins.int
     """This worker's tensor-parallel rank, 0-based."""
-    tp_size: _builtins.int
+    tp_size: builtins.int
     """This worker's tensor-parallel size, >= 1."""
-    prefix_caching: _builtins.bool
+    prefix_caching: builtins.bool
     """Whether this side's engine uses prefix caching (refused with differing ppl)."""
-    daemon_id: _builtins.str
+    daemon_id: builtins.str
     """Stable, configured name of the daemon (survives restarts), e.g. "prefill-0-rank-3"."""
-    instance_id: _builtins.str
+    instance_id: builtins.str
     """Random ID chosen at process start; a new value means the peer restarted."""
-    peer_address: _builtins.str
+    peer_address: builtins.str
     """Address ("host:port") at which this daemon serves Peer; what schedulers pass as peer_address."""
-    host_id: _builtins.str
+    host_id: builtins.str
     """Who can open this daemon's CUDA IPC handles: a digest of the host's boot ID and this
     process's IPC namespace. Two daemons with the same host_id share a host (and an IPC
     namespace); only then may a reader use cuda_ipc (KERNEL pulls). Empty from old peers.
@@ -233,21 +225,21 @@ class HandshakePayload(_message.Message):
     """Who moves the bytes (transfer.mode): both peers must advertise the same mode or the
     handshake is refused. Old peers leave it unset, which means TRANSFER_MODE_PULL.
     """
-    @_builtins.property
-    def spec(self) -> _spec_pb2.KvCacheSpec:
+    @property
+    def spec(self) -> kvxferd.v1.spec_pb2.KvCacheSpec:
         """The KV cache spec; what must match is covered by compat_digest."""
 
-    @_builtins.property
-    def registrations(self) -> _containers.RepeatedCompositeFieldContainer[_spec_pb2.RegionRegistration]:
+    @property
+    def registrations(self) -> google.protobuf.internal.containers.RepeatedCompositeFieldContainer[kvxferd.v1.spec_pb2.RegionRegistration]:
         """One per spec.regions, in the same order: where each region is registered."""
 
-    @_builtins.property
+    @property
     def staging(self) -> Global___StagingRing:
         """The daemon's staging ring for STAGED pulls; unset when staging is disabled. Old peers
         ignore it (and are then read with DIRECT).
         """
 
-    @_builtins.property
+    @property
     def cuda_ipc(self) -> Global___CudaIpcExport:
         """CUDA IPC handles of the registered VRAM regions, for same-host KERNEL pulls (the reader maps
         them and copies with SM kernels). Unset for DRAM pools and from old peers, which are then
@@ -257,240 +249,218 @@ class HandshakePayload(_message.Message):
     def __init__(
         self,
         *,
-        spec: _spec_pb2.KvCacheSpec | None = ...,
-        registrations: _abc.Iterable[_spec_pb2.RegionRegistration] | None = ...,
-        nixl_agent_name: _builtins.str = ...,
-        nixl_agent_metadata: _builtins.bytes = ...,
-        registration_generation: _builtins.int = ...,
-        tp_rank: _builtins.int = ...,
-        tp_size: _builtins.int = ...,
-        prefix_caching: _builtins.bool = ...,
-        daemon_id: _builtins.str = ...,
-        instance_id: _builtins.str = ...,
-        peer_address: _builtins.str = ...,
+        spec: kvxferd.v1.spec_pb2.KvCacheSpec | None = ...,
+        registrations: collections.abc.Iterable[kvxferd.v1.spec_pb2.RegionRegistration] | None = ...,
+        nixl_agent_name: builtins.str = ...,
+        nixl_agent_metadata: builtins.bytes = ...,
+        registration_generation: builtins.int = ...,
+        tp_rank: builtins.int = ...,
+        tp_size: builtins.int = ...,
+        prefix_caching: builtins.bool = ...,
+        daemon_id: builtins.str = ...,
+        instance_id: builtins.str = ...,
+        peer_address: builtins.str = ...,
         staging: Global___StagingRing | None = ...,
-        host_id: _builtins.str = ...,
+        host_id: builtins.str = ...,
         cuda_ipc: Global___CudaIpcExport | None = ...,
         transfer_mode: Global___TransferMode.ValueType = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["cuda_ipc", b"cuda_ipc", "spec", b"spec", "staging", b"staging"]  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cuda_ipc", b"cuda_ipc", "daemon_id", b"daemon_id", "host_id", b"host_id", "instance_id", b"instance_id", "nixl_agent_metadata", b"nixl_agent_metadata", "nixl_agent_name", b"nixl_agent_name", "peer_address", b"peer_address", "prefix_caching", b"prefix_caching", "registration_generation", b"registration_generation", "registrations", b"registrations", "spec", b"spec", "staging", b"staging", "tp_rank", b"tp_rank", "tp_size", b"tp_size", "transfer_mode", b"transfer_mode"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    def HasField(self, field_name: typing.Literal["cuda_ipc", b"cuda_ipc", "spec", b"spec", "staging", b"staging"]) -> builtins.bool: ...
+    def ClearField(self, field_name: typing.Literal["cuda_ipc", b"cuda_ipc", "daemon_id", b"daemon_id", "host_id", b"host_id", "instance_id", b"instance_id", "nixl_agent_metadata", b"nixl_agent_metadata", "nixl_agent_name", b"nixl_agent_name", "peer_address", b"peer_address", "prefix_caching", b"prefix_caching", "registration_generation", b"registration_generation", "registrations", b"registrations", "spec", b"spec", "staging", b"staging", "tp_rank", b"tp_rank", "tp_size", b"tp_size", "transfer_mode", b"transfer_mode"]) -> None: ...
 
-Global___HandshakePayload: _TypeAlias = HandshakePayload  # noqa: Y015
+Global___HandshakePayload: typing_extensions.TypeAlias = HandshakePayload
 
-@_typing.final
-class CudaIpcExport(_message.Message):
+@typing.final
+class CudaIpcExport(google.protobuf.message.Message):
     """The pool's VRAM regions as CUDA IPC handles (cuIpcGetMemHandle). Valid for this
     registration_generation of this instance_id only: a reader drops its mappings when either
     changes, when the peer stops answering, or after they go unused.
     """
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    REGIONS_FIELD_NUMBER: _builtins.int
-    UNAVAILABLE_FIELD_NUMBER: _builtins.int
-    unavailable: _builtins.str
+    REGIONS_FIELD_NUMBER: builtins.int
+    UNAVAILABLE_FIELD_NUMBER: builtins.int
+    unavailable: builtins.str
     """Why nothing is exported (e.g. memory from PyTorch's expandable_segments allocator); empty
     when regions are set.
     """
-    @_builtins.property
-    def regions(self) -> _containers.RepeatedCompositeFieldContainer[Global___CudaIpcRegion]:
+    @property
+    def regions(self) -> google.protobuf.internal.containers.RepeatedCompositeFieldContainer[Global___CudaIpcRegion]:
         """One per spec.regions, in the same order (regions in one allocation share a handle)."""
 
     def __init__(
         self,
         *,
-        regions: _abc.Iterable[Global___CudaIpcRegion] | None = ...,
-        unavailable: _builtins.str = ...,
+        regions: collections.abc.Iterable[Global___CudaIpcRegion] | None = ...,
+        unavailable: builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["regions", b"regions", "unavailable", b"unavailable"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    def ClearField(self, field_name: typing.Literal["regions", b"regions", "unavailable", b"unavailable"]) -> None: ...
 
-Global___CudaIpcExport: _TypeAlias = CudaIpcExport  # noqa: Y015
+Global___CudaIpcExport: typing_extensions.TypeAlias = CudaIpcExport
 
-@_typing.final
-class CudaIpcRegion(_message.Message):
+@typing.final
+class CudaIpcRegion(google.protobuf.message.Message):
     """One region inside a CUDA allocation that can be opened over CUDA IPC."""
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    HANDLE_FIELD_NUMBER: _builtins.int
-    OFFSET_FIELD_NUMBER: _builtins.int
-    NBYTES_FIELD_NUMBER: _builtins.int
-    DEVICE_UUID_FIELD_NUMBER: _builtins.int
-    handle: _builtins.bytes
+    HANDLE_FIELD_NUMBER: builtins.int
+    OFFSET_FIELD_NUMBER: builtins.int
+    NBYTES_FIELD_NUMBER: builtins.int
+    DEVICE_UUID_FIELD_NUMBER: builtins.int
+    handle: builtins.bytes
     """The allocation's cudaIpcMemHandle_t, 64 bytes."""
-    offset: _builtins.int
+    offset: builtins.int
     """Where the region starts inside the allocation, bytes."""
-    nbytes: _builtins.int
+    nbytes: builtins.int
     """Bytes of the region (equal to its registration's nbytes)."""
-    device_uuid: _builtins.str
+    device_uuid: builtins.str
     """The GPU's UUID ("GPU-..."), which each process maps to its own device ordinal."""
     def __init__(
         self,
         *,
-        handle: _builtins.bytes = ...,
-        offset: _builtins.int = ...,
-        nbytes: _builtins.int = ...,
-        device_uuid: _builtins.str = ...,
+        handle: builtins.bytes = ...,
+        offset: builtins.int = ...,
+        nbytes: builtins.int = ...,
+        device_uuid: builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["device_uuid", b"device_uuid", "handle", b"handle", "nbytes", b"nbytes", "offset", b"offset"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    def ClearField(self, field_name: typing.Literal["device_uuid", b"device_uuid", "handle", b"handle", "nbytes", b"nbytes", "offset", b"offset"]) -> None: ...
 
-Global___CudaIpcRegion: _TypeAlias = CudaIpcRegion  # noqa: Y015
+Global___CudaIpcRegion: typing_extensions.TypeAlias = CudaIpcRegion
 
-@_typing.final
-class StagingRing(_message.Message):
+@typing.final
+class StagingRing(google.protobuf.message.Message):
     """One staging buffer, allocated at start on the pool's device and registered with NIXL once
     (in the same memory type as the pool's regions): chunks slots of chunk_bytes each.
     """
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    BASE_ADDRESS_FIELD_NUMBER: _builtins.int
-    CHUNK_BYTES_FIELD_NUMBER: _builtins.int
-    CHUNKS_FIELD_NUMBER: _builtins.int
-    DEVICE_ID_FIELD_NUMBER: _builtins.int
-    base_address: _builtins.int
+    BASE_ADDRESS_FIELD_NUMBER: builtins.int
+    CHUNK_BYTES_FIELD_NUMBER: builtins.int
+    CHUNKS_FIELD_NUMBER: builtins.int
+    DEVICE_ID_FIELD_NUMBER: builtins.int
+    base_address: builtins.int
     """Address of slot 0; slot i starts at base_address + i * chunk_bytes."""
-    chunk_bytes: _builtins.int
+    chunk_bytes: builtins.int
     """Bytes of one slot (transfer.staging_chunk_bytes)."""
-    chunks: _builtins.int
+    chunks: builtins.int
     """Number of slots (transfer.staging_chunks), >= 2."""
-    device_id: _builtins.int
+    device_id: builtins.int
     """Device index of the buffer (0 for DRAM)."""
     def __init__(
         self,
         *,
-        base_address: _builtins.int = ...,
-        chunk_bytes: _builtins.int = ...,
-        chunks: _builtins.int = ...,
-        device_id: _builtins.int = ...,
+        base_address: builtins.int = ...,
+        chunk_bytes: builtins.int = ...,
+        chunks: builtins.int = ...,
+        device_id: builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_address", b"base_address", "chunk_bytes", b"chunk_bytes", "chunks", b"chunks", "device_id", b"device_id"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    def ClearField(self, field_name: typing.Literal["base_address", b"base_address", "chunk_bytes", b"chunk_bytes", "chunks", b"chunks", "device_id", b"device_id"]) -> None: ...
 
-Global___StagingRing: _TypeAlias = StagingRing  # noqa: Y015
+Global___StagingRing: typing_extensions.TypeAlias = StagingRing
 
-@_typing.final
-class GatherRequest(_message.Message):
+@typing.final
+class GatherRequest(google.protobuf.message.Message):
     """Gather a chunk of a held request into a staging slot."""
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    REQUEST_ID_FIELD_NUMBER: _builtins.int
-    READER_ID_FIELD_NUMBER: _builtins.int
-    KERNEL_BLOCK_IDS_FIELD_NUMBER: _builtins.int
-    RELEASE_SLOTS_FIELD_NUMBER: _builtins.int
-    request_id: _builtins.str
+    REQUEST_ID_FIELD_NUMBER: builtins.int
+    READER_ID_FIELD_NUMBER: builtins.int
+    KERNEL_BLOCK_IDS_FIELD_NUMBER: builtins.int
+    RELEASE_SLOTS_FIELD_NUMBER: builtins.int
+    request_id: builtins.str
     """The held request (its lease must be active)."""
-    reader_id: _builtins.str
+    reader_id: builtins.str
     """Informational only: slots are granted to the caller's handshake session."""
-    @_builtins.property
-    def kernel_block_ids(self) -> _common_pb2.GroupBlockIds:
+    @property
+    def kernel_block_ids(self) -> kvxferd.v1.common_pb2.GroupBlockIds:
         """Kernel block IDs per group, in the order rows are wanted: group 0's rows come first in the
         slot, then group 1's, and so on (row = one block of every region of the group).
         """
 
-    @_builtins.property
-    def release_slots(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+    @property
+    def release_slots(self) -> google.protobuf.internal.containers.RepeatedScalarFieldContainer[builtins.int]:
         """Slots of this reader to free first (piggybacked releases of earlier chunks)."""
 
     def __init__(
         self,
         *,
-        request_id: _builtins.str = ...,
-        reader_id: _builtins.str = ...,
-        kernel_block_ids: _common_pb2.GroupBlockIds | None = ...,
-        release_slots: _abc.Iterable[_builtins.int] | None = ...,
+        request_id: builtins.str = ...,
+        reader_id: builtins.str = ...,
+        kernel_block_ids: kvxferd.v1.common_pb2.GroupBlockIds | None = ...,
+        release_slots: collections.abc.Iterable[builtins.int] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["kernel_block_ids", b"kernel_block_ids"]  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kernel_block_ids", b"kernel_block_ids", "reader_id", b"reader_id", "release_slots", b"release_slots", "request_id", b"request_id"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    def HasField(self, field_name: typing.Literal["kernel_block_ids", b"kernel_block_ids"]) -> builtins.bool: ...
+    def ClearField(self, field_name: typing.Literal["kernel_block_ids", b"kernel_block_ids", "reader_id", b"reader_id", "release_slots", b"release_slots", "request_id", b"request_id"]) -> None: ...
 
-Global___GatherRequest: _TypeAlias = GatherRequest  # noqa: Y015
+Global___GatherRequest: typing_extensions.TypeAlias = GatherRequest
 
-@_typing.final
-class GatherResponse(_message.Message):
+@typing.final
+class GatherResponse(google.protobuf.message.Message):
     """Where a gathered chunk lies, sent once its bytes are in place."""
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    SLOT_FIELD_NUMBER: _builtins.int
-    OFFSET_FIELD_NUMBER: _builtins.int
-    NBYTES_FIELD_NUMBER: _builtins.int
-    GATHER_US_FIELD_NUMBER: _builtins.int
-    slot: _builtins.int
+    SLOT_FIELD_NUMBER: builtins.int
+    OFFSET_FIELD_NUMBER: builtins.int
+    NBYTES_FIELD_NUMBER: builtins.int
+    GATHER_US_FIELD_NUMBER: builtins.int
+    slot: builtins.int
     """The granted slot index."""
-    offset: _builtins.int
+    offset: builtins.int
     """Byte offset of the chunk from the ring's base_address."""
-    nbytes: _builtins.int
+    nbytes: builtins.int
     """Bytes gathered (sum over groups of rows x row bytes)."""
-    gather_us: _builtins.int
+    gather_us: builtins.int
     """Time the gather itself took on the owner, us (for per-stage timing)."""
     def __init__(
         self,
         *,
-        slot: _builtins.int = ...,
-        offset: _builtins.int = ...,
-        nbytes: _builtins.int = ...,
-        gather_us: _builtins.int = ...,
+        slot: builtins.int = ...,
+        offset: builtins.int = ...,
+        nbytes: builtins.int = ...,
+        gather_us: builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["gather_us", b"gather_us", "nbytes", b"nbytes", "offset", b"offset", "slot", b"slot"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    def ClearField(self, field_name: typing.Literal["gather_us", b"gather_us", "nbytes", b"nbytes", "offset", b"offset", "slot", b"slot"]) -> None: ...
 
-Global___GatherResponse: _TypeAlias = GatherResponse  # noqa: Y015
+Global___GatherResponse: typing_extensions.TypeAlias = GatherResponse
 
-@_typing.final
-class PushRequest(_message.Message):
+@typing.final
+class PushRequest(google.protobuf.message.Message):
     """Ask the owner to WRITE a held request into the caller's blocks (push mode)."""
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    REQUEST_ID_FIELD_NUMBER: _builtins.int
-    REMOTE_BLOCK_IDS_FIELD_NUMBER: _builtins.int
-    LOCAL_BLOCK_IDS_FIELD_NUMBER: _builtins.int
-    NOTIF_TICKET_FIELD_NUMBER: _builtins.int
-    WRITE_TIMEOUT_MS_FIELD_NUMBER: _builtins.int
-    TRANSFER_ID_FIELD_NUMBER: _builtins.int
-    request_id: _builtins.str
+    REQUEST_ID_FIELD_NUMBER: builtins.int
+    REMOTE_BLOCK_IDS_FIELD_NUMBER: builtins.int
+    LOCAL_BLOCK_IDS_FIELD_NUMBER: builtins.int
+    NOTIF_TICKET_FIELD_NUMBER: builtins.int
+    WRITE_TIMEOUT_MS_FIELD_NUMBER: builtins.int
+    TRANSFER_ID_FIELD_NUMBER: builtins.int
+    request_id: builtins.str
     """The held request; the caller must have confirmed its share (ConfirmLease)."""
-    notif_ticket: _builtins.int
+    notif_ticket: builtins.int
     """Carried back in the WRITE_DONE notification so the caller can tell its pushes apart; any
     non-zero value the caller chooses (a random 64-bit number).
     """
-    write_timeout_ms: _builtins.int
+    write_timeout_ms: builtins.int
     """The WRITE must complete within this many ms of its arrival, or it is cancelled and the call
     fails with DEADLINE_EXCEEDED; must be > 0. The caller keeps it shorter than its own
     deadline, so no WRITE outlives the pull that asked for it.
     """
-    transfer_id: _builtins.str
+    transfer_id: builtins.str
     """The caller's transfer ID, for logs only."""
-    @_builtins.property
-    def remote_block_ids(self) -> _common_pb2.GroupBlockIds:
+    @property
+    def remote_block_ids(self) -> kvxferd.v1.common_pb2.GroupBlockIds:
         """The owner's logical block IDs per group, exactly as Hold returned them (every one must be
         held under request_id).
         """
 
-    @_builtins.property
-    def local_block_ids(self) -> _common_pb2.GroupBlockIds:
+    @property
+    def local_block_ids(self) -> kvxferd.v1.common_pb2.GroupBlockIds:
         """The caller's (decode's) logical block IDs per group, as StartPull gave them; with prefix
         caching the owner trims the remote IDs exactly as a pull would (kvxferd.blocks.plan_pull).
         """
@@ -498,142 +468,127 @@ class PushRequest(_message.Message):
     def __init__(
         self,
         *,
-        request_id: _builtins.str = ...,
-        remote_block_ids: _common_pb2.GroupBlockIds | None = ...,
-        local_block_ids: _common_pb2.GroupBlockIds | None = ...,
-        notif_ticket: _builtins.int = ...,
-        write_timeout_ms: _builtins.int = ...,
-        transfer_id: _builtins.str = ...,
+        request_id: builtins.str = ...,
+        remote_block_ids: kvxferd.v1.common_pb2.GroupBlockIds | None = ...,
+        local_block_ids: kvxferd.v1.common_pb2.GroupBlockIds | None = ...,
+        notif_ticket: builtins.int = ...,
+        write_timeout_ms: builtins.int = ...,
+        transfer_id: builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["local_block_ids", b"local_block_ids", "remote_block_ids", b"remote_block_ids"]  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["local_block_ids", b"local_block_ids", "notif_ticket", b"notif_ticket", "remote_block_ids", b"remote_block_ids", "request_id", b"request_id", "transfer_id", b"transfer_id", "write_timeout_ms", b"write_timeout_ms"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    def HasField(self, field_name: typing.Literal["local_block_ids", b"local_block_ids", "remote_block_ids", b"remote_block_ids"]) -> builtins.bool: ...
+    def ClearField(self, field_name: typing.Literal["local_block_ids", b"local_block_ids", "notif_ticket", b"notif_ticket", "remote_block_ids", b"remote_block_ids", "request_id", b"request_id", "transfer_id", b"transfer_id", "write_timeout_ms", b"write_timeout_ms"]) -> None: ...
 
-Global___PushRequest: _TypeAlias = PushRequest  # noqa: Y015
+Global___PushRequest: typing_extensions.TypeAlias = PushRequest
 
-@_typing.final
-class PushResponse(_message.Message):
+@typing.final
+class PushResponse(google.protobuf.message.Message):
     """Result of Push, sent once the WRITE completed."""
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    NBYTES_FIELD_NUMBER: _builtins.int
-    DESCRIPTORS_FIELD_NUMBER: _builtins.int
-    ELAPSED_US_FIELD_NUMBER: _builtins.int
-    INSTANCE_ID_FIELD_NUMBER: _builtins.int
-    nbytes: _builtins.int
+    NBYTES_FIELD_NUMBER: builtins.int
+    DESCRIPTORS_FIELD_NUMBER: builtins.int
+    ELAPSED_US_FIELD_NUMBER: builtins.int
+    INSTANCE_ID_FIELD_NUMBER: builtins.int
+    nbytes: builtins.int
     """Bytes written."""
-    descriptors: _builtins.int
+    descriptors: builtins.int
     """Descriptors posted (after coalescing)."""
-    elapsed_us: _builtins.int
+    elapsed_us: builtins.int
     """From the call's arrival to the WRITE's completion on the owner, us."""
-    instance_id: _builtins.str
+    instance_id: builtins.str
     """The owner's instance_id (for the caller's logs; a restart shows as another value)."""
     def __init__(
         self,
         *,
-        nbytes: _builtins.int = ...,
-        descriptors: _builtins.int = ...,
-        elapsed_us: _builtins.int = ...,
-        instance_id: _builtins.str = ...,
+        nbytes: builtins.int = ...,
+        descriptors: builtins.int = ...,
+        elapsed_us: builtins.int = ...,
+        instance_id: builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["descriptors", b"descriptors", "elapsed_us", b"elapsed_us", "instance_id", b"instance_id", "nbytes", b"nbytes"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    def ClearField(self, field_name: typing.Literal["descriptors", b"descriptors", "elapsed_us", b"elapsed_us", "instance_id", b"instance_id", "nbytes", b"nbytes"]) -> None: ...
 
-Global___PushResponse: _TypeAlias = PushResponse  # noqa: Y015
+Global___PushResponse: typing_extensions.TypeAlias = PushResponse
 
-@_typing.final
-class ReleaseStagingRequest(_message.Message):
+@typing.final
+class ReleaseStagingRequest(google.protobuf.message.Message):
     """Give granted staging slots back."""
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    REQUEST_ID_FIELD_NUMBER: _builtins.int
-    READER_ID_FIELD_NUMBER: _builtins.int
-    SLOTS_FIELD_NUMBER: _builtins.int
-    request_id: _builtins.str
+    REQUEST_ID_FIELD_NUMBER: builtins.int
+    READER_ID_FIELD_NUMBER: builtins.int
+    SLOTS_FIELD_NUMBER: builtins.int
+    request_id: builtins.str
     """The request the slots were granted for."""
-    reader_id: _builtins.str
+    reader_id: builtins.str
     """Informational only: the reader is the caller's handshake session."""
-    @_builtins.property
-    def slots(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+    @property
+    def slots(self) -> google.protobuf.internal.containers.RepeatedScalarFieldContainer[builtins.int]:
         """Slot indices to free; slots not granted to this reader for this request are ignored."""
 
     def __init__(
         self,
         *,
-        request_id: _builtins.str = ...,
-        reader_id: _builtins.str = ...,
-        slots: _abc.Iterable[_builtins.int] | None = ...,
+        request_id: builtins.str = ...,
+        reader_id: builtins.str = ...,
+        slots: collections.abc.Iterable[builtins.int] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["reader_id", b"reader_id", "request_id", b"request_id", "slots", b"slots"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    def ClearField(self, field_name: typing.Literal["reader_id", b"reader_id", "request_id", b"request_id", "slots", b"slots"]) -> None: ...
 
-Global___ReleaseStagingRequest: _TypeAlias = ReleaseStagingRequest  # noqa: Y015
+Global___ReleaseStagingRequest: typing_extensions.TypeAlias = ReleaseStagingRequest
 
-@_typing.final
-class ReleaseStagingResponse(_message.Message):
+@typing.final
+class ReleaseStagingResponse(google.protobuf.message.Message):
     """Result of ReleaseStaging."""
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    RELEASED_FIELD_NUMBER: _builtins.int
-    released: _builtins.int
+    RELEASED_FIELD_NUMBER: builtins.int
+    released: builtins.int
     """How many of the slots were freed."""
     def __init__(
         self,
         *,
-        released: _builtins.int = ...,
+        released: builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["released", b"released"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    def ClearField(self, field_name: typing.Literal["released", b"released"]) -> None: ...
 
-Global___ReleaseStagingResponse: _TypeAlias = ReleaseStagingResponse  # noqa: Y015
+Global___ReleaseStagingResponse: typing_extensions.TypeAlias = ReleaseStagingResponse
 
-@_typing.final
-class Lease(_message.Message):
+@typing.final
+class Lease(google.protobuf.message.Message):
     """A lease as the holder sees it."""
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    REQUEST_ID_FIELD_NUMBER: _builtins.int
-    STATE_FIELD_NUMBER: _builtins.int
-    EXPIRES_UNIX_NS_FIELD_NUMBER: _builtins.int
-    REMAINING_MS_FIELD_NUMBER: _builtins.int
-    BLOCK_IDS_FIELD_NUMBER: _builtins.int
-    READERS_EXPECTED_FIELD_NUMBER: _builtins.int
-    READERS_CONFIRMED_FIELD_NUMBER: _builtins.int
-    READERS_DONE_FIELD_NUMBER: _builtins.int
-    REGISTRATION_GENERATION_FIELD_NUMBER: _builtins.int
-    request_id: _builtins.str
+    REQUEST_ID_FIELD_NUMBER: builtins.int
+    STATE_FIELD_NUMBER: builtins.int
+    EXPIRES_UNIX_NS_FIELD_NUMBER: builtins.int
+    REMAINING_MS_FIELD_NUMBER: builtins.int
+    BLOCK_IDS_FIELD_NUMBER: builtins.int
+    READERS_EXPECTED_FIELD_NUMBER: builtins.int
+    READERS_CONFIRMED_FIELD_NUMBER: builtins.int
+    READERS_DONE_FIELD_NUMBER: builtins.int
+    REGISTRATION_GENERATION_FIELD_NUMBER: builtins.int
+    request_id: builtins.str
     """The held request."""
     state: Global___LeaseState.ValueType
     """Current state."""
-    expires_unix_ns: _builtins.int
+    expires_unix_ns: builtins.int
     """When the lease ends, unix time in ns, holder's clock."""
-    remaining_ms: _builtins.int
+    remaining_ms: builtins.int
     """Time left at the moment of the reply, ms (clock-skew free; 0 once not ACTIVE)."""
-    readers_expected: _builtins.int
+    readers_expected: builtins.int
     """Readers the holder waits for."""
-    readers_confirmed: _builtins.int
+    readers_confirmed: builtins.int
     """Readers that confirmed."""
-    readers_done: _builtins.int
+    readers_done: builtins.int
     """Readers that finished (notified or released)."""
-    registration_generation: _builtins.int
+    registration_generation: builtins.int
     """The holder's registration generation when the lease was granted."""
-    @_builtins.property
-    def block_ids(self) -> _common_pb2.GroupBlockIds:
+    @property
+    def block_ids(self) -> kvxferd.v1.common_pb2.GroupBlockIds:
         """The held logical block IDs per group, as given to Hold: a reader checks
         that they equal the remote_block_ids it was asked to read.
         """
@@ -641,72 +596,65 @@ class Lease(_message.Message):
     def __init__(
         self,
         *,
-        request_id: _builtins.str = ...,
+        request_id: builtins.str = ...,
         state: Global___LeaseState.ValueType = ...,
-        expires_unix_ns: _builtins.int = ...,
-        remaining_ms: _builtins.int = ...,
-        block_ids: _common_pb2.GroupBlockIds | None = ...,
-        readers_expected: _builtins.int = ...,
-        readers_confirmed: _builtins.int = ...,
-        readers_done: _builtins.int = ...,
-        registration_generation: _builtins.int = ...,
+        expires_unix_ns: builtins.int = ...,
+        remaining_ms: builtins.int = ...,
+        block_ids: kvxferd.v1.common_pb2.GroupBlockIds | None = ...,
+        readers_expected: builtins.int = ...,
+        readers_confirmed: builtins.int = ...,
+        readers_done: builtins.int = ...,
+        registration_generation: builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids"]  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "expires_unix_ns", b"expires_unix_ns", "readers_confirmed", b"readers_confirmed", "readers_done", b"readers_done", "readers_expected", b"readers_expected", "registration_generation", b"registration_generation", "remaining_ms", b"remaining_ms", "request_id", b"request_id", "state", b"state"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    def HasField(self, field_name: typing.Literal["block_ids", b"block_ids"]) -> builtins.bool: ...
+    def ClearField(self, field_name: typing.Literal["block_ids", b"block_ids", "expires_unix_ns", b"expires_unix_ns", "readers_confirmed", b"readers_confirmed", "readers_done", b"readers_done", "readers_expected", b"readers_expected", "registration_generation", b"registration_generation", "remaining_ms", b"remaining_ms", "request_id", b"request_id", "state", b"state"]) -> None: ...
 
-Global___Lease: _TypeAlias = Lease  # noqa: Y015
+Global___Lease: typing_extensions.TypeAlias = Lease
 
-@_typing.final
-class ConfirmLeaseRequest(_message.Message):
+@typing.final
+class ConfirmLeaseRequest(google.protobuf.message.Message):
     """Confirm a lease before reading."""
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    REQUEST_ID_FIELD_NUMBER: _builtins.int
-    READER_ID_FIELD_NUMBER: _builtins.int
-    EXTEND_MS_FIELD_NUMBER: _builtins.int
-    request_id: _builtins.str
+    REQUEST_ID_FIELD_NUMBER: builtins.int
+    READER_ID_FIELD_NUMBER: builtins.int
+    EXTEND_MS_FIELD_NUMBER: builtins.int
+    request_id: builtins.str
     """The held request to read."""
-    reader_id: _builtins.str
+    reader_id: builtins.str
     """Informational only: the reader is the caller's handshake session (one share per session)."""
-    extend_ms: _builtins.int
+    extend_ms: builtins.int
     """The reader's share lasts until now + extend_ms (capped by the owner's heartbeat timeout;
     heartbeats renew it); 0 takes that cap.
     """
     def __init__(
         self,
         *,
-        request_id: _builtins.str = ...,
-        reader_id: _builtins.str = ...,
-        extend_ms: _builtins.int = ...,
+        request_id: builtins.str = ...,
+        reader_id: builtins.str = ...,
+        extend_ms: builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["extend_ms", b"extend_ms", "reader_id", b"reader_id", "request_id", b"request_id"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    def ClearField(self, field_name: typing.Literal["extend_ms", b"extend_ms", "reader_id", b"reader_id", "request_id", b"request_id"]) -> None: ...
 
-Global___ConfirmLeaseRequest: _TypeAlias = ConfirmLeaseRequest  # noqa: Y015
+Global___ConfirmLeaseRequest: typing_extensions.TypeAlias = ConfirmLeaseRequest
 
-@_typing.final
-class ConfirmLeaseResponse(_message.Message):
+@typing.final
+class ConfirmLeaseResponse(google.protobuf.message.Message):
     """Result of ConfirmLease."""
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    LEASE_FIELD_NUMBER: _builtins.int
-    TICKET_FIELD_NUMBER: _builtins.int
-    INSTANCE_ID_FIELD_NUMBER: _builtins.int
-    ticket: _builtins.int
+    LEASE_FIELD_NUMBER: builtins.int
+    TICKET_FIELD_NUMBER: builtins.int
+    INSTANCE_ID_FIELD_NUMBER: builtins.int
+    ticket: builtins.int
     """The caller's share of the lease: the READ_DONE notification must carry it, or it is ignored."""
-    instance_id: _builtins.str
+    instance_id: builtins.str
     """The owner's instance_id: if it is not the one the caller handshook with, the owner restarted
     and the caller must handshake again before reading.
     """
-    @_builtins.property
+    @property
     def lease(self) -> Global___Lease:
         """The lease after confirmation; state is ACTIVE on success. remaining_ms is the caller's own
         share's.
@@ -716,55 +664,48 @@ class ConfirmLeaseResponse(_message.Message):
         self,
         *,
         lease: Global___Lease | None = ...,
-        ticket: _builtins.int = ...,
-        instance_id: _builtins.str = ...,
+        ticket: builtins.int = ...,
+        instance_id: builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease"]  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance_id", b"instance_id", "lease", b"lease", "ticket", b"ticket"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    def HasField(self, field_name: typing.Literal["lease", b"lease"]) -> builtins.bool: ...
+    def ClearField(self, field_name: typing.Literal["instance_id", b"instance_id", "lease", b"lease", "ticket", b"ticket"]) -> None: ...
 
-Global___ConfirmLeaseResponse: _TypeAlias = ConfirmLeaseResponse  # noqa: Y015
+Global___ConfirmLeaseResponse: typing_extensions.TypeAlias = ConfirmLeaseResponse
 
-@_typing.final
-class ExtendLeaseRequest(_message.Message):
+@typing.final
+class ExtendLeaseRequest(google.protobuf.message.Message):
     """Extend a confirmed lease."""
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    REQUEST_ID_FIELD_NUMBER: _builtins.int
-    READER_ID_FIELD_NUMBER: _builtins.int
-    EXTEND_MS_FIELD_NUMBER: _builtins.int
-    request_id: _builtins.str
+    REQUEST_ID_FIELD_NUMBER: builtins.int
+    READER_ID_FIELD_NUMBER: builtins.int
+    EXTEND_MS_FIELD_NUMBER: builtins.int
+    request_id: builtins.str
     """The held request."""
-    reader_id: _builtins.str
+    reader_id: builtins.str
     """Informational only: the reader is the caller's handshake session."""
-    extend_ms: _builtins.int
+    extend_ms: builtins.int
     """Extend the caller's share to at least now + extend_ms, ms; must be > 0."""
     def __init__(
         self,
         *,
-        request_id: _builtins.str = ...,
-        reader_id: _builtins.str = ...,
-        extend_ms: _builtins.int = ...,
+        request_id: builtins.str = ...,
+        reader_id: builtins.str = ...,
+        extend_ms: builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["extend_ms", b"extend_ms", "reader_id", b"reader_id", "request_id", b"request_id"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    def ClearField(self, field_name: typing.Literal["extend_ms", b"extend_ms", "reader_id", b"reader_id", "request_id", b"request_id"]) -> None: ...
 
-Global___ExtendLeaseRequest: _TypeAlias = ExtendLeaseRequest  # noqa: Y015
+Global___ExtendLeaseRequest: typing_extensions.TypeAlias = ExtendLeaseRequest
 
-@_typing.final
-class ExtendLeaseResponse(_message.Message):
+@typing.final
+class ExtendLeaseResponse(google.protobuf.message.Message):
     """Result of ExtendLease."""
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    LEASE_FIELD_NUMBER: _builtins.int
-    @_builtins.property
+    LEASE_FIELD_NUMBER: builtins.int
+    @property
     def lease(self) -> Global___Lease:
         """The lease after the extension."""
 
@@ -773,52 +714,45 @@ class ExtendLeaseResponse(_message.Message):
         *,
         lease: Global___Lease | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease"]  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    def HasField(self, field_name: typing.Literal["lease", b"lease"]) -> builtins.bool: ...
+    def ClearField(self, field_name: typing.Literal["lease", b"lease"]) -> None: ...
 
-Global___ExtendLeaseResponse: _TypeAlias = ExtendLeaseResponse  # noqa: Y015
+Global___ExtendLeaseResponse: typing_extensions.TypeAlias = ExtendLeaseResponse
 
-@_typing.final
-class ReleaseLeaseRequest(_message.Message):
+@typing.final
+class ReleaseLeaseRequest(google.protobuf.message.Message):
     """A reader lets go of a lease."""
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    REQUEST_ID_FIELD_NUMBER: _builtins.int
-    READER_ID_FIELD_NUMBER: _builtins.int
-    REASON_FIELD_NUMBER: _builtins.int
-    request_id: _builtins.str
+    REQUEST_ID_FIELD_NUMBER: builtins.int
+    READER_ID_FIELD_NUMBER: builtins.int
+    REASON_FIELD_NUMBER: builtins.int
+    request_id: builtins.str
     """The held request."""
-    reader_id: _builtins.str
+    reader_id: builtins.str
     """Informational only: the reader is the caller's handshake session; only its own share ends."""
-    reason: _common_pb2.ReleaseReason.ValueType
+    reason: kvxferd.v1.common_pb2.ReleaseReason.ValueType
     """DONE if the read completed (as the NIXL notification says), CANCELLED if the reader gave up."""
     def __init__(
         self,
         *,
-        request_id: _builtins.str = ...,
-        reader_id: _builtins.str = ...,
-        reason: _common_pb2.ReleaseReason.ValueType = ...,
+        request_id: builtins.str = ...,
+        reader_id: builtins.str = ...,
+        reason: kvxferd.v1.common_pb2.ReleaseReason.ValueType = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["reader_id", b"reader_id", "reason", b"reason", "request_id", b"request_id"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    def ClearField(self, field_name: typing.Literal["reader_id", b"reader_id", "reason", b"reason", "request_id", b"request_id"]) -> None: ...
 
-Global___ReleaseLeaseRequest: _TypeAlias = ReleaseLeaseRequest  # noqa: Y015
+Global___ReleaseLeaseRequest: typing_extensions.TypeAlias = ReleaseLeaseRequest
 
-@_typing.final
-class ReleaseLeaseResponse(_message.Message):
+@typing.final
+class ReleaseLeaseResponse(google.protobuf.message.Message):
     """Result of ReleaseLease."""
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    LEASE_FIELD_NUMBER: _builtins.int
-    @_builtins.property
+    LEASE_FIELD_NUMBER: builtins.int
+    @property
     def lease(self) -> Global___Lease:
         """The lease after the release (RELEASED once every expected reader is done)."""
 
@@ -827,94 +761,83 @@ class ReleaseLeaseResponse(_message.Message):
         *,
         lease: Global___Lease | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease"]  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    def HasField(self, field_name: typing.Literal["lease", b"lease"]) -> builtins.bool: ...
+    def ClearField(self, field_name: typing.Literal["lease", b"lease"]) -> None: ...
 
-Global___ReleaseLeaseResponse: _TypeAlias = ReleaseLeaseResponse  # noqa: Y015
+Global___ReleaseLeaseResponse: typing_extensions.TypeAlias = ReleaseLeaseResponse
 
-@_typing.final
-class HeartbeatRequest(_message.Message):
+@typing.final
+class HeartbeatRequest(google.protobuf.message.Message):
     """Periodic liveness probe from one daemon to a peer it has handshaken with."""
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    DAEMON_ID_FIELD_NUMBER: _builtins.int
-    INSTANCE_ID_FIELD_NUMBER: _builtins.int
-    REGISTRATION_GENERATION_FIELD_NUMBER: _builtins.int
-    RENEW_REQUEST_IDS_FIELD_NUMBER: _builtins.int
-    RENEW_MS_FIELD_NUMBER: _builtins.int
-    daemon_id: _builtins.str
+    DAEMON_ID_FIELD_NUMBER: builtins.int
+    INSTANCE_ID_FIELD_NUMBER: builtins.int
+    REGISTRATION_GENERATION_FIELD_NUMBER: builtins.int
+    RENEW_REQUEST_IDS_FIELD_NUMBER: builtins.int
+    RENEW_MS_FIELD_NUMBER: builtins.int
+    daemon_id: builtins.str
     """The caller's daemon_id."""
-    instance_id: _builtins.str
+    instance_id: builtins.str
     """The caller's instance_id (a change means it restarted)."""
-    registration_generation: _builtins.int
+    registration_generation: builtins.int
     """The caller's registration generation (a change means re-handshake)."""
-    renew_ms: _builtins.int
+    renew_ms: builtins.int
     """Renew each of the caller's shares to at least now + renew_ms, ms (capped by the owner's
     heartbeat timeout); 0 renews nothing.
     """
-    @_builtins.property
-    def renew_request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+    @property
+    def renew_request_ids(self) -> google.protobuf.internal.containers.RepeatedScalarFieldContainer[builtins.str]:
         """Leases the caller is waiting on and wants renewed."""
 
     def __init__(
         self,
         *,
-        daemon_id: _builtins.str = ...,
-        instance_id: _builtins.str = ...,
-        registration_generation: _builtins.int = ...,
-        renew_request_ids: _abc.Iterable[_builtins.str] | None = ...,
-        renew_ms: _builtins.int = ...,
+        daemon_id: builtins.str = ...,
+        instance_id: builtins.str = ...,
+        registration_generation: builtins.int = ...,
+        renew_request_ids: collections.abc.Iterable[builtins.str] | None = ...,
+        renew_ms: builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["daemon_id", b"daemon_id", "instance_id", b"instance_id", "registration_generation", b"registration_generation", "renew_ms", b"renew_ms", "renew_request_ids", b"renew_request_ids"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    def ClearField(self, field_name: typing.Literal["daemon_id", b"daemon_id", "instance_id", b"instance_id", "registration_generation", b"registration_generation", "renew_ms", b"renew_ms", "renew_request_ids", b"renew_request_ids"]) -> None: ...
 
-Global___HeartbeatRequest: _TypeAlias = HeartbeatRequest  # noqa: Y015
+Global___HeartbeatRequest: typing_extensions.TypeAlias = HeartbeatRequest
 
-@_typing.final
-class HeartbeatResponse(_message.Message):
+@typing.final
+class HeartbeatResponse(google.protobuf.message.Message):
     """The peer's answer to a heartbeat."""
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    INSTANCE_ID_FIELD_NUMBER: _builtins.int
-    REGISTRATION_GENERATION_FIELD_NUMBER: _builtins.int
-    LOST_REQUEST_IDS_FIELD_NUMBER: _builtins.int
-    SERVER_TIME_UNIX_NS_FIELD_NUMBER: _builtins.int
-    RENEWED_MS_FIELD_NUMBER: _builtins.int
-    instance_id: _builtins.str
+    INSTANCE_ID_FIELD_NUMBER: builtins.int
+    REGISTRATION_GENERATION_FIELD_NUMBER: builtins.int
+    LOST_REQUEST_IDS_FIELD_NUMBER: builtins.int
+    SERVER_TIME_UNIX_NS_FIELD_NUMBER: builtins.int
+    RENEWED_MS_FIELD_NUMBER: builtins.int
+    instance_id: builtins.str
     """The server's instance_id: differs from the handshake's if the server restarted."""
-    registration_generation: _builtins.int
+    registration_generation: builtins.int
     """The server's registration generation: differs from the handshake's if it re-registered."""
-    server_time_unix_ns: _builtins.int
+    server_time_unix_ns: builtins.int
     """Server's clock at reply, unix time in ns (for skew estimates in logs)."""
-    renewed_ms: _builtins.int
+    renewed_ms: builtins.int
     """How long each renewed share now lasts from the moment of the reply, ms (renew_ms clamped
     to the server's heartbeat timeout); 0 when nothing was renewed.
     """
-    @_builtins.property
-    def lost_request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+    @property
+    def lost_request_ids(self) -> google.protobuf.internal.containers.RepeatedScalarFieldContainer[builtins.str]:
         """Of renew_request_ids, those no longer held (released, expired or unknown): their reads fail."""
 
     def __init__(
         self,
         *,
-        instance_id: _builtins.str = ...,
-        registration_generation: _builtins.int = ...,
-        lost_request_ids: _abc.Iterable[_builtins.str] | None = ...,
-        server_time_unix_ns: _builtins.int = ...,
-        renewed_ms: _builtins.int = ...,
+        instance_id: builtins.str = ...,
+        registration_generation: builtins.int = ...,
+        lost_request_ids: collections.abc.Iterable[builtins.str] | None = ...,
+        server_time_unix_ns: builtins.int = ...,
+        renewed_ms: builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance_id", b"instance_id", "lost_request_ids", b"lost_request_ids", "registration_generation", b"registration_generation", "renewed_ms", b"renewed_ms", "server_time_unix_ns", b"server_time_unix_ns"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    def ClearField(self, field_name: typing.Literal["instance_id", b"instance_id", "lost_request_ids", b"lost_request_ids", "registration_generation", b"registration_generation", "renewed_ms", b"renewed_ms", "server_time_unix_ns", b"server_time_unix_ns"]) -> None: ...
 
-Global___HeartbeatResponse: _TypeAlias = HeartbeatResponse  # noqa: Y015
+Global___HeartbeatResponse: typing_extensions.TypeAlias = HeartbeatResponse

@@ -5,7 +5,7 @@ import warnings
 
 from kvxferd.v1 import peer_pb2 as kvxferd_dot_v1_dot_peer__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.66.2'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -18,14 +18,14 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in kvxferd/v1/peer_pb2_grpc.py depends on'
+        + f' but the generated code in kvxferd/v1/peer_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class PeerStub:
+class PeerStub(object):
     """Daemon-to-daemon control service, served on the daemon's peer address (TCP, authenticated).
     """
 
@@ -77,7 +77,7 @@ class PeerStub:
                 _registered_method=True)
 
 
-class PeerServicer:
+class PeerServicer(object):
     """Daemon-to-daemon control service, served on the daemon's peer address (TCP, authenticated).
     """
 
@@ -220,7 +220,7 @@ def add_PeerServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class Peer:
+class Peer(object):
     """Daemon-to-daemon control service, served on the daemon's peer address (TCP, authenticated).
     """
 

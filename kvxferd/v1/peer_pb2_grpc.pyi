@@ -3,37 +3,232 @@
 isort:skip_file
 """
 
-from collections import abc as _abc
-from grpc import aio as _aio
-from kvxferd.v1 import peer_pb2 as _peer_pb2
-import abc as _abc_1
-import grpc as _grpc
+import abc
+import collections.abc
+import grpc
+import grpc.aio
+import kvxferd.v1.peer_pb2
 import sys
-import typing as _typing
+import typing
 
-if sys.version_info >= (3, 11):
-    from typing import Self as _Self
+if sys.version_info >= (3, 13):
+    import typing as typing_extensions
 else:
-    from typing_extensions import Self as _Self
+    import typing_extensions
 
-_T = _typing.TypeVar("_T")
+_T = typing.TypeVar("_T")
 
-class _MaybeAsyncIterator(_abc.AsyncIterator[_T], _abc.Iterator[_T], metaclass=_abc_1.ABCMeta): ...
+class _MaybeAsyncIterator(collections.abc.AsyncIterator[_T], collections.abc.Iterator[_T], metaclass=abc.ABCMeta): ...
 
-class _ServicerContext(_grpc.ServicerContext, _aio.ServicerContext):  # type: ignore[misc, type-arg]
+class _ServicerContext(grpc.ServicerContext, grpc.aio.ServicerContext):  # type: ignore[misc, type-arg]
     ...
 
 GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
+_PeerHandshakeType = typing_extensions.TypeVar(
+    '_PeerHandshakeType',
+    grpc.UnaryUnaryMultiCallable[
+        kvxferd.v1.peer_pb2.HandshakeRequest,
+        kvxferd.v1.peer_pb2.HandshakeResponse,
+    ],
+    grpc.aio.UnaryUnaryMultiCallable[
+        kvxferd.v1.peer_pb2.HandshakeRequest,
+        kvxferd.v1.peer_pb2.HandshakeResponse,
+    ],
+    default=grpc.UnaryUnaryMultiCallable[
+        kvxferd.v1.peer_pb2.HandshakeRequest,
+        kvxferd.v1.peer_pb2.HandshakeResponse,
+    ],
+)
 
-class PeerStub:
+_PeerConfirmLeaseType = typing_extensions.TypeVar(
+    '_PeerConfirmLeaseType',
+    grpc.UnaryUnaryMultiCallable[
+        kvxferd.v1.peer_pb2.ConfirmLeaseRequest,
+        kvxferd.v1.peer_pb2.ConfirmLeaseResponse,
+    ],
+    grpc.aio.UnaryUnaryMultiCallable[
+        kvxferd.v1.peer_pb2.ConfirmLeaseRequest,
+        kvxferd.v1.peer_pb2.ConfirmLeaseResponse,
+    ],
+    default=grpc.UnaryUnaryMultiCallable[
+        kvxferd.v1.peer_pb2.ConfirmLeaseRequest,
+        kvxferd.v1.peer_pb2.ConfirmLeaseResponse,
+    ],
+)
+
+_PeerExtendLeaseType = typing_extensions.TypeVar(
+    '_PeerExtendLeaseType',
+    grpc.UnaryUnaryMultiCallable[
+        kvxferd.v1.peer_pb2.ExtendLeaseRequest,
+        kvxferd.v1.peer_pb2.ExtendLeaseResponse,
+    ],
+    grpc.aio.UnaryUnaryMultiCallable[
+        kvxferd.v1.peer_pb2.ExtendLeaseRequest,
+        kvxferd.v1.peer_pb2.ExtendLeaseResponse,
+    ],
+    default=grpc.UnaryUnaryMultiCallable[
+        kvxferd.v1.peer_pb2.ExtendLeaseRequest,
+        kvxferd.v1.peer_pb2.ExtendLeaseResponse,
+    ],
+)
+
+_PeerReleaseLeaseType = typing_extensions.TypeVar(
+    '_PeerReleaseLeaseType',
+    grpc.UnaryUnaryMultiCallable[
+        kvxferd.v1.peer_pb2.ReleaseLeaseRequest,
+        kvxferd.v1.peer_pb2.ReleaseLeaseResponse,
+    ],
+    grpc.aio.UnaryUnaryMultiCallable[
+        kvxferd.v1.peer_pb2.ReleaseLeaseRequest,
+        kvxferd.v1.peer_pb2.ReleaseLeaseResponse,
+    ],
+    default=grpc.UnaryUnaryMultiCallable[
+        kvxferd.v1.peer_pb2.ReleaseLeaseRequest,
+        kvxferd.v1.peer_pb2.ReleaseLeaseResponse,
+    ],
+)
+
+_PeerHeartbeatType = typing_extensions.TypeVar(
+    '_PeerHeartbeatType',
+    grpc.UnaryUnaryMultiCallable[
+        kvxferd.v1.peer_pb2.HeartbeatRequest,
+        kvxferd.v1.peer_pb2.HeartbeatResponse,
+    ],
+    grpc.aio.UnaryUnaryMultiCallable[
+        kvxferd.v1.peer_pb2.HeartbeatRequest,
+        kvxferd.v1.peer_pb2.HeartbeatResponse,
+    ],
+    default=grpc.UnaryUnaryMultiCallable[
+        kvxferd.v1.peer_pb2.HeartbeatRequest,
+        kvxferd.v1.peer_pb2.HeartbeatResponse,
+    ],
+)
+
+_PeerGatherType = typing_extensions.TypeVar(
+    '_PeerGatherType',
+    grpc.UnaryUnaryMultiCallable[
+        kvxferd.v1.peer_pb2.GatherRequest,
+        kvxferd.v1.peer_pb2.GatherResponse,
+    ],
+    grpc.aio.UnaryUnaryMultiCallable[
+        kvxferd.v1.peer_pb2.GatherRequest,
+        kvxferd.v1.peer_pb2.GatherResponse,
+    ],
+    default=grpc.UnaryUnaryMultiCallable[
+        kvxferd.v1.peer_pb2.GatherRequest,
+        kvxferd.v1.peer_pb2.GatherResponse,
+    ],
+)
+
+_PeerReleaseStagingType = typing_extensions.TypeVar(
+    '_PeerReleaseStagingType',
+    grpc.UnaryUnaryMultiCallable[
+        kvxferd.v1.peer_pb2.ReleaseStagingRequest,
+        kvxferd.v1.peer_pb2.ReleaseStagingResponse,
+    ],
+    grpc.aio.UnaryUnaryMultiCallable[
+        kvxferd.v1.peer_pb2.ReleaseStagingRequest,
+        kvxferd.v1.peer_pb2.ReleaseStagingResponse,
+    ],
+    default=grpc.UnaryUnaryMultiCallable[
+        kvxferd.v1.peer_pb2.ReleaseStagingRequest,
+        kvxferd.v1.peer_pb2.ReleaseStagingResponse,
+    ],
+)
+
+_PeerPushType = typing_extensions.TypeVar(
+    '_PeerPushType',
+    grpc.UnaryUnaryMultiCallable[
+        kvxferd.v1.peer_pb2.PushRequest,
+        kvxferd.v1.peer_pb2.PushResponse,
+    ],
+    grpc.aio.UnaryUnaryMultiCallable[
+        kvxferd.v1.peer_pb2.PushRequest,
+        kvxferd.v1.peer_pb2.PushResponse,
+    ],
+    default=grpc.UnaryUnaryMultiCallable[
+        kvxferd.v1.peer_pb2.PushRequest,
+        kvxferd.v1.peer_pb2.PushResponse,
+    ],
+)
+
+class PeerStub(typing.Generic[_PeerHandshakeType, _PeerConfirmLeaseType, _PeerExtendLeaseType, _PeerReleaseLeaseType, _PeerHeartbeatType, _PeerGatherType, _PeerReleaseStagingType, _PeerPushType]):
     """Daemon-to-daemon control service, served on the daemon's peer address (TCP, authenticated)."""
 
-    @_typing.overload
-    def __new__(cls, channel: _grpc.Channel) -> _Self: ...
-    @_typing.overload
-    def __new__(cls, channel: _aio.Channel) -> PeerAsyncStub: ...
-    Handshake: _grpc.UnaryUnaryMultiCallable[_peer_pb2.HandshakeRequest, _peer_pb2.HandshakeResponse]
+    @typing.overload
+    def __init__(self: PeerStub[
+        grpc.UnaryUnaryMultiCallable[
+            kvxferd.v1.peer_pb2.HandshakeRequest,
+            kvxferd.v1.peer_pb2.HandshakeResponse,
+        ],
+        grpc.UnaryUnaryMultiCallable[
+            kvxferd.v1.peer_pb2.ConfirmLeaseRequest,
+            kvxferd.v1.peer_pb2.ConfirmLeaseResponse,
+        ],
+        grpc.UnaryUnaryMultiCallable[
+            kvxferd.v1.peer_pb2.ExtendLeaseRequest,
+            kvxferd.v1.peer_pb2.ExtendLeaseResponse,
+        ],
+        grpc.UnaryUnaryMultiCallable[
+            kvxferd.v1.peer_pb2.ReleaseLeaseRequest,
+            kvxferd.v1.peer_pb2.ReleaseLeaseResponse,
+        ],
+        grpc.UnaryUnaryMultiCallable[
+            kvxferd.v1.peer_pb2.HeartbeatRequest,
+            kvxferd.v1.peer_pb2.HeartbeatResponse,
+        ],
+        grpc.UnaryUnaryMultiCallable[
+            kvxferd.v1.peer_pb2.GatherRequest,
+            kvxferd.v1.peer_pb2.GatherResponse,
+        ],
+        grpc.UnaryUnaryMultiCallable[
+            kvxferd.v1.peer_pb2.ReleaseStagingRequest,
+            kvxferd.v1.peer_pb2.ReleaseStagingResponse,
+        ],
+        grpc.UnaryUnaryMultiCallable[
+            kvxferd.v1.peer_pb2.PushRequest,
+            kvxferd.v1.peer_pb2.PushResponse,
+        ],
+    ], channel: grpc.Channel) -> None: ...
+
+    @typing.overload
+    def __init__(self: PeerStub[
+        grpc.aio.UnaryUnaryMultiCallable[
+            kvxferd.v1.peer_pb2.HandshakeRequest,
+            kvxferd.v1.peer_pb2.HandshakeResponse,
+        ],
+        grpc.aio.UnaryUnaryMultiCallable[
+            kvxferd.v1.peer_pb2.ConfirmLeaseRequest,
+            kvxferd.v1.peer_pb2.ConfirmLeaseResponse,
+        ],
+        grpc.aio.UnaryUnaryMultiCallable[
+            kvxferd.v1.peer_pb2.ExtendLeaseRequest,
+            kvxferd.v1.peer_pb2.ExtendLeaseResponse,
+        ],
+        grpc.aio.UnaryUnaryMultiCallable[
+            kvxferd.v1.peer_pb2.ReleaseLeaseRequest,
+            kvxferd.v1.peer_pb2.ReleaseLeaseResponse,
+        ],
+        grpc.aio.UnaryUnaryMultiCallable[
+            kvxferd.v1.peer_pb2.HeartbeatRequest,
+            kvxferd.v1.peer_pb2.HeartbeatResponse,
+        ],
+        grpc.aio.UnaryUnaryMultiCallable[
+            kvxferd.v1.peer_pb2.GatherRequest,
+            kvxferd.v1.peer_pb2.GatherResponse,
+        ],
+        grpc.aio.UnaryUnaryMultiCallable[
+            kvxferd.v1.peer_pb2.ReleaseStagingRequest,
+            kvxferd.v1.peer_pb2.ReleaseStagingResponse,
+        ],
+        grpc.aio.UnaryUnaryMultiCallable[
+            kvxferd.v1.peer_pb2.PushRequest,
+            kvxferd.v1.peer_pb2.PushResponse,
+        ],
+    ], channel: grpc.aio.Channel) -> None: ...
+
+    Handshake: _PeerHandshakeType
     """Exchange and check compatibility. Server order: (1) an unsupported protocol_version is
     refused (FAILED_PRECONDITION) without decoding anything else; (2) compat_digest is compared
     with the server's own; if equal, payload is decoded and the checks the digest cannot cover
@@ -42,28 +237,33 @@ class PeerStub:
     ERROR_KIND_INCOMPATIBLE_PEER in trailing metadata). The client runs the same checks on the
     response.
     """
-    ConfirmLease: _grpc.UnaryUnaryMultiCallable[_peer_pb2.ConfirmLeaseRequest, _peer_pb2.ConfirmLeaseResponse]
+
+    ConfirmLease: _PeerConfirmLeaseType
     """A reader confirms it is about to read a held request and gets its own share of the lease.
     Fails with FAILED_PRECONDITION (LeaseRefused) if the blocks are no longer held or every
     expected reader already confirmed, NOT_FOUND if never held. Every Peer call but Handshake
     needs the "kvxferd-session" metadata the handshake returned (UNAUTHENTICATED without it).
     """
-    ExtendLease: _grpc.UnaryUnaryMultiCallable[_peer_pb2.ExtendLeaseRequest, _peer_pb2.ExtendLeaseResponse]
+
+    ExtendLease: _PeerExtendLeaseType
     """Push the caller's confirmed share further out while a read is in flight. NOT_FOUND for an
     unknown request, PERMISSION_DENIED if the caller never confirmed it, INVALID_ARGUMENT for
     extend_ms = 0.
     """
-    ReleaseLease: _grpc.UnaryUnaryMultiCallable[_peer_pb2.ReleaseLeaseRequest, _peer_pb2.ReleaseLeaseResponse]
+
+    ReleaseLease: _PeerReleaseLeaseType
     """A reader lets go of its own share: done (same effect as the NIXL notification) or giving
     up. The blocks are released once no confirmed reader is still reading and every expected
     reader ended (or the lease expired). PERMISSION_DENIED if the caller never confirmed it.
     """
-    Heartbeat: _grpc.UnaryUnaryMultiCallable[_peer_pb2.HeartbeatRequest, _peer_pb2.HeartbeatResponse]
+
+    Heartbeat: _PeerHeartbeatType
     """Liveness and restart detection; also renews the caller's shares in bulk. A reader with
     reads in flight sends one every peers.heartbeat_interval_ms; an owner that hears nothing
     for peers.heartbeat_timeout_ms lets that reader's shares lapse.
     """
-    Gather: _grpc.UnaryUnaryMultiCallable[_peer_pb2.GatherRequest, _peer_pb2.GatherResponse]
+
+    Gather: _PeerGatherType
     """STAGED pulls: gather some of a held request's kernel blocks into a free slot of this
     daemon's staging ring and answer once the bytes are there (the reader then READs the slot
     with one descriptor). Every ID must be held under the request's lease (FAILED_PRECONDITION
@@ -71,9 +271,11 @@ class PeerStub:
     deadline. The slot stays granted to the caller until ReleaseStaging (or a later Gather's
     release_slots), the lease ends, or transfer.staging_grant_timeout_ms passes.
     """
-    ReleaseStaging: _grpc.UnaryUnaryMultiCallable[_peer_pb2.ReleaseStagingRequest, _peer_pb2.ReleaseStagingResponse]
+
+    ReleaseStaging: _PeerReleaseStagingType
     """Return granted staging slots to the ring (the reader has read them)."""
-    Push: _grpc.UnaryUnaryMultiCallable[_peer_pb2.PushRequest, _peer_pb2.PushResponse]
+
+    Push: _PeerPushType
     """Push mode (transfer.mode = "push" on both sides): the reader, having confirmed its share of
     a held request (ConfirmLease), asks this daemon to WRITE the held blocks into the reader's
     own registered blocks. The server checks the caller's share is still reading
@@ -89,76 +291,50 @@ class PeerStub:
     mode.
     """
 
-@_typing.type_check_only
-class PeerAsyncStub(PeerStub):
+PeerAsyncStub: typing_extensions.TypeAlias = PeerStub[
+    grpc.aio.UnaryUnaryMultiCallable[
+        kvxferd.v1.peer_pb2.HandshakeRequest,
+        kvxferd.v1.peer_pb2.HandshakeResponse,
+    ],
+    grpc.aio.UnaryUnaryMultiCallable[
+        kvxferd.v1.peer_pb2.ConfirmLeaseRequest,
+        kvxferd.v1.peer_pb2.ConfirmLeaseResponse,
+    ],
+    grpc.aio.UnaryUnaryMultiCallable[
+        kvxferd.v1.peer_pb2.ExtendLeaseRequest,
+        kvxferd.v1.peer_pb2.ExtendLeaseResponse,
+    ],
+    grpc.aio.UnaryUnaryMultiCallable[
+        kvxferd.v1.peer_pb2.ReleaseLeaseRequest,
+        kvxferd.v1.peer_pb2.ReleaseLeaseResponse,
+    ],
+    grpc.aio.UnaryUnaryMultiCallable[
+        kvxferd.v1.peer_pb2.HeartbeatRequest,
+        kvxferd.v1.peer_pb2.HeartbeatResponse,
+    ],
+    grpc.aio.UnaryUnaryMultiCallable[
+        kvxferd.v1.peer_pb2.GatherRequest,
+        kvxferd.v1.peer_pb2.GatherResponse,
+    ],
+    grpc.aio.UnaryUnaryMultiCallable[
+        kvxferd.v1.peer_pb2.ReleaseStagingRequest,
+        kvxferd.v1.peer_pb2.ReleaseStagingResponse,
+    ],
+    grpc.aio.UnaryUnaryMultiCallable[
+        kvxferd.v1.peer_pb2.PushRequest,
+        kvxferd.v1.peer_pb2.PushResponse,
+    ],
+]
+
+class PeerServicer(metaclass=abc.ABCMeta):
     """Daemon-to-daemon control service, served on the daemon's peer address (TCP, authenticated)."""
 
-    def __init__(self, channel: _aio.Channel) -> None: ...
-    Handshake: _aio.UnaryUnaryMultiCallable[_peer_pb2.HandshakeRequest, _peer_pb2.HandshakeResponse]  # type: ignore[assignment]
-    """Exchange and check compatibility. Server order: (1) an unsupported protocol_version is
-    refused (FAILED_PRECONDITION) without decoding anything else; (2) compat_digest is compared
-    with the server's own; if equal, payload is decoded and the checks the digest cannot cover
-    run (TP sizes, ppl with prefix caching, ...); (3) if not, payload is decoded only to list
-    every mismatch. Any refusal fails with FAILED_PRECONDITION (ErrorDetail with
-    ERROR_KIND_INCOMPATIBLE_PEER in trailing metadata). The client runs the same checks on the
-    response.
-    """
-    ConfirmLease: _aio.UnaryUnaryMultiCallable[_peer_pb2.ConfirmLeaseRequest, _peer_pb2.ConfirmLeaseResponse]  # type: ignore[assignment]
-    """A reader confirms it is about to read a held request and gets its own share of the lease.
-    Fails with FAILED_PRECONDITION (LeaseRefused) if the blocks are no longer held or every
-    expected reader already confirmed, NOT_FOUND if never held. Every Peer call but Handshake
-    needs the "kvxferd-session" metadata the handshake returned (UNAUTHENTICATED without it).
-    """
-    ExtendLease: _aio.UnaryUnaryMultiCallable[_peer_pb2.ExtendLeaseRequest, _peer_pb2.ExtendLeaseResponse]  # type: ignore[assignment]
-    """Push the caller's confirmed share further out while a read is in flight. NOT_FOUND for an
-    unknown request, PERMISSION_DENIED if the caller never confirmed it, INVALID_ARGUMENT for
-    extend_ms = 0.
-    """
-    ReleaseLease: _aio.UnaryUnaryMultiCallable[_peer_pb2.ReleaseLeaseRequest, _peer_pb2.ReleaseLeaseResponse]  # type: ignore[assignment]
-    """A reader lets go of its own share: done (same effect as the NIXL notification) or giving
-    up. The blocks are released once no confirmed reader is still reading and every expected
-    reader ended (or the lease expired). PERMISSION_DENIED if the caller never confirmed it.
-    """
-    Heartbeat: _aio.UnaryUnaryMultiCallable[_peer_pb2.HeartbeatRequest, _peer_pb2.HeartbeatResponse]  # type: ignore[assignment]
-    """Liveness and restart detection; also renews the caller's shares in bulk. A reader with
-    reads in flight sends one every peers.heartbeat_interval_ms; an owner that hears nothing
-    for peers.heartbeat_timeout_ms lets that reader's shares lapse.
-    """
-    Gather: _aio.UnaryUnaryMultiCallable[_peer_pb2.GatherRequest, _peer_pb2.GatherResponse]  # type: ignore[assignment]
-    """STAGED pulls: gather some of a held request's kernel blocks into a free slot of this
-    daemon's staging ring and answer once the bytes are there (the reader then READs the slot
-    with one descriptor). Every ID must be held under the request's lease (FAILED_PRECONDITION
-    otherwise) and inside the pool (INVALID_ARGUMENT); waits for a free slot up to the call's
-    deadline. The slot stays granted to the caller until ReleaseStaging (or a later Gather's
-    release_slots), the lease ends, or transfer.staging_grant_timeout_ms passes.
-    """
-    ReleaseStaging: _aio.UnaryUnaryMultiCallable[_peer_pb2.ReleaseStagingRequest, _peer_pb2.ReleaseStagingResponse]  # type: ignore[assignment]
-    """Return granted staging slots to the ring (the reader has read them)."""
-    Push: _aio.UnaryUnaryMultiCallable[_peer_pb2.PushRequest, _peer_pb2.PushResponse]  # type: ignore[assignment]
-    """Push mode (transfer.mode = "push" on both sides): the reader, having confirmed its share of
-    a held request (ConfirmLease), asks this daemon to WRITE the held blocks into the reader's
-    own registered blocks. The server checks the caller's share is still reading
-    (PERMISSION_DENIED if it never confirmed, FAILED_PRECONDITION once the lease ended,
-    NOT_FOUND if never held), that every remote_block_ids entry is held under the request
-    (FAILED_PRECONDITION), and plans the byte ranges itself from both handshakes' specs and
-    registrations (INVALID_ARGUMENT when an ID or range leaves either side's pool): nothing is
-    written before every check passed. It then posts one NIXL WRITE to the caller's agent with a
-    WRITE_DONE notification carrying notif_ticket, answers once the WRITE completed (the caller's
-    share then ends as by a READ_DONE), and fails with the usual error table otherwise
-    (DEADLINE_EXCEEDED when the WRITE outlasted write_timeout_ms, UNAVAILABLE when NIXL failed).
-    Cancelling the call cancels the WRITE. FAILED_PRECONDITION when this daemon is not in push
-    mode.
-    """
-
-class PeerServicer(metaclass=_abc_1.ABCMeta):
-    """Daemon-to-daemon control service, served on the daemon's peer address (TCP, authenticated)."""
-
-    @_abc_1.abstractmethod
+    @abc.abstractmethod
     def Handshake(
         self,
-        request: _peer_pb2.HandshakeRequest,
+        request: kvxferd.v1.peer_pb2.HandshakeRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_peer_pb2.HandshakeResponse, _abc.Awaitable[_peer_pb2.HandshakeResponse]]:
+    ) -> typing.Union[kvxferd.v1.peer_pb2.HandshakeResponse, collections.abc.Awaitable[kvxferd.v1.peer_pb2.HandshakeResponse]]:
         """Exchange and check compatibility. Server order: (1) an unsupported protocol_version is
         refused (FAILED_PRECONDITION) without decoding anything else; (2) compat_digest is compared
         with the server's own; if equal, payload is decoded and the checks the digest cannot cover
@@ -168,57 +344,57 @@ class PeerServicer(metaclass=_abc_1.ABCMeta):
         response.
         """
 
-    @_abc_1.abstractmethod
+    @abc.abstractmethod
     def ConfirmLease(
         self,
-        request: _peer_pb2.ConfirmLeaseRequest,
+        request: kvxferd.v1.peer_pb2.ConfirmLeaseRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_peer_pb2.ConfirmLeaseResponse, _abc.Awaitable[_peer_pb2.ConfirmLeaseResponse]]:
+    ) -> typing.Union[kvxferd.v1.peer_pb2.ConfirmLeaseResponse, collections.abc.Awaitable[kvxferd.v1.peer_pb2.ConfirmLeaseResponse]]:
         """A reader confirms it is about to read a held request and gets its own share of the lease.
         Fails with FAILED_PRECONDITION (LeaseRefused) if the blocks are no longer held or every
         expected reader already confirmed, NOT_FOUND if never held. Every Peer call but Handshake
         needs the "kvxferd-session" metadata the handshake returned (UNAUTHENTICATED without it).
         """
 
-    @_abc_1.abstractmethod
+    @abc.abstractmethod
     def ExtendLease(
         self,
-        request: _peer_pb2.ExtendLeaseRequest,
+        request: kvxferd.v1.peer_pb2.ExtendLeaseRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_peer_pb2.ExtendLeaseResponse, _abc.Awaitable[_peer_pb2.ExtendLeaseResponse]]:
+    ) -> typing.Union[kvxferd.v1.peer_pb2.ExtendLeaseResponse, collections.abc.Awaitable[kvxferd.v1.peer_pb2.ExtendLeaseResponse]]:
         """Push the caller's confirmed share further out while a read is in flight. NOT_FOUND for an
         unknown request, PERMISSION_DENIED if the caller never confirmed it, INVALID_ARGUMENT for
         extend_ms = 0.
         """
 
-    @_abc_1.abstractmethod
+    @abc.abstractmethod
     def ReleaseLease(
         self,
-        request: _peer_pb2.ReleaseLeaseRequest,
+        request: kvxferd.v1.peer_pb2.ReleaseLeaseRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_peer_pb2.ReleaseLeaseResponse, _abc.Awaitable[_peer_pb2.ReleaseLeaseResponse]]:
+    ) -> typing.Union[kvxferd.v1.peer_pb2.ReleaseLeaseResponse, collections.abc.Awaitable[kvxferd.v1.peer_pb2.ReleaseLeaseResponse]]:
         """A reader lets go of its own share: done (same effect as the NIXL notification) or giving
         up. The blocks are released once no confirmed reader is still reading and every expected
         reader ended (or the lease expired). PERMISSION_DENIED if the caller never confirmed it.
         """
 
-    @_abc_1.abstractmethod
+    @abc.abstractmethod
     def Heartbeat(
         self,
-        request: _peer_pb2.HeartbeatRequest,
+        request: kvxferd.v1.peer_pb2.HeartbeatRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_peer_pb2.HeartbeatResponse, _abc.Awaitable[_peer_pb2.HeartbeatResponse]]:
+    ) -> typing.Union[kvxferd.v1.peer_pb2.HeartbeatResponse, collections.abc.Awaitable[kvxferd.v1.peer_pb2.HeartbeatResponse]]:
         """Liveness and restart detection; also renews the caller's shares in bulk. A reader with
         reads in flight sends one every peers.heartbeat_interval_ms; an owner that hears nothing
         for peers.heartbeat_timeout_ms lets that reader's shares lapse.
         """
 
-    @_abc_1.abstractmethod
+    @abc.abstractmethod
     def Gather(
         self,
-        request: _peer_pb2.GatherRequest,
+        request: kvxferd.v1.peer_pb2.GatherRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_peer_pb2.GatherResponse, _abc.Awaitable[_peer_pb2.GatherResponse]]:
+    ) -> typing.Union[kvxferd.v1.peer_pb2.GatherResponse, collections.abc.Awaitable[kvxferd.v1.peer_pb2.GatherResponse]]:
         """STAGED pulls: gather some of a held request's kernel blocks into a free slot of this
         daemon's staging ring and answer once the bytes are there (the reader then READs the slot
         with one descriptor). Every ID must be held under the request's lease (FAILED_PRECONDITION
@@ -227,20 +403,20 @@ class PeerServicer(metaclass=_abc_1.ABCMeta):
         release_slots), the lease ends, or transfer.staging_grant_timeout_ms passes.
         """
 
-    @_abc_1.abstractmethod
+    @abc.abstractmethod
     def ReleaseStaging(
         self,
-        request: _peer_pb2.ReleaseStagingRequest,
+        request: kvxferd.v1.peer_pb2.ReleaseStagingRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_peer_pb2.ReleaseStagingResponse, _abc.Awaitable[_peer_pb2.ReleaseStagingResponse]]:
+    ) -> typing.Union[kvxferd.v1.peer_pb2.ReleaseStagingResponse, collections.abc.Awaitable[kvxferd.v1.peer_pb2.ReleaseStagingResponse]]:
         """Return granted staging slots to the ring (the reader has read them)."""
 
-    @_abc_1.abstractmethod
+    @abc.abstractmethod
     def Push(
         self,
-        request: _peer_pb2.PushRequest,
+        request: kvxferd.v1.peer_pb2.PushRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_peer_pb2.PushResponse, _abc.Awaitable[_peer_pb2.PushResponse]]:
+    ) -> typing.Union[kvxferd.v1.peer_pb2.PushResponse, collections.abc.Awaitable[kvxferd.v1.peer_pb2.PushResponse]]:
         """Push mode (transfer.mode = "push" on both sides): the reader, having confirmed its share of
         a held request (ConfirmLease), asks this daemon to WRITE the held blocks into the reader's
         own registered blocks. The server checks the caller's share is still reading
@@ -256,4 +432,4 @@ class PeerServicer(metaclass=_abc_1.ABCMeta):
         mode.
         """
 
-def add_PeerServicer_to_server(servicer: PeerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
+def add_PeerServicer_to_server(servicer: PeerServicer, server: typing.Union[grpc.Server, grpc.aio.Server]) -> None: ...

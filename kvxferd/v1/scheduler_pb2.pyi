@@ -3,29 +3,29 @@
 isort:skip_file
 """
 
-from collections import abc as _abc
-from google.protobuf import descriptor as _descriptor
-from google.protobuf import message as _message
-from google.protobuf.internal import containers as _containers
-from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
-from kvxferd.v1 import common_pb2 as _common_pb2
-import builtins as _builtins
+import builtins
+import collections.abc
+import google.protobuf.descriptor
+import google.protobuf.internal.containers
+import google.protobuf.internal.enum_type_wrapper
+import google.protobuf.message
+import kvxferd.v1.common_pb2
 import sys
-import typing as _typing
+import typing
 
-if sys.version_info >= (3, 11):
-    from typing import TypeAlias as _TypeAlias, Never as _Never
+if sys.version_info >= (3, 10):
+    import typing as typing_extensions
 else:
-    from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
+    import typing_extensions
 
-DESCRIPTOR: _descriptor.FileDescriptor
+DESCRIPTOR: google.protobuf.descriptor.FileDescriptor
 
 class _TransferState:
-    ValueType = _typing.NewType("ValueType", _builtins.int)
-    V: _TypeAlias = ValueType  # noqa: Y015
+    ValueType = typing.NewType("ValueType", builtins.int)
+    V: typing_extensions.TypeAlias = ValueType
 
-class _TransferStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TransferState.ValueType], _builtins.type):
-    DESCRIPTOR: _descriptor.EnumDescriptor
+class _TransferStateEnumTypeWrapper(google.protobuf.internal.enum_type_wrapper._EnumTypeWrapper[_TransferState.ValueType], builtins.type):
+    DESCRIPTOR: google.protobuf.descriptor.EnumDescriptor
     TRANSFER_STATE_UNSPECIFIED: _TransferState.ValueType  # 0
     """Not set."""
     TRANSFER_STATE_PENDING: _TransferState.ValueType  # 1
@@ -66,14 +66,14 @@ TRANSFER_STATE_CANCELLED: TransferState.ValueType  # 7
 """Cancelled by CancelTransfer or shutdown. Terminal."""
 TRANSFER_STATE_EXPIRED: TransferState.ValueType  # 8
 """The deadline passed before completion. Terminal."""
-Global___TransferState: _TypeAlias = TransferState  # noqa: Y015
+Global___TransferState: typing_extensions.TypeAlias = TransferState
 
 class _TransferStrategy:
-    ValueType = _typing.NewType("ValueType", _builtins.int)
-    V: _TypeAlias = ValueType  # noqa: Y015
+    ValueType = typing.NewType("ValueType", builtins.int)
+    V: typing_extensions.TypeAlias = ValueType
 
-class _TransferStrategyEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TransferStrategy.ValueType], _builtins.type):
-    DESCRIPTOR: _descriptor.EnumDescriptor
+class _TransferStrategyEnumTypeWrapper(google.protobuf.internal.enum_type_wrapper._EnumTypeWrapper[_TransferStrategy.ValueType], builtins.type):
+    DESCRIPTOR: google.protobuf.descriptor.EnumDescriptor
     TRANSFER_STRATEGY_UNSPECIFIED: _TransferStrategy.ValueType  # 0
     """Not decided yet (before planning)."""
     TRANSFER_STRATEGY_DIRECT: _TransferStrategy.ValueType  # 1
@@ -98,14 +98,14 @@ TRANSFER_STRATEGY_KERNEL: TransferStrategy.ValueType  # 3
 """Same-host GPU peers: the owner's regions mapped over CUDA IPC, every (region, block run)
 of the pull copied by SM kernels in one launch (no NIXL descriptors).
 """
-Global___TransferStrategy: _TypeAlias = TransferStrategy  # noqa: Y015
+Global___TransferStrategy: typing_extensions.TypeAlias = TransferStrategy
 
 class _HandshakeState:
-    ValueType = _typing.NewType("ValueType", _builtins.int)
-    V: _TypeAlias = ValueType  # noqa: Y015
+    ValueType = typing.NewType("ValueType", builtins.int)
+    V: typing_extensions.TypeAlias = ValueType
 
-class _HandshakeStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_HandshakeState.ValueType], _builtins.type):
-    DESCRIPTOR: _descriptor.EnumDescriptor
+class _HandshakeStateEnumTypeWrapper(google.protobuf.internal.enum_type_wrapper._EnumTypeWrapper[_HandshakeState.ValueType], builtins.type):
+    DESCRIPTOR: google.protobuf.descriptor.EnumDescriptor
     HANDSHAKE_STATE_UNSPECIFIED: _HandshakeState.ValueType  # 0
     """Not set."""
     HANDSHAKE_STATE_CONNECTING: _HandshakeState.ValueType  # 1
@@ -134,14 +134,14 @@ HANDSHAKE_STATE_UNREACHABLE: HandshakeState.ValueType  # 4
 """Unreachable or heartbeats lost; pulls from it fail at once."""
 HANDSHAKE_STATE_STALE: HandshakeState.ValueType  # 5
 """The peer restarted or re-registered (new instance or generation): re-handshake pending."""
-Global___HandshakeState: _TypeAlias = HandshakeState  # noqa: Y015
+Global___HandshakeState: typing_extensions.TypeAlias = HandshakeState
 
 class _ChecksumAlgorithm:
-    ValueType = _typing.NewType("ValueType", _builtins.int)
-    V: _TypeAlias = ValueType  # noqa: Y015
+    ValueType = typing.NewType("ValueType", builtins.int)
+    V: typing_extensions.TypeAlias = ValueType
 
-class _ChecksumAlgorithmEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ChecksumAlgorithm.ValueType], _builtins.type):
-    DESCRIPTOR: _descriptor.EnumDescriptor
+class _ChecksumAlgorithmEnumTypeWrapper(google.protobuf.internal.enum_type_wrapper._EnumTypeWrapper[_ChecksumAlgorithm.ValueType], builtins.type):
+    DESCRIPTOR: google.protobuf.descriptor.EnumDescriptor
     CHECKSUM_ALGORITHM_UNSPECIFIED: _ChecksumAlgorithm.ValueType  # 0
     """Not set: the server's default (BLAKE2B_64)."""
     CHECKSUM_ALGORITHM_BLAKE2B_64: _ChecksumAlgorithm.ValueType  # 1
@@ -162,93 +162,86 @@ CHECKSUM_ALGORITHM_XXH64: ChecksumAlgorithm.ValueType  # 2
 """XXH64, seed 0, 8 bytes big-endian (only where xxhash is installed)."""
 CHECKSUM_ALGORITHM_SHA256: ChecksumAlgorithm.ValueType  # 3
 """SHA-256, 32 bytes."""
-Global___ChecksumAlgorithm: _TypeAlias = ChecksumAlgorithm  # noqa: Y015
+Global___ChecksumAlgorithm: typing_extensions.TypeAlias = ChecksumAlgorithm
 
-@_typing.final
-class PullOptions(_message.Message):
+@typing.final
+class PullOptions(google.protobuf.message.Message):
     """Options of a pull; all default to the ordinary behaviour."""
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    SKIP_NOTIFY_FIELD_NUMBER: _builtins.int
-    skip_notify: _builtins.bool
+    SKIP_NOTIFY_FIELD_NUMBER: builtins.int
+    skip_notify: builtins.bool
     """Do not send the NIXL completion notification (the caller releases the lease itself)."""
     def __init__(
         self,
         *,
-        skip_notify: _builtins.bool = ...,
+        skip_notify: builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["skip_notify", b"skip_notify"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    def ClearField(self, field_name: typing.Literal["skip_notify", b"skip_notify"]) -> None: ...
 
-Global___PullOptions: _TypeAlias = PullOptions  # noqa: Y015
+Global___PullOptions: typing_extensions.TypeAlias = PullOptions
 
-@_typing.final
-class StartPullRequest(_message.Message):
+@typing.final
+class StartPullRequest(google.protobuf.message.Message):
     """Pull request R from a peer into local blocks."""
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    TRANSFER_ID_FIELD_NUMBER: _builtins.int
-    REQUEST_ID_FIELD_NUMBER: _builtins.int
-    PEER_ADDRESS_FIELD_NUMBER: _builtins.int
-    REMOTE_BLOCK_IDS_FIELD_NUMBER: _builtins.int
-    LOCAL_BLOCK_IDS_FIELD_NUMBER: _builtins.int
-    DEADLINE_MS_FIELD_NUMBER: _builtins.int
-    OPTIONS_FIELD_NUMBER: _builtins.int
-    transfer_id: _builtins.str
+    TRANSFER_ID_FIELD_NUMBER: builtins.int
+    REQUEST_ID_FIELD_NUMBER: builtins.int
+    PEER_ADDRESS_FIELD_NUMBER: builtins.int
+    REMOTE_BLOCK_IDS_FIELD_NUMBER: builtins.int
+    LOCAL_BLOCK_IDS_FIELD_NUMBER: builtins.int
+    DEADLINE_MS_FIELD_NUMBER: builtins.int
+    OPTIONS_FIELD_NUMBER: builtins.int
+    transfer_id: builtins.str
     """Client-chosen ID for idempotent retries; empty lets the server assign one."""
-    request_id: _builtins.str
+    request_id: builtins.str
     """The held request on the peer (HoldResponse.request_id)."""
-    peer_address: _builtins.str
+    peer_address: builtins.str
     """The peer's Peer service address, "host:port" (HoldResponse.peer_address)."""
-    deadline_ms: _builtins.int
+    deadline_ms: builtins.int
     """Time allowed from acceptance to a terminal state, ms; 0 uses the configured default."""
-    @_builtins.property
-    def remote_block_ids(self) -> _common_pb2.GroupBlockIds:
+    @property
+    def remote_block_ids(self) -> kvxferd.v1.common_pb2.GroupBlockIds:
         """The peer's logical block IDs per group (HoldResponse.remote_block_ids)."""
 
-    @_builtins.property
-    def local_block_ids(self) -> _common_pb2.GroupBlockIds:
+    @property
+    def local_block_ids(self) -> kvxferd.v1.common_pb2.GroupBlockIds:
         """This daemon's logical block IDs per group to fill; fewer than remote on a prefix-cache hit."""
 
-    @_builtins.property
+    @property
     def options(self) -> Global___PullOptions:
         """Options."""
 
     def __init__(
         self,
         *,
-        transfer_id: _builtins.str = ...,
-        request_id: _builtins.str = ...,
-        peer_address: _builtins.str = ...,
-        remote_block_ids: _common_pb2.GroupBlockIds | None = ...,
-        local_block_ids: _common_pb2.GroupBlockIds | None = ...,
-        deadline_ms: _builtins.int = ...,
+        transfer_id: builtins.str = ...,
+        request_id: builtins.str = ...,
+        peer_address: builtins.str = ...,
+        remote_block_ids: kvxferd.v1.common_pb2.GroupBlockIds | None = ...,
+        local_block_ids: kvxferd.v1.common_pb2.GroupBlockIds | None = ...,
+        deadline_ms: builtins.int = ...,
         options: Global___PullOptions | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["local_block_ids", b"local_block_ids", "options", b"options", "remote_block_ids", b"remote_block_ids"]  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline_ms", b"deadline_ms", "local_block_ids", b"local_block_ids", "options", b"options", "peer_address", b"peer_address", "remote_block_ids", b"remote_block_ids", "request_id", b"request_id", "transfer_id", b"transfer_id"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    def HasField(self, field_name: typing.Literal["local_block_ids", b"local_block_ids", "options", b"options", "remote_block_ids", b"remote_block_ids"]) -> builtins.bool: ...
+    def ClearField(self, field_name: typing.Literal["deadline_ms", b"deadline_ms", "local_block_ids", b"local_block_ids", "options", b"options", "peer_address", b"peer_address", "remote_block_ids", b"remote_block_ids", "request_id", b"request_id", "transfer_id", b"transfer_id"]) -> None: ...
 
-Global___StartPullRequest: _TypeAlias = StartPullRequest  # noqa: Y015
+Global___StartPullRequest: typing_extensions.TypeAlias = StartPullRequest
 
-@_typing.final
-class StartPullResponse(_message.Message):
+@typing.final
+class StartPullResponse(google.protobuf.message.Message):
     """The accepted pull."""
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    STATUS_FIELD_NUMBER: _builtins.int
-    CREATED_FIELD_NUMBER: _builtins.int
-    created: _builtins.bool
+    STATUS_FIELD_NUMBER: builtins.int
+    CREATED_FIELD_NUMBER: builtins.int
+    created: builtins.bool
     """False when an identical request with the same transfer_id already existed."""
-    @_builtins.property
+    @property
     def status(self) -> Global___TransferStatus:
         """Its status (transfer_id set, usually PENDING)."""
 
@@ -256,82 +249,79 @@ class StartPullResponse(_message.Message):
         self,
         *,
         status: Global___TransferStatus | None = ...,
-        created: _builtins.bool = ...,
+        created: builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["status", b"status"]  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created", b"created", "status", b"status"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    def HasField(self, field_name: typing.Literal["status", b"status"]) -> builtins.bool: ...
+    def ClearField(self, field_name: typing.Literal["created", b"created", "status", b"status"]) -> None: ...
 
-Global___StartPullResponse: _TypeAlias = StartPullResponse  # noqa: Y015
+Global___StartPullResponse: typing_extensions.TypeAlias = StartPullResponse
 
-@_typing.final
-class TransferStatus(_message.Message):
+@typing.final
+class TransferStatus(google.protobuf.message.Message):
     """The status of one pull."""
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    TRANSFER_ID_FIELD_NUMBER: _builtins.int
-    REQUEST_ID_FIELD_NUMBER: _builtins.int
-    PEER_ADDRESS_FIELD_NUMBER: _builtins.int
-    STATE_FIELD_NUMBER: _builtins.int
-    NBYTES_FIELD_NUMBER: _builtins.int
-    DESCRIPTORS_BEFORE_COALESCING_FIELD_NUMBER: _builtins.int
-    DESCRIPTORS_AFTER_COALESCING_FIELD_NUMBER: _builtins.int
-    STRATEGY_FIELD_NUMBER: _builtins.int
-    ERROR_FIELD_NUMBER: _builtins.int
-    INVALID_LOCAL_BLOCK_IDS_FIELD_NUMBER: _builtins.int
-    CREATED_UNIX_NS_FIELD_NUMBER: _builtins.int
-    STARTED_UNIX_NS_FIELD_NUMBER: _builtins.int
-    FINISHED_UNIX_NS_FIELD_NUMBER: _builtins.int
-    DEADLINE_UNIX_NS_FIELD_NUMBER: _builtins.int
-    REVISION_FIELD_NUMBER: _builtins.int
-    STRATEGY_REASON_FIELD_NUMBER: _builtins.int
-    STAGE_TIMES_FIELD_NUMBER: _builtins.int
-    STAGES_FIELD_NUMBER: _builtins.int
-    transfer_id: _builtins.str
+    TRANSFER_ID_FIELD_NUMBER: builtins.int
+    REQUEST_ID_FIELD_NUMBER: builtins.int
+    PEER_ADDRESS_FIELD_NUMBER: builtins.int
+    STATE_FIELD_NUMBER: builtins.int
+    NBYTES_FIELD_NUMBER: builtins.int
+    DESCRIPTORS_BEFORE_COALESCING_FIELD_NUMBER: builtins.int
+    DESCRIPTORS_AFTER_COALESCING_FIELD_NUMBER: builtins.int
+    STRATEGY_FIELD_NUMBER: builtins.int
+    ERROR_FIELD_NUMBER: builtins.int
+    INVALID_LOCAL_BLOCK_IDS_FIELD_NUMBER: builtins.int
+    CREATED_UNIX_NS_FIELD_NUMBER: builtins.int
+    STARTED_UNIX_NS_FIELD_NUMBER: builtins.int
+    FINISHED_UNIX_NS_FIELD_NUMBER: builtins.int
+    DEADLINE_UNIX_NS_FIELD_NUMBER: builtins.int
+    REVISION_FIELD_NUMBER: builtins.int
+    STRATEGY_REASON_FIELD_NUMBER: builtins.int
+    STAGE_TIMES_FIELD_NUMBER: builtins.int
+    STAGES_FIELD_NUMBER: builtins.int
+    transfer_id: builtins.str
     """The transfer's ID."""
-    request_id: _builtins.str
+    request_id: builtins.str
     """The request being pulled."""
-    peer_address: _builtins.str
+    peer_address: builtins.str
     """The peer's address, "host:port"."""
     state: Global___TransferState.ValueType
     """Current state."""
-    nbytes: _builtins.int
+    nbytes: builtins.int
     """Bytes planned to read after trimming (0 until planned)."""
-    descriptors_before_coalescing: _builtins.int
+    descriptors_before_coalescing: builtins.int
     """Descriptors before coalescing contiguous runs (0 until planned)."""
-    descriptors_after_coalescing: _builtins.int
+    descriptors_after_coalescing: builtins.int
     """Descriptors actually posted after coalescing (0 until planned)."""
     strategy: Global___TransferStrategy.ValueType
     """Descriptor strategy (UNSPECIFIED until planned)."""
-    created_unix_ns: _builtins.int
+    created_unix_ns: builtins.int
     """When the pull was accepted, unix time in ns."""
-    started_unix_ns: _builtins.int
+    started_unix_ns: builtins.int
     """When the READs were posted, unix time in ns; 0 if not yet."""
-    finished_unix_ns: _builtins.int
+    finished_unix_ns: builtins.int
     """When it reached a terminal state, unix time in ns; 0 if not yet."""
-    deadline_unix_ns: _builtins.int
+    deadline_unix_ns: builtins.int
     """When it will be expired if not terminal, unix time in ns."""
-    revision: _builtins.int
+    revision: builtins.int
     """Increases by at least 1 on every change of this status (watchers drop stale copies)."""
-    strategy_reason: _builtins.str
+    strategy_reason: builtins.str
     """Why this strategy was picked (forced, cost estimate, or why STAGED was not possible)."""
-    @_builtins.property
-    def error(self) -> _common_pb2.ErrorDetail:
+    @property
+    def error(self) -> kvxferd.v1.common_pb2.ErrorDetail:
         """Why it FAILED, was CANCELLED or EXPIRED; unset otherwise."""
 
-    @_builtins.property
-    def invalid_local_block_ids(self) -> _common_pb2.GroupBlockIds:
+    @property
+    def invalid_local_block_ids(self) -> kvxferd.v1.common_pb2.GroupBlockIds:
         """Local logical block IDs per group whose contents are undefined after a failed transfer."""
 
-    @_builtins.property
+    @property
     def stage_times(self) -> Global___StageTimes:
         """STAGED only: per-stage timing and chunk count (zero for DIRECT)."""
 
-    @_builtins.property
-    def stages(self) -> _containers.RepeatedCompositeFieldContainer[Global___PullStage]:
+    @property
+    def stages(self) -> google.protobuf.internal.containers.RepeatedCompositeFieldContainer[Global___PullStage]:
         """Where the pull's time went, in order, once it is terminal (DONE pulls always; others as
         far as they got): handshake, plan, build, confirm, post, transfer, publish.
         """
@@ -339,135 +329,120 @@ class TransferStatus(_message.Message):
     def __init__(
         self,
         *,
-        transfer_id: _builtins.str = ...,
-        request_id: _builtins.str = ...,
-        peer_address: _builtins.str = ...,
+        transfer_id: builtins.str = ...,
+        request_id: builtins.str = ...,
+        peer_address: builtins.str = ...,
         state: Global___TransferState.ValueType = ...,
-        nbytes: _builtins.int = ...,
-        descriptors_before_coalescing: _builtins.int = ...,
-        descriptors_after_coalescing: _builtins.int = ...,
+        nbytes: builtins.int = ...,
+        descriptors_before_coalescing: builtins.int = ...,
+        descriptors_after_coalescing: builtins.int = ...,
         strategy: Global___TransferStrategy.ValueType = ...,
-        error: _common_pb2.ErrorDetail | None = ...,
-        invalid_local_block_ids: _common_pb2.GroupBlockIds | None = ...,
-        created_unix_ns: _builtins.int = ...,
-        started_unix_ns: _builtins.int = ...,
-        finished_unix_ns: _builtins.int = ...,
-        deadline_unix_ns: _builtins.int = ...,
-        revision: _builtins.int = ...,
-        strategy_reason: _builtins.str = ...,
+        error: kvxferd.v1.common_pb2.ErrorDetail | None = ...,
+        invalid_local_block_ids: kvxferd.v1.common_pb2.GroupBlockIds | None = ...,
+        created_unix_ns: builtins.int = ...,
+        started_unix_ns: builtins.int = ...,
+        finished_unix_ns: builtins.int = ...,
+        deadline_unix_ns: builtins.int = ...,
+        revision: builtins.int = ...,
+        strategy_reason: builtins.str = ...,
         stage_times: Global___StageTimes | None = ...,
-        stages: _abc.Iterable[Global___PullStage] | None = ...,
+        stages: collections.abc.Iterable[Global___PullStage] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "invalid_local_block_ids", b"invalid_local_block_ids", "stage_times", b"stage_times"]  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_unix_ns", b"created_unix_ns", "deadline_unix_ns", b"deadline_unix_ns", "descriptors_after_coalescing", b"descriptors_after_coalescing", "descriptors_before_coalescing", b"descriptors_before_coalescing", "error", b"error", "finished_unix_ns", b"finished_unix_ns", "invalid_local_block_ids", b"invalid_local_block_ids", "nbytes", b"nbytes", "peer_address", b"peer_address", "request_id", b"request_id", "revision", b"revision", "stage_times", b"stage_times", "stages", b"stages", "started_unix_ns", b"started_unix_ns", "state", b"state", "strategy", b"strategy", "strategy_reason", b"strategy_reason", "transfer_id", b"transfer_id"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    def HasField(self, field_name: typing.Literal["error", b"error", "invalid_local_block_ids", b"invalid_local_block_ids", "stage_times", b"stage_times"]) -> builtins.bool: ...
+    def ClearField(self, field_name: typing.Literal["created_unix_ns", b"created_unix_ns", "deadline_unix_ns", b"deadline_unix_ns", "descriptors_after_coalescing", b"descriptors_after_coalescing", "descriptors_before_coalescing", b"descriptors_before_coalescing", "error", b"error", "finished_unix_ns", b"finished_unix_ns", "invalid_local_block_ids", b"invalid_local_block_ids", "nbytes", b"nbytes", "peer_address", b"peer_address", "request_id", b"request_id", "revision", b"revision", "stage_times", b"stage_times", "stages", b"stages", "started_unix_ns", b"started_unix_ns", "state", b"state", "strategy", b"strategy", "strategy_reason", b"strategy_reason", "transfer_id", b"transfer_id"]) -> None: ...
 
-Global___TransferStatus: _TypeAlias = TransferStatus  # noqa: Y015
+Global___TransferStatus: typing_extensions.TypeAlias = TransferStatus
 
-@_typing.final
-class PullStage(_message.Message):
+@typing.final
+class PullStage(google.protobuf.message.Message):
     """One stage of a pull and its duration."""
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    NAME_FIELD_NUMBER: _builtins.int
-    SECONDS_FIELD_NUMBER: _builtins.int
-    name: _builtins.str
+    NAME_FIELD_NUMBER: builtins.int
+    SECONDS_FIELD_NUMBER: builtins.int
+    name: builtins.str
     """Stage name (see TransferStatus.stages)."""
-    seconds: _builtins.float
+    seconds: builtins.float
     """Seconds from the previous stage's end to this one's."""
     def __init__(
         self,
         *,
-        name: _builtins.str = ...,
-        seconds: _builtins.float = ...,
+        name: builtins.str = ...,
+        seconds: builtins.float = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "seconds", b"seconds"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    def ClearField(self, field_name: typing.Literal["name", b"name", "seconds", b"seconds"]) -> None: ...
 
-Global___PullStage: _TypeAlias = PullStage  # noqa: Y015
+Global___PullStage: typing_extensions.TypeAlias = PullStage
 
-@_typing.final
-class StageTimes(_message.Message):
+@typing.final
+class StageTimes(google.protobuf.message.Message):
     """Where a STAGED pull's time went: seconds summed over its chunks (chunks overlap, so the
     sum of stages exceeds the pull's wall time when the pipeline works).
     """
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    CHUNKS_FIELD_NUMBER: _builtins.int
-    GATHER_SECONDS_FIELD_NUMBER: _builtins.int
-    GATHER_RPC_SECONDS_FIELD_NUMBER: _builtins.int
-    READ_SECONDS_FIELD_NUMBER: _builtins.int
-    SCATTER_SECONDS_FIELD_NUMBER: _builtins.int
-    SLOT_WAIT_SECONDS_FIELD_NUMBER: _builtins.int
-    chunks: _builtins.int
+    CHUNKS_FIELD_NUMBER: builtins.int
+    GATHER_SECONDS_FIELD_NUMBER: builtins.int
+    GATHER_RPC_SECONDS_FIELD_NUMBER: builtins.int
+    READ_SECONDS_FIELD_NUMBER: builtins.int
+    SCATTER_SECONDS_FIELD_NUMBER: builtins.int
+    SLOT_WAIT_SECONDS_FIELD_NUMBER: builtins.int
+    chunks: builtins.int
     """Chunks the pull was cut into."""
-    gather_seconds: _builtins.float
+    gather_seconds: builtins.float
     """Owner-side gather time (from each Gather response), seconds."""
-    gather_rpc_seconds: _builtins.float
+    gather_rpc_seconds: builtins.float
     """Gather RPC round trips as the reader saw them (gather included), seconds."""
-    read_seconds: _builtins.float
+    read_seconds: builtins.float
     """NIXL READs of owner slots into local slots, seconds."""
-    scatter_seconds: _builtins.float
+    scatter_seconds: builtins.float
     """Local scatters of slots into the pool, seconds."""
-    slot_wait_seconds: _builtins.float
+    slot_wait_seconds: builtins.float
     """Time spent waiting for a free local slot, seconds."""
     def __init__(
         self,
         *,
-        chunks: _builtins.int = ...,
-        gather_seconds: _builtins.float = ...,
-        gather_rpc_seconds: _builtins.float = ...,
-        read_seconds: _builtins.float = ...,
-        scatter_seconds: _builtins.float = ...,
-        slot_wait_seconds: _builtins.float = ...,
+        chunks: builtins.int = ...,
+        gather_seconds: builtins.float = ...,
+        gather_rpc_seconds: builtins.float = ...,
+        read_seconds: builtins.float = ...,
+        scatter_seconds: builtins.float = ...,
+        slot_wait_seconds: builtins.float = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks", "gather_rpc_seconds", b"gather_rpc_seconds", "gather_seconds", b"gather_seconds", "read_seconds", b"read_seconds", "scatter_seconds", b"scatter_seconds", "slot_wait_seconds", b"slot_wait_seconds"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    def ClearField(self, field_name: typing.Literal["chunks", b"chunks", "gather_rpc_seconds", b"gather_rpc_seconds", "gather_seconds", b"gather_seconds", "read_seconds", b"read_seconds", "scatter_seconds", b"scatter_seconds", "slot_wait_seconds", b"slot_wait_seconds"]) -> None: ...
 
-Global___StageTimes: _TypeAlias = StageTimes  # noqa: Y015
+Global___StageTimes: typing_extensions.TypeAlias = StageTimes
 
-@_typing.final
-class WatchTransfersRequest(_message.Message):
+@typing.final
+class WatchTransfersRequest(google.protobuf.message.Message):
     """Which transfers to watch."""
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    TRANSFER_IDS_FIELD_NUMBER: _builtins.int
-    @_builtins.property
-    def transfer_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+    TRANSFER_IDS_FIELD_NUMBER: builtins.int
+    @property
+    def transfer_ids(self) -> google.protobuf.internal.containers.RepeatedScalarFieldContainer[builtins.str]:
         """Transfer IDs to watch; empty watches every transfer, current and future."""
 
     def __init__(
         self,
         *,
-        transfer_ids: _abc.Iterable[_builtins.str] | None = ...,
+        transfer_ids: collections.abc.Iterable[builtins.str] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["transfer_ids", b"transfer_ids"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    def ClearField(self, field_name: typing.Literal["transfer_ids", b"transfer_ids"]) -> None: ...
 
-Global___WatchTransfersRequest: _TypeAlias = WatchTransfersRequest  # noqa: Y015
+Global___WatchTransfersRequest: typing_extensions.TypeAlias = WatchTransfersRequest
 
-@_typing.final
-class WatchTransfersResponse(_message.Message):
+@typing.final
+class WatchTransfersResponse(google.protobuf.message.Message):
     """One status change."""
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    STATUS_FIELD_NUMBER: _builtins.int
-    @_builtins.property
+    STATUS_FIELD_NUMBER: builtins.int
+    @property
     def status(self) -> Global___TransferStatus:
         """The transfer's status after the change."""
 
@@ -476,44 +451,37 @@ class WatchTransfersResponse(_message.Message):
         *,
         status: Global___TransferStatus | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["status", b"status"]  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["status", b"status"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    def HasField(self, field_name: typing.Literal["status", b"status"]) -> builtins.bool: ...
+    def ClearField(self, field_name: typing.Literal["status", b"status"]) -> None: ...
 
-Global___WatchTransfersResponse: _TypeAlias = WatchTransfersResponse  # noqa: Y015
+Global___WatchTransfersResponse: typing_extensions.TypeAlias = WatchTransfersResponse
 
-@_typing.final
-class GetTransferRequest(_message.Message):
+@typing.final
+class GetTransferRequest(google.protobuf.message.Message):
     """Look up one transfer."""
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    TRANSFER_ID_FIELD_NUMBER: _builtins.int
-    transfer_id: _builtins.str
+    TRANSFER_ID_FIELD_NUMBER: builtins.int
+    transfer_id: builtins.str
     """The transfer's ID."""
     def __init__(
         self,
         *,
-        transfer_id: _builtins.str = ...,
+        transfer_id: builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["transfer_id", b"transfer_id"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    def ClearField(self, field_name: typing.Literal["transfer_id", b"transfer_id"]) -> None: ...
 
-Global___GetTransferRequest: _TypeAlias = GetTransferRequest  # noqa: Y015
+Global___GetTransferRequest: typing_extensions.TypeAlias = GetTransferRequest
 
-@_typing.final
-class GetTransferResponse(_message.Message):
+@typing.final
+class GetTransferResponse(google.protobuf.message.Message):
     """The looked-up transfer."""
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    STATUS_FIELD_NUMBER: _builtins.int
-    @_builtins.property
+    STATUS_FIELD_NUMBER: builtins.int
+    @property
     def status(self) -> Global___TransferStatus:
         """Its current status."""
 
@@ -522,44 +490,37 @@ class GetTransferResponse(_message.Message):
         *,
         status: Global___TransferStatus | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["status", b"status"]  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["status", b"status"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    def HasField(self, field_name: typing.Literal["status", b"status"]) -> builtins.bool: ...
+    def ClearField(self, field_name: typing.Literal["status", b"status"]) -> None: ...
 
-Global___GetTransferResponse: _TypeAlias = GetTransferResponse  # noqa: Y015
+Global___GetTransferResponse: typing_extensions.TypeAlias = GetTransferResponse
 
-@_typing.final
-class CancelTransferRequest(_message.Message):
+@typing.final
+class CancelTransferRequest(google.protobuf.message.Message):
     """Cancel one transfer."""
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    TRANSFER_ID_FIELD_NUMBER: _builtins.int
-    transfer_id: _builtins.str
+    TRANSFER_ID_FIELD_NUMBER: builtins.int
+    transfer_id: builtins.str
     """The transfer's ID."""
     def __init__(
         self,
         *,
-        transfer_id: _builtins.str = ...,
+        transfer_id: builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["transfer_id", b"transfer_id"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    def ClearField(self, field_name: typing.Literal["transfer_id", b"transfer_id"]) -> None: ...
 
-Global___CancelTransferRequest: _TypeAlias = CancelTransferRequest  # noqa: Y015
+Global___CancelTransferRequest: typing_extensions.TypeAlias = CancelTransferRequest
 
-@_typing.final
-class CancelTransferResponse(_message.Message):
+@typing.final
+class CancelTransferResponse(google.protobuf.message.Message):
     """The cancelled transfer."""
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    STATUS_FIELD_NUMBER: _builtins.int
-    @_builtins.property
+    STATUS_FIELD_NUMBER: builtins.int
+    @property
     def status(self) -> Global___TransferStatus:
         """Its status after the cancellation (CANCELLED, or the terminal state it had already reached)."""
 
@@ -568,186 +529,167 @@ class CancelTransferResponse(_message.Message):
         *,
         status: Global___TransferStatus | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["status", b"status"]  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["status", b"status"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    def HasField(self, field_name: typing.Literal["status", b"status"]) -> builtins.bool: ...
+    def ClearField(self, field_name: typing.Literal["status", b"status"]) -> None: ...
 
-Global___CancelTransferResponse: _TypeAlias = CancelTransferResponse  # noqa: Y015
+Global___CancelTransferResponse: typing_extensions.TypeAlias = CancelTransferResponse
 
-@_typing.final
-class ListPeersRequest(_message.Message):
+@typing.final
+class ListPeersRequest(google.protobuf.message.Message):
     """List the known peers."""
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
     def __init__(
         self,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___ListPeersRequest: _TypeAlias = ListPeersRequest  # noqa: Y015
+Global___ListPeersRequest: typing_extensions.TypeAlias = ListPeersRequest
 
-@_typing.final
-class ListPeersResponse(_message.Message):
+@typing.final
+class ListPeersResponse(google.protobuf.message.Message):
     """The known peers."""
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    PEERS_FIELD_NUMBER: _builtins.int
-    @_builtins.property
-    def peers(self) -> _containers.RepeatedCompositeFieldContainer[Global___PeerInfo]:
+    PEERS_FIELD_NUMBER: builtins.int
+    @property
+    def peers(self) -> google.protobuf.internal.containers.RepeatedCompositeFieldContainer[Global___PeerInfo]:
         """One entry per peer address, sorted by address."""
 
     def __init__(
         self,
         *,
-        peers: _abc.Iterable[Global___PeerInfo] | None = ...,
+        peers: collections.abc.Iterable[Global___PeerInfo] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["peers", b"peers"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    def ClearField(self, field_name: typing.Literal["peers", b"peers"]) -> None: ...
 
-Global___ListPeersResponse: _TypeAlias = ListPeersResponse  # noqa: Y015
+Global___ListPeersResponse: typing_extensions.TypeAlias = ListPeersResponse
 
-@_typing.final
-class PeerInfo(_message.Message):
+@typing.final
+class PeerInfo(google.protobuf.message.Message):
     """What this daemon knows about one peer."""
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    ADDRESS_FIELD_NUMBER: _builtins.int
-    NIXL_AGENT_NAME_FIELD_NUMBER: _builtins.int
-    HANDSHAKE_STATE_FIELD_NUMBER: _builtins.int
-    REGISTRATION_GENERATION_FIELD_NUMBER: _builtins.int
-    DAEMON_ID_FIELD_NUMBER: _builtins.int
-    INSTANCE_ID_FIELD_NUMBER: _builtins.int
-    LAST_ERROR_FIELD_NUMBER: _builtins.int
-    LAST_HEARTBEAT_UNIX_NS_FIELD_NUMBER: _builtins.int
-    LAST_HANDSHAKE_UNIX_NS_FIELD_NUMBER: _builtins.int
-    ACTIVE_TRANSFERS_FIELD_NUMBER: _builtins.int
-    READ_TRANSPORT_FIELD_NUMBER: _builtins.int
-    READ_PROBE_GBPS_FIELD_NUMBER: _builtins.int
-    READ_TRANSPORT_DETAIL_FIELD_NUMBER: _builtins.int
-    SAME_HOST_FIELD_NUMBER: _builtins.int
-    address: _builtins.str
+    ADDRESS_FIELD_NUMBER: builtins.int
+    NIXL_AGENT_NAME_FIELD_NUMBER: builtins.int
+    HANDSHAKE_STATE_FIELD_NUMBER: builtins.int
+    REGISTRATION_GENERATION_FIELD_NUMBER: builtins.int
+    DAEMON_ID_FIELD_NUMBER: builtins.int
+    INSTANCE_ID_FIELD_NUMBER: builtins.int
+    LAST_ERROR_FIELD_NUMBER: builtins.int
+    LAST_HEARTBEAT_UNIX_NS_FIELD_NUMBER: builtins.int
+    LAST_HANDSHAKE_UNIX_NS_FIELD_NUMBER: builtins.int
+    ACTIVE_TRANSFERS_FIELD_NUMBER: builtins.int
+    READ_TRANSPORT_FIELD_NUMBER: builtins.int
+    READ_PROBE_GBPS_FIELD_NUMBER: builtins.int
+    READ_TRANSPORT_DETAIL_FIELD_NUMBER: builtins.int
+    SAME_HOST_FIELD_NUMBER: builtins.int
+    address: builtins.str
     """The peer's address, "host:port"."""
-    nixl_agent_name: _builtins.str
+    nixl_agent_name: builtins.str
     """The peer's NIXL agent name; empty before a successful handshake."""
     handshake_state: Global___HandshakeState.ValueType
     """Handshake state."""
-    registration_generation: _builtins.int
+    registration_generation: builtins.int
     """The peer's registration generation at the last handshake."""
-    daemon_id: _builtins.str
+    daemon_id: builtins.str
     """The peer's daemon_id."""
-    instance_id: _builtins.str
+    instance_id: builtins.str
     """The peer's instance_id at the last handshake."""
-    last_heartbeat_unix_ns: _builtins.int
+    last_heartbeat_unix_ns: builtins.int
     """Last successful heartbeat, unix time in ns; 0 if never."""
-    last_handshake_unix_ns: _builtins.int
+    last_handshake_unix_ns: builtins.int
     """Last successful handshake, unix time in ns; 0 if never."""
-    active_transfers: _builtins.int
+    active_transfers: builtins.int
     """Pulls from this peer not yet terminal."""
-    read_transport: _builtins.str
+    read_transport: builtins.str
     """Which transport serves READs from this peer into this daemon, measured at the last
     handshake by one timed probe READ: "cuda_ipc", "rdma", "tcp" (UCX active messages; a GPU
     link at this speed refuses DIRECT and STAGED pulls unless transfer.allow_slow_transport),
     "cma", or "unknown" (not probed). The name is inferred from the rate, the memory types and
     whether the peers share a host. Empty before a handshake.
     """
-    read_probe_gbps: _builtins.float
+    read_probe_gbps: builtins.float
     """The probe READ's rate, GB/s; 0 when not probed."""
-    read_transport_detail: _builtins.str
+    read_transport_detail: builtins.str
     """How read_transport was found (probe size, rate, memory types, host), or why not probed."""
-    same_host: _builtins.bool
+    same_host: builtins.bool
     """Whether the peer runs on this host and IPC namespace (it can share CUDA IPC handles)."""
-    @_builtins.property
-    def last_error(self) -> _common_pb2.ErrorDetail:
+    @property
+    def last_error(self) -> kvxferd.v1.common_pb2.ErrorDetail:
         """The last error talking to this peer; unset if none."""
 
     def __init__(
         self,
         *,
-        address: _builtins.str = ...,
-        nixl_agent_name: _builtins.str = ...,
+        address: builtins.str = ...,
+        nixl_agent_name: builtins.str = ...,
         handshake_state: Global___HandshakeState.ValueType = ...,
-        registration_generation: _builtins.int = ...,
-        daemon_id: _builtins.str = ...,
-        instance_id: _builtins.str = ...,
-        last_error: _common_pb2.ErrorDetail | None = ...,
-        last_heartbeat_unix_ns: _builtins.int = ...,
-        last_handshake_unix_ns: _builtins.int = ...,
-        active_transfers: _builtins.int = ...,
-        read_transport: _builtins.str = ...,
-        read_probe_gbps: _builtins.float = ...,
-        read_transport_detail: _builtins.str = ...,
-        same_host: _builtins.bool = ...,
+        registration_generation: builtins.int = ...,
+        daemon_id: builtins.str = ...,
+        instance_id: builtins.str = ...,
+        last_error: kvxferd.v1.common_pb2.ErrorDetail | None = ...,
+        last_heartbeat_unix_ns: builtins.int = ...,
+        last_handshake_unix_ns: builtins.int = ...,
+        active_transfers: builtins.int = ...,
+        read_transport: builtins.str = ...,
+        read_probe_gbps: builtins.float = ...,
+        read_transport_detail: builtins.str = ...,
+        same_host: builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["last_error", b"last_error"]  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_transfers", b"active_transfers", "address", b"address", "daemon_id", b"daemon_id", "handshake_state", b"handshake_state", "instance_id", b"instance_id", "last_error", b"last_error", "last_handshake_unix_ns", b"last_handshake_unix_ns", "last_heartbeat_unix_ns", b"last_heartbeat_unix_ns", "nixl_agent_name", b"nixl_agent_name", "read_probe_gbps", b"read_probe_gbps", "read_transport", b"read_transport", "read_transport_detail", b"read_transport_detail", "registration_generation", b"registration_generation", "same_host", b"same_host"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    def HasField(self, field_name: typing.Literal["last_error", b"last_error"]) -> builtins.bool: ...
+    def ClearField(self, field_name: typing.Literal["active_transfers", b"active_transfers", "address", b"address", "daemon_id", b"daemon_id", "handshake_state", b"handshake_state", "instance_id", b"instance_id", "last_error", b"last_error", "last_handshake_unix_ns", b"last_handshake_unix_ns", "last_heartbeat_unix_ns", b"last_heartbeat_unix_ns", "nixl_agent_name", b"nixl_agent_name", "read_probe_gbps", b"read_probe_gbps", "read_transport", b"read_transport", "read_transport_detail", b"read_transport_detail", "registration_generation", b"registration_generation", "same_host", b"same_host"]) -> None: ...
 
-Global___PeerInfo: _TypeAlias = PeerInfo  # noqa: Y015
+Global___PeerInfo: typing_extensions.TypeAlias = PeerInfo
 
-@_typing.final
-class ChecksumRequest(_message.Message):
+@typing.final
+class ChecksumRequest(google.protobuf.message.Message):
     """Digest some of this daemon's blocks."""
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    GROUP_INDEX_FIELD_NUMBER: _builtins.int
-    BLOCK_IDS_FIELD_NUMBER: _builtins.int
-    ALGORITHM_FIELD_NUMBER: _builtins.int
-    KERNEL_BLOCK_IDS_FIELD_NUMBER: _builtins.int
-    group_index: _builtins.int
+    GROUP_INDEX_FIELD_NUMBER: builtins.int
+    BLOCK_IDS_FIELD_NUMBER: builtins.int
+    ALGORITHM_FIELD_NUMBER: builtins.int
+    KERNEL_BLOCK_IDS_FIELD_NUMBER: builtins.int
+    group_index: builtins.int
     """Index into the spec's groups."""
     algorithm: Global___ChecksumAlgorithm.ValueType
     """Algorithm wanted; UNSPECIFIED lets the server choose."""
-    kernel_block_ids: _builtins.bool
+    kernel_block_ids: builtins.bool
     """When true, block_ids are kernel block IDs and there is one digest per kernel block: the
     unit a pull pairs blocks in, so a reader can verify each pulled kernel block.
     """
-    @_builtins.property
-    def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+    @property
+    def block_ids(self) -> google.protobuf.internal.containers.RepeatedScalarFieldContainer[builtins.int]:
         """Logical block IDs of that group (kernel block IDs when kernel_block_ids is set)."""
 
     def __init__(
         self,
         *,
-        group_index: _builtins.int = ...,
-        block_ids: _abc.Iterable[_builtins.int] | None = ...,
+        group_index: builtins.int = ...,
+        block_ids: collections.abc.Iterable[builtins.int] | None = ...,
         algorithm: Global___ChecksumAlgorithm.ValueType = ...,
-        kernel_block_ids: _builtins.bool = ...,
+        kernel_block_ids: builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["algorithm", b"algorithm", "block_ids", b"block_ids", "group_index", b"group_index", "kernel_block_ids", b"kernel_block_ids"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    def ClearField(self, field_name: typing.Literal["algorithm", b"algorithm", "block_ids", b"block_ids", "group_index", b"group_index", "kernel_block_ids", b"kernel_block_ids"]) -> None: ...
 
-Global___ChecksumRequest: _TypeAlias = ChecksumRequest  # noqa: Y015
+Global___ChecksumRequest: typing_extensions.TypeAlias = ChecksumRequest
 
-@_typing.final
-class ChecksumResponse(_message.Message):
+@typing.final
+class ChecksumResponse(google.protobuf.message.Message):
     """Per-block digests."""
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    ALGORITHM_FIELD_NUMBER: _builtins.int
-    DIGESTS_FIELD_NUMBER: _builtins.int
+    ALGORITHM_FIELD_NUMBER: builtins.int
+    DIGESTS_FIELD_NUMBER: builtins.int
     algorithm: Global___ChecksumAlgorithm.ValueType
     """The algorithm used."""
-    @_builtins.property
-    def digests(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+    @property
+    def digests(self) -> google.protobuf.internal.containers.RepeatedScalarFieldContainer[builtins.bytes]:
         """One digest per requested block ID, same order: the hash of the block's bytes in every region
         of the group, in region order, kernel blocks in order.
         """
@@ -756,12 +698,8 @@ class ChecksumResponse(_message.Message):
         self,
         *,
         algorithm: Global___ChecksumAlgorithm.ValueType = ...,
-        digests: _abc.Iterable[_builtins.bytes] | None = ...,
+        digests: collections.abc.Iterable[builtins.bytes] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["algorithm", b"algorithm", "digests", b"digests"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    def ClearField(self, field_name: typing.Literal["algorithm", b"algorithm", "digests", b"digests"]) -> None: ...
 
-Global___ChecksumResponse: _TypeAlias = ChecksumResponse  # noqa: Y015
+Global___ChecksumResponse: typing_extensions.TypeAlias = ChecksumResponse

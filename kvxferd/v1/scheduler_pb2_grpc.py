@@ -5,7 +5,7 @@ import warnings
 
 from kvxferd.v1 import scheduler_pb2 as kvxferd_dot_v1_dot_scheduler__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.66.2'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -18,14 +18,14 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in kvxferd/v1/scheduler_pb2_grpc.py depends on'
+        + f' but the generated code in kvxferd/v1/scheduler_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class SchedulerStub:
+class SchedulerStub(object):
     """The scheduler API, served by the decode-side daemon: start pulls, watch them, cancel them,
     inspect peers, verify bytes.
 
@@ -70,7 +70,7 @@ class SchedulerStub:
                 _registered_method=True)
 
 
-class SchedulerServicer:
+class SchedulerServicer(object):
     """The scheduler API, served by the decode-side daemon: start pulls, watch them, cancel them,
     inspect peers, verify bytes.
 
@@ -164,7 +164,7 @@ def add_SchedulerServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class Scheduler:
+class Scheduler(object):
     """The scheduler API, served by the decode-side daemon: start pulls, watch them, cancel them,
     inspect peers, verify bytes.
 

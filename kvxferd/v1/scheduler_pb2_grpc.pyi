@@ -3,146 +3,297 @@
 isort:skip_file
 """
 
-from collections import abc as _abc
-from grpc import aio as _aio
-from kvxferd.v1 import scheduler_pb2 as _scheduler_pb2
-import abc as _abc_1
-import grpc as _grpc
+import abc
+import collections.abc
+import grpc
+import grpc.aio
+import kvxferd.v1.scheduler_pb2
 import sys
-import typing as _typing
+import typing
 
-if sys.version_info >= (3, 11):
-    from typing import Self as _Self
+if sys.version_info >= (3, 13):
+    import typing as typing_extensions
 else:
-    from typing_extensions import Self as _Self
+    import typing_extensions
 
-_T = _typing.TypeVar("_T")
+_T = typing.TypeVar("_T")
 
-class _MaybeAsyncIterator(_abc.AsyncIterator[_T], _abc.Iterator[_T], metaclass=_abc_1.ABCMeta): ...
+class _MaybeAsyncIterator(collections.abc.AsyncIterator[_T], collections.abc.Iterator[_T], metaclass=abc.ABCMeta): ...
 
-class _ServicerContext(_grpc.ServicerContext, _aio.ServicerContext):  # type: ignore[misc, type-arg]
+class _ServicerContext(grpc.ServicerContext, grpc.aio.ServicerContext):  # type: ignore[misc, type-arg]
     ...
 
 GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
+_SchedulerStartPullType = typing_extensions.TypeVar(
+    '_SchedulerStartPullType',
+    grpc.UnaryUnaryMultiCallable[
+        kvxferd.v1.scheduler_pb2.StartPullRequest,
+        kvxferd.v1.scheduler_pb2.StartPullResponse,
+    ],
+    grpc.aio.UnaryUnaryMultiCallable[
+        kvxferd.v1.scheduler_pb2.StartPullRequest,
+        kvxferd.v1.scheduler_pb2.StartPullResponse,
+    ],
+    default=grpc.UnaryUnaryMultiCallable[
+        kvxferd.v1.scheduler_pb2.StartPullRequest,
+        kvxferd.v1.scheduler_pb2.StartPullResponse,
+    ],
+)
 
-class SchedulerStub:
+_SchedulerWatchTransfersType = typing_extensions.TypeVar(
+    '_SchedulerWatchTransfersType',
+    grpc.UnaryStreamMultiCallable[
+        kvxferd.v1.scheduler_pb2.WatchTransfersRequest,
+        kvxferd.v1.scheduler_pb2.WatchTransfersResponse,
+    ],
+    grpc.aio.UnaryStreamMultiCallable[
+        kvxferd.v1.scheduler_pb2.WatchTransfersRequest,
+        kvxferd.v1.scheduler_pb2.WatchTransfersResponse,
+    ],
+    default=grpc.UnaryStreamMultiCallable[
+        kvxferd.v1.scheduler_pb2.WatchTransfersRequest,
+        kvxferd.v1.scheduler_pb2.WatchTransfersResponse,
+    ],
+)
+
+_SchedulerGetTransferType = typing_extensions.TypeVar(
+    '_SchedulerGetTransferType',
+    grpc.UnaryUnaryMultiCallable[
+        kvxferd.v1.scheduler_pb2.GetTransferRequest,
+        kvxferd.v1.scheduler_pb2.GetTransferResponse,
+    ],
+    grpc.aio.UnaryUnaryMultiCallable[
+        kvxferd.v1.scheduler_pb2.GetTransferRequest,
+        kvxferd.v1.scheduler_pb2.GetTransferResponse,
+    ],
+    default=grpc.UnaryUnaryMultiCallable[
+        kvxferd.v1.scheduler_pb2.GetTransferRequest,
+        kvxferd.v1.scheduler_pb2.GetTransferResponse,
+    ],
+)
+
+_SchedulerCancelTransferType = typing_extensions.TypeVar(
+    '_SchedulerCancelTransferType',
+    grpc.UnaryUnaryMultiCallable[
+        kvxferd.v1.scheduler_pb2.CancelTransferRequest,
+        kvxferd.v1.scheduler_pb2.CancelTransferResponse,
+    ],
+    grpc.aio.UnaryUnaryMultiCallable[
+        kvxferd.v1.scheduler_pb2.CancelTransferRequest,
+        kvxferd.v1.scheduler_pb2.CancelTransferResponse,
+    ],
+    default=grpc.UnaryUnaryMultiCallable[
+        kvxferd.v1.scheduler_pb2.CancelTransferRequest,
+        kvxferd.v1.scheduler_pb2.CancelTransferResponse,
+    ],
+)
+
+_SchedulerListPeersType = typing_extensions.TypeVar(
+    '_SchedulerListPeersType',
+    grpc.UnaryUnaryMultiCallable[
+        kvxferd.v1.scheduler_pb2.ListPeersRequest,
+        kvxferd.v1.scheduler_pb2.ListPeersResponse,
+    ],
+    grpc.aio.UnaryUnaryMultiCallable[
+        kvxferd.v1.scheduler_pb2.ListPeersRequest,
+        kvxferd.v1.scheduler_pb2.ListPeersResponse,
+    ],
+    default=grpc.UnaryUnaryMultiCallable[
+        kvxferd.v1.scheduler_pb2.ListPeersRequest,
+        kvxferd.v1.scheduler_pb2.ListPeersResponse,
+    ],
+)
+
+_SchedulerChecksumType = typing_extensions.TypeVar(
+    '_SchedulerChecksumType',
+    grpc.UnaryUnaryMultiCallable[
+        kvxferd.v1.scheduler_pb2.ChecksumRequest,
+        kvxferd.v1.scheduler_pb2.ChecksumResponse,
+    ],
+    grpc.aio.UnaryUnaryMultiCallable[
+        kvxferd.v1.scheduler_pb2.ChecksumRequest,
+        kvxferd.v1.scheduler_pb2.ChecksumResponse,
+    ],
+    default=grpc.UnaryUnaryMultiCallable[
+        kvxferd.v1.scheduler_pb2.ChecksumRequest,
+        kvxferd.v1.scheduler_pb2.ChecksumResponse,
+    ],
+)
+
+class SchedulerStub(typing.Generic[_SchedulerStartPullType, _SchedulerWatchTransfersType, _SchedulerGetTransferType, _SchedulerCancelTransferType, _SchedulerListPeersType, _SchedulerChecksumType]):
     """The scheduler API, served by the decode-side daemon: start pulls, watch them, cancel them,
     inspect peers, verify bytes.
 
     Scheduler-facing service (TCP, authenticated).
     """
 
-    @_typing.overload
-    def __new__(cls, channel: _grpc.Channel) -> _Self: ...
-    @_typing.overload
-    def __new__(cls, channel: _aio.Channel) -> SchedulerAsyncStub: ...
-    StartPull: _grpc.UnaryUnaryMultiCallable[_scheduler_pb2.StartPullRequest, _scheduler_pb2.StartPullResponse]
+    @typing.overload
+    def __init__(self: SchedulerStub[
+        grpc.UnaryUnaryMultiCallable[
+            kvxferd.v1.scheduler_pb2.StartPullRequest,
+            kvxferd.v1.scheduler_pb2.StartPullResponse,
+        ],
+        grpc.UnaryStreamMultiCallable[
+            kvxferd.v1.scheduler_pb2.WatchTransfersRequest,
+            kvxferd.v1.scheduler_pb2.WatchTransfersResponse,
+        ],
+        grpc.UnaryUnaryMultiCallable[
+            kvxferd.v1.scheduler_pb2.GetTransferRequest,
+            kvxferd.v1.scheduler_pb2.GetTransferResponse,
+        ],
+        grpc.UnaryUnaryMultiCallable[
+            kvxferd.v1.scheduler_pb2.CancelTransferRequest,
+            kvxferd.v1.scheduler_pb2.CancelTransferResponse,
+        ],
+        grpc.UnaryUnaryMultiCallable[
+            kvxferd.v1.scheduler_pb2.ListPeersRequest,
+            kvxferd.v1.scheduler_pb2.ListPeersResponse,
+        ],
+        grpc.UnaryUnaryMultiCallable[
+            kvxferd.v1.scheduler_pb2.ChecksumRequest,
+            kvxferd.v1.scheduler_pb2.ChecksumResponse,
+        ],
+    ], channel: grpc.Channel) -> None: ...
+
+    @typing.overload
+    def __init__(self: SchedulerStub[
+        grpc.aio.UnaryUnaryMultiCallable[
+            kvxferd.v1.scheduler_pb2.StartPullRequest,
+            kvxferd.v1.scheduler_pb2.StartPullResponse,
+        ],
+        grpc.aio.UnaryStreamMultiCallable[
+            kvxferd.v1.scheduler_pb2.WatchTransfersRequest,
+            kvxferd.v1.scheduler_pb2.WatchTransfersResponse,
+        ],
+        grpc.aio.UnaryUnaryMultiCallable[
+            kvxferd.v1.scheduler_pb2.GetTransferRequest,
+            kvxferd.v1.scheduler_pb2.GetTransferResponse,
+        ],
+        grpc.aio.UnaryUnaryMultiCallable[
+            kvxferd.v1.scheduler_pb2.CancelTransferRequest,
+            kvxferd.v1.scheduler_pb2.CancelTransferResponse,
+        ],
+        grpc.aio.UnaryUnaryMultiCallable[
+            kvxferd.v1.scheduler_pb2.ListPeersRequest,
+            kvxferd.v1.scheduler_pb2.ListPeersResponse,
+        ],
+        grpc.aio.UnaryUnaryMultiCallable[
+            kvxferd.v1.scheduler_pb2.ChecksumRequest,
+            kvxferd.v1.scheduler_pb2.ChecksumResponse,
+        ],
+    ], channel: grpc.aio.Channel) -> None: ...
+
+    StartPull: _SchedulerStartPullType
     """Start pulling a held request's blocks from a peer into local blocks. Returns at once with the
     transfer's initial status; progress is observed with WatchTransfers or GetTransfer.
     Idempotent on transfer_id: repeating an identical request returns the existing transfer
     (created = false); reusing the ID for a different request fails with ALREADY_EXISTS.
     """
-    WatchTransfers: _grpc.UnaryStreamMultiCallable[_scheduler_pb2.WatchTransfersRequest, _scheduler_pb2.WatchTransfersResponse]
+
+    WatchTransfers: _SchedulerWatchTransfersType
     """Stream status changes: first the current status of every matching transfer, then one
     message per change. With transfer_ids given, the stream ends once all are terminal.
     """
-    GetTransfer: _grpc.UnaryUnaryMultiCallable[_scheduler_pb2.GetTransferRequest, _scheduler_pb2.GetTransferResponse]
+
+    GetTransfer: _SchedulerGetTransferType
     """The current status of one transfer (NOT_FOUND once forgotten)."""
-    CancelTransfer: _grpc.UnaryUnaryMultiCallable[_scheduler_pb2.CancelTransferRequest, _scheduler_pb2.CancelTransferResponse]
+
+    CancelTransfer: _SchedulerCancelTransferType
     """Cancel a transfer; a terminal transfer is returned unchanged (not an error)."""
-    ListPeers: _grpc.UnaryUnaryMultiCallable[_scheduler_pb2.ListPeersRequest, _scheduler_pb2.ListPeersResponse]
+
+    ListPeers: _SchedulerListPeersType
     """Every peer this daemon knows, with its handshake state."""
-    Checksum: _grpc.UnaryUnaryMultiCallable[_scheduler_pb2.ChecksumRequest, _scheduler_pb2.ChecksumResponse]
+
+    Checksum: _SchedulerChecksumType
     """Per-block digests of this daemon's own blocks (to verify a transfer end to end)."""
 
-@_typing.type_check_only
-class SchedulerAsyncStub(SchedulerStub):
+SchedulerAsyncStub: typing_extensions.TypeAlias = SchedulerStub[
+    grpc.aio.UnaryUnaryMultiCallable[
+        kvxferd.v1.scheduler_pb2.StartPullRequest,
+        kvxferd.v1.scheduler_pb2.StartPullResponse,
+    ],
+    grpc.aio.UnaryStreamMultiCallable[
+        kvxferd.v1.scheduler_pb2.WatchTransfersRequest,
+        kvxferd.v1.scheduler_pb2.WatchTransfersResponse,
+    ],
+    grpc.aio.UnaryUnaryMultiCallable[
+        kvxferd.v1.scheduler_pb2.GetTransferRequest,
+        kvxferd.v1.scheduler_pb2.GetTransferResponse,
+    ],
+    grpc.aio.UnaryUnaryMultiCallable[
+        kvxferd.v1.scheduler_pb2.CancelTransferRequest,
+        kvxferd.v1.scheduler_pb2.CancelTransferResponse,
+    ],
+    grpc.aio.UnaryUnaryMultiCallable[
+        kvxferd.v1.scheduler_pb2.ListPeersRequest,
+        kvxferd.v1.scheduler_pb2.ListPeersResponse,
+    ],
+    grpc.aio.UnaryUnaryMultiCallable[
+        kvxferd.v1.scheduler_pb2.ChecksumRequest,
+        kvxferd.v1.scheduler_pb2.ChecksumResponse,
+    ],
+]
+
+class SchedulerServicer(metaclass=abc.ABCMeta):
     """The scheduler API, served by the decode-side daemon: start pulls, watch them, cancel them,
     inspect peers, verify bytes.
 
     Scheduler-facing service (TCP, authenticated).
     """
 
-    def __init__(self, channel: _aio.Channel) -> None: ...
-    StartPull: _aio.UnaryUnaryMultiCallable[_scheduler_pb2.StartPullRequest, _scheduler_pb2.StartPullResponse]  # type: ignore[assignment]
-    """Start pulling a held request's blocks from a peer into local blocks. Returns at once with the
-    transfer's initial status; progress is observed with WatchTransfers or GetTransfer.
-    Idempotent on transfer_id: repeating an identical request returns the existing transfer
-    (created = false); reusing the ID for a different request fails with ALREADY_EXISTS.
-    """
-    WatchTransfers: _aio.UnaryStreamMultiCallable[_scheduler_pb2.WatchTransfersRequest, _scheduler_pb2.WatchTransfersResponse]  # type: ignore[assignment]
-    """Stream status changes: first the current status of every matching transfer, then one
-    message per change. With transfer_ids given, the stream ends once all are terminal.
-    """
-    GetTransfer: _aio.UnaryUnaryMultiCallable[_scheduler_pb2.GetTransferRequest, _scheduler_pb2.GetTransferResponse]  # type: ignore[assignment]
-    """The current status of one transfer (NOT_FOUND once forgotten)."""
-    CancelTransfer: _aio.UnaryUnaryMultiCallable[_scheduler_pb2.CancelTransferRequest, _scheduler_pb2.CancelTransferResponse]  # type: ignore[assignment]
-    """Cancel a transfer; a terminal transfer is returned unchanged (not an error)."""
-    ListPeers: _aio.UnaryUnaryMultiCallable[_scheduler_pb2.ListPeersRequest, _scheduler_pb2.ListPeersResponse]  # type: ignore[assignment]
-    """Every peer this daemon knows, with its handshake state."""
-    Checksum: _aio.UnaryUnaryMultiCallable[_scheduler_pb2.ChecksumRequest, _scheduler_pb2.ChecksumResponse]  # type: ignore[assignment]
-    """Per-block digests of this daemon's own blocks (to verify a transfer end to end)."""
-
-class SchedulerServicer(metaclass=_abc_1.ABCMeta):
-    """The scheduler API, served by the decode-side daemon: start pulls, watch them, cancel them,
-    inspect peers, verify bytes.
-
-    Scheduler-facing service (TCP, authenticated).
-    """
-
-    @_abc_1.abstractmethod
+    @abc.abstractmethod
     def StartPull(
         self,
-        request: _scheduler_pb2.StartPullRequest,
+        request: kvxferd.v1.scheduler_pb2.StartPullRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_scheduler_pb2.StartPullResponse, _abc.Awaitable[_scheduler_pb2.StartPullResponse]]:
+    ) -> typing.Union[kvxferd.v1.scheduler_pb2.StartPullResponse, collections.abc.Awaitable[kvxferd.v1.scheduler_pb2.StartPullResponse]]:
         """Start pulling a held request's blocks from a peer into local blocks. Returns at once with the
         transfer's initial status; progress is observed with WatchTransfers or GetTransfer.
         Idempotent on transfer_id: repeating an identical request returns the existing transfer
         (created = false); reusing the ID for a different request fails with ALREADY_EXISTS.
         """
 
-    @_abc_1.abstractmethod
+    @abc.abstractmethod
     def WatchTransfers(
         self,
-        request: _scheduler_pb2.WatchTransfersRequest,
+        request: kvxferd.v1.scheduler_pb2.WatchTransfersRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_abc.Iterator[_scheduler_pb2.WatchTransfersResponse], _abc.AsyncIterator[_scheduler_pb2.WatchTransfersResponse]]:
+    ) -> typing.Union[collections.abc.Iterator[kvxferd.v1.scheduler_pb2.WatchTransfersResponse], collections.abc.AsyncIterator[kvxferd.v1.scheduler_pb2.WatchTransfersResponse]]:
         """Stream status changes: first the current status of every matching transfer, then one
         message per change. With transfer_ids given, the stream ends once all are terminal.
         """
 
-    @_abc_1.abstractmethod
+    @abc.abstractmethod
     def GetTransfer(
         self,
-        request: _scheduler_pb2.GetTransferRequest,
+        request: kvxferd.v1.scheduler_pb2.GetTransferRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_scheduler_pb2.GetTransferResponse, _abc.Awaitable[_scheduler_pb2.GetTransferResponse]]:
+    ) -> typing.Union[kvxferd.v1.scheduler_pb2.GetTransferResponse, collections.abc.Awaitable[kvxferd.v1.scheduler_pb2.GetTransferResponse]]:
         """The current status of one transfer (NOT_FOUND once forgotten)."""
 
-    @_abc_1.abstractmethod
+    @abc.abstractmethod
     def CancelTransfer(
         self,
-        request: _scheduler_pb2.CancelTransferRequest,
+        request: kvxferd.v1.scheduler_pb2.CancelTransferRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_scheduler_pb2.CancelTransferResponse, _abc.Awaitable[_scheduler_pb2.CancelTransferResponse]]:
+    ) -> typing.Union[kvxferd.v1.scheduler_pb2.CancelTransferResponse, collections.abc.Awaitable[kvxferd.v1.scheduler_pb2.CancelTransferResponse]]:
         """Cancel a transfer; a terminal transfer is returned unchanged (not an error)."""
 
-    @_abc_1.abstractmethod
+    @abc.abstractmethod
     def ListPeers(
         self,
-        request: _scheduler_pb2.ListPeersRequest,
+        request: kvxferd.v1.scheduler_pb2.ListPeersRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_scheduler_pb2.ListPeersResponse, _abc.Awaitable[_scheduler_pb2.ListPeersResponse]]:
+    ) -> typing.Union[kvxferd.v1.scheduler_pb2.ListPeersResponse, collections.abc.Awaitable[kvxferd.v1.scheduler_pb2.ListPeersResponse]]:
         """Every peer this daemon knows, with its handshake state."""
 
-    @_abc_1.abstractmethod
+    @abc.abstractmethod
     def Checksum(
         self,
-        request: _scheduler_pb2.ChecksumRequest,
+        request: kvxferd.v1.scheduler_pb2.ChecksumRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_scheduler_pb2.ChecksumResponse, _abc.Awaitable[_scheduler_pb2.ChecksumResponse]]:
+    ) -> typing.Union[kvxferd.v1.scheduler_pb2.ChecksumResponse, collections.abc.Awaitable[kvxferd.v1.scheduler_pb2.ChecksumResponse]]:
         """Per-block digests of this daemon's own blocks (to verify a transfer end to end)."""
 
-def add_SchedulerServicer_to_server(servicer: SchedulerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
+def add_SchedulerServicer_to_server(servicer: SchedulerServicer, server: typing.Union[grpc.Server, grpc.aio.Server]) -> None: ...

@@ -3,28 +3,28 @@
 isort:skip_file
 """
 
-from collections import abc as _abc
-from google.protobuf import descriptor as _descriptor
-from google.protobuf import message as _message
-from google.protobuf.internal import containers as _containers
-from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
-import builtins as _builtins
+import builtins
+import collections.abc
+import google.protobuf.descriptor
+import google.protobuf.internal.containers
+import google.protobuf.internal.enum_type_wrapper
+import google.protobuf.message
 import sys
-import typing as _typing
+import typing
 
-if sys.version_info >= (3, 11):
-    from typing import TypeAlias as _TypeAlias, Never as _Never
+if sys.version_info >= (3, 10):
+    import typing as typing_extensions
 else:
-    from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
+    import typing_extensions
 
-DESCRIPTOR: _descriptor.FileDescriptor
+DESCRIPTOR: google.protobuf.descriptor.FileDescriptor
 
 class _GroupKind:
-    ValueType = _typing.NewType("ValueType", _builtins.int)
-    V: _TypeAlias = ValueType  # noqa: Y015
+    ValueType = typing.NewType("ValueType", builtins.int)
+    V: typing_extensions.TypeAlias = ValueType
 
-class _GroupKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_GroupKind.ValueType], _builtins.type):
-    DESCRIPTOR: _descriptor.EnumDescriptor
+class _GroupKindEnumTypeWrapper(google.protobuf.internal.enum_type_wrapper._EnumTypeWrapper[_GroupKind.ValueType], builtins.type):
+    DESCRIPTOR: google.protobuf.descriptor.EnumDescriptor
     GROUP_KIND_UNSPECIFIED: _GroupKind.ValueType  # 0
     """Not set: always rejected."""
     GROUP_KIND_FULL_ATTENTION: _GroupKind.ValueType  # 1
@@ -59,14 +59,14 @@ GROUP_KIND_MLA: GroupKind.ValueType  # 3
 """DeepSeek-style latent attention: replicated across TP ranks, never head-sliced."""
 GROUP_KIND_MAMBA: GroupKind.ValueType  # 4
 """Mamba / SSM state: a block is one whole state, never expanded or trimmed token-wise."""
-Global___GroupKind: _TypeAlias = GroupKind  # noqa: Y015
+Global___GroupKind: typing_extensions.TypeAlias = GroupKind
 
 class _KvDtype:
-    ValueType = _typing.NewType("ValueType", _builtins.int)
-    V: _TypeAlias = ValueType  # noqa: Y015
+    ValueType = typing.NewType("ValueType", builtins.int)
+    V: typing_extensions.TypeAlias = ValueType
 
-class _KvDtypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_KvDtype.ValueType], _builtins.type):
-    DESCRIPTOR: _descriptor.EnumDescriptor
+class _KvDtypeEnumTypeWrapper(google.protobuf.internal.enum_type_wrapper._EnumTypeWrapper[_KvDtype.ValueType], builtins.type):
+    DESCRIPTOR: google.protobuf.descriptor.EnumDescriptor
     KV_DTYPE_UNSPECIFIED: _KvDtype.ValueType  # 0
     """Not set: always rejected."""
     KV_DTYPE_BF16: _KvDtype.ValueType  # 1
@@ -97,14 +97,14 @@ KV_DTYPE_FP8_E4M3: KvDtype.ValueType  # 4
 """float8 e4m3 (torch.float8_e4m3fn), 1 byte."""
 KV_DTYPE_FP8_E5M2: KvDtype.ValueType  # 5
 """float8 e5m2, 1 byte."""
-Global___KvDtype: _TypeAlias = KvDtype  # noqa: Y015
+Global___KvDtype: typing_extensions.TypeAlias = KvDtype
 
 class _Layout:
-    ValueType = _typing.NewType("ValueType", _builtins.int)
-    V: _TypeAlias = ValueType  # noqa: Y015
+    ValueType = typing.NewType("ValueType", builtins.int)
+    V: typing_extensions.TypeAlias = ValueType
 
-class _LayoutEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Layout.ValueType], _builtins.type):
-    DESCRIPTOR: _descriptor.EnumDescriptor
+class _LayoutEnumTypeWrapper(google.protobuf.internal.enum_type_wrapper._EnumTypeWrapper[_Layout.ValueType], builtins.type):
+    DESCRIPTOR: google.protobuf.descriptor.EnumDescriptor
     LAYOUT_UNSPECIFIED: _Layout.ValueType  # 0
     """Not set: always rejected (a layout is never guessed)."""
     LAYOUT_NHD: _Layout.ValueType  # 1
@@ -139,14 +139,14 @@ LAYOUT_MLA: Layout.ValueType  # 5
 """(num_blocks, block_size, latent_dim), identity order."""
 LAYOUT_STATE: Layout.ValueType  # 6
 """(num_blocks, *state_shape), identity order; one block is one recurrent state."""
-Global___Layout: _TypeAlias = Layout  # noqa: Y015
+Global___Layout: typing_extensions.TypeAlias = Layout
 
 class _MemoryType:
-    ValueType = _typing.NewType("ValueType", _builtins.int)
-    V: _TypeAlias = ValueType  # noqa: Y015
+    ValueType = typing.NewType("ValueType", builtins.int)
+    V: typing_extensions.TypeAlias = ValueType
 
-class _MemoryTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_MemoryType.ValueType], _builtins.type):
-    DESCRIPTOR: _descriptor.EnumDescriptor
+class _MemoryTypeEnumTypeWrapper(google.protobuf.internal.enum_type_wrapper._EnumTypeWrapper[_MemoryType.ValueType], builtins.type):
+    DESCRIPTOR: google.protobuf.descriptor.EnumDescriptor
     MEMORY_TYPE_UNSPECIFIED: _MemoryType.ValueType  # 0
     """Not set: always rejected in a spec; in requests that override it, "keep the spec's"."""
     MEMORY_TYPE_DRAM: _MemoryType.ValueType  # 1
@@ -163,65 +163,61 @@ MEMORY_TYPE_DRAM: MemoryType.ValueType  # 1
 """Host memory."""
 MEMORY_TYPE_VRAM: MemoryType.ValueType  # 2
 """GPU memory."""
-Global___MemoryType: _TypeAlias = MemoryType  # noqa: Y015
+Global___MemoryType: typing_extensions.TypeAlias = MemoryType
 
-@_typing.final
-class KvGroup(_message.Message):
+@typing.final
+class KvGroup(google.protobuf.message.Message):
     """One KV cache group. Mirrors kvxferd.layout.spec.KVGroup.
     ppl (kernel blocks per logical block) = logical_block_size / kernel_block_size, or 1 for
     state groups; it is derived on receipt, not sent.
     """
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    NAME_FIELD_NUMBER: _builtins.int
-    KIND_FIELD_NUMBER: _builtins.int
-    LOGICAL_BLOCK_SIZE_FIELD_NUMBER: _builtins.int
-    KERNEL_BLOCK_SIZE_FIELD_NUMBER: _builtins.int
-    name: _builtins.str
+    NAME_FIELD_NUMBER: builtins.int
+    KIND_FIELD_NUMBER: builtins.int
+    LOGICAL_BLOCK_SIZE_FIELD_NUMBER: builtins.int
+    KERNEL_BLOCK_SIZE_FIELD_NUMBER: builtins.int
+    name: builtins.str
     """Unique group name within the spec, e.g. "full_attention"."""
     kind: Global___GroupKind.ValueType
     """What the group holds."""
-    logical_block_size: _builtins.int
+    logical_block_size: builtins.int
     """Tokens per logical block (the allocator's block); >= 1."""
-    kernel_block_size: _builtins.int
+    kernel_block_size: builtins.int
     """Tokens per kernel block (the unit regions are addressed in); >= 1, divides the logical size
     for non-state groups.
     """
     def __init__(
         self,
         *,
-        name: _builtins.str = ...,
+        name: builtins.str = ...,
         kind: Global___GroupKind.ValueType = ...,
-        logical_block_size: _builtins.int = ...,
-        kernel_block_size: _builtins.int = ...,
+        logical_block_size: builtins.int = ...,
+        kernel_block_size: builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kernel_block_size", b"kernel_block_size", "kind", b"kind", "logical_block_size", b"logical_block_size", "name", b"name"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    def ClearField(self, field_name: typing.Literal["kernel_block_size", b"kernel_block_size", "kind", b"kind", "logical_block_size", b"logical_block_size", "name", b"name"]) -> None: ...
 
-Global___KvGroup: _TypeAlias = KvGroup  # noqa: Y015
+Global___KvGroup: typing_extensions.TypeAlias = KvGroup
 
-@_typing.final
-class KvRegion(_message.Message):
+@typing.final
+class KvRegion(google.protobuf.message.Message):
     """One registered tensor: a layer (or all layers, cross-layer) of one group.
     Mirrors kvxferd.layout.spec.Region.
     """
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    NAME_FIELD_NUMBER: _builtins.int
-    GROUP_INDEX_FIELD_NUMBER: _builtins.int
-    DTYPE_FIELD_NUMBER: _builtins.int
-    LAYOUT_FIELD_NUMBER: _builtins.int
-    SHAPE_FIELD_NUMBER: _builtins.int
-    MEMORY_FIELD_NUMBER: _builtins.int
-    BLOCK_STRIDE_FIELD_NUMBER: _builtins.int
-    name: _builtins.str
+    NAME_FIELD_NUMBER: builtins.int
+    GROUP_INDEX_FIELD_NUMBER: builtins.int
+    DTYPE_FIELD_NUMBER: builtins.int
+    LAYOUT_FIELD_NUMBER: builtins.int
+    SHAPE_FIELD_NUMBER: builtins.int
+    MEMORY_FIELD_NUMBER: builtins.int
+    BLOCK_STRIDE_FIELD_NUMBER: builtins.int
+    name: builtins.str
     """Unique region name within the spec, e.g. "layers.0.attn"; peers pair regions by name and order."""
-    group_index: _builtins.int
+    group_index: builtins.int
     """Index into KvCacheSpec.groups (0-based)."""
     dtype: Global___KvDtype.ValueType
     """Element type."""
@@ -229,97 +225,85 @@ class KvRegion(_message.Message):
     """Physical arrangement."""
     memory: Global___MemoryType.ValueType
     """Where the memory lives."""
-    block_stride: _builtins.int
+    block_stride: builtins.int
     """Bytes between the starts of consecutive blocks; 0 means dense (equal to the block length)."""
-    @_builtins.property
-    def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+    @property
+    def shape(self) -> google.protobuf.internal.containers.RepeatedScalarFieldContainer[builtins.int]:
         """Logical shape in elements, logical dims first (see Layout); the block dim counts kernel blocks."""
 
     def __init__(
         self,
         *,
-        name: _builtins.str = ...,
-        group_index: _builtins.int = ...,
+        name: builtins.str = ...,
+        group_index: builtins.int = ...,
         dtype: Global___KvDtype.ValueType = ...,
         layout: Global___Layout.ValueType = ...,
-        shape: _abc.Iterable[_builtins.int] | None = ...,
+        shape: collections.abc.Iterable[builtins.int] | None = ...,
         memory: Global___MemoryType.ValueType = ...,
-        block_stride: _builtins.int = ...,
+        block_stride: builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_stride", b"block_stride", "dtype", b"dtype", "group_index", b"group_index", "layout", b"layout", "memory", b"memory", "name", b"name", "shape", b"shape"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    def ClearField(self, field_name: typing.Literal["block_stride", b"block_stride", "dtype", b"dtype", "group_index", b"group_index", "layout", b"layout", "memory", b"memory", "name", b"name", "shape", b"shape"]) -> None: ...
 
-Global___KvRegion: _TypeAlias = KvRegion  # noqa: Y015
+Global___KvRegion: typing_extensions.TypeAlias = KvRegion
 
-@_typing.final
-class KvCacheSpec(_message.Message):
+@typing.final
+class KvCacheSpec(google.protobuf.message.Message):
     """A worker's whole KV cache. Mirrors kvxferd.layout.spec.KVCacheSpec."""
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    MODEL_FIELD_NUMBER: _builtins.int
-    GROUPS_FIELD_NUMBER: _builtins.int
-    REGIONS_FIELD_NUMBER: _builtins.int
-    model: _builtins.str
+    MODEL_FIELD_NUMBER: builtins.int
+    GROUPS_FIELD_NUMBER: builtins.int
+    REGIONS_FIELD_NUMBER: builtins.int
+    model: builtins.str
     """Model fingerprint, e.g. "meta-llama/Llama-3.1-8B"; peers must agree."""
-    @_builtins.property
-    def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___KvGroup]:
+    @property
+    def groups(self) -> google.protobuf.internal.containers.RepeatedCompositeFieldContainer[Global___KvGroup]:
         """KV cache groups, in the order block-ID lists are given per group."""
 
-    @_builtins.property
-    def regions(self) -> _containers.RepeatedCompositeFieldContainer[Global___KvRegion]:
+    @property
+    def regions(self) -> google.protobuf.internal.containers.RepeatedCompositeFieldContainer[Global___KvRegion]:
         """Regions in registration order."""
 
     def __init__(
         self,
         *,
-        model: _builtins.str = ...,
-        groups: _abc.Iterable[Global___KvGroup] | None = ...,
-        regions: _abc.Iterable[Global___KvRegion] | None = ...,
+        model: builtins.str = ...,
+        groups: collections.abc.Iterable[Global___KvGroup] | None = ...,
+        regions: collections.abc.Iterable[Global___KvRegion] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["groups", b"groups", "model", b"model", "regions", b"regions"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    def ClearField(self, field_name: typing.Literal["groups", b"groups", "model", b"model", "regions", b"regions"]) -> None: ...
 
-Global___KvCacheSpec: _TypeAlias = KvCacheSpec  # noqa: Y015
+Global___KvCacheSpec: typing_extensions.TypeAlias = KvCacheSpec
 
-@_typing.final
-class RegionRegistration(_message.Message):
+@typing.final
+class RegionRegistration(google.protobuf.message.Message):
     """Where one region is registered in this process: differs between peers, never part of the
     compatibility digest.
     """
 
-    DESCRIPTOR: _descriptor.Descriptor
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
-    REGION_NAME_FIELD_NUMBER: _builtins.int
-    BASE_ADDRESS_FIELD_NUMBER: _builtins.int
-    DEVICE_ID_FIELD_NUMBER: _builtins.int
-    NBYTES_FIELD_NUMBER: _builtins.int
-    region_name: _builtins.str
+    REGION_NAME_FIELD_NUMBER: builtins.int
+    BASE_ADDRESS_FIELD_NUMBER: builtins.int
+    DEVICE_ID_FIELD_NUMBER: builtins.int
+    NBYTES_FIELD_NUMBER: builtins.int
+    region_name: builtins.str
     """KvRegion.name this registration belongs to."""
-    base_address: _builtins.int
+    base_address: builtins.int
     """Virtual address of block 0 in the owner's address space, bytes."""
-    device_id: _builtins.int
+    device_id: builtins.int
     """CUDA device ordinal for VRAM regions; 0 for DRAM."""
-    nbytes: _builtins.int
+    nbytes: builtins.int
     """Registered length, bytes: (num_blocks - 1) * stride + block_len."""
     def __init__(
         self,
         *,
-        region_name: _builtins.str = ...,
-        base_address: _builtins.int = ...,
-        device_id: _builtins.int = ...,
-        nbytes: _builtins.int = ...,
+        region_name: builtins.str = ...,
+        base_address: builtins.int = ...,
+        device_id: builtins.int = ...,
+        nbytes: builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_address", b"base_address", "device_id", b"device_id", "nbytes", b"nbytes", "region_name", b"region_name"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    def ClearField(self, field_name: typing.Literal["base_address", b"base_address", "device_id", b"device_id", "nbytes", b"nbytes", "region_name", b"region_name"]) -> None: ...
 
-Global___RegionRegistration: _TypeAlias = RegionRegistration  # noqa: Y015
+Global___RegionRegistration: typing_extensions.TypeAlias = RegionRegistration
