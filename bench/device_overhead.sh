@@ -11,9 +11,6 @@ export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl >/dev/null 2>&1 || echo "wheel install failed"
 export PYTHONPATH=/tmp/site:$PWD
-sed -i "s/GRPC_GENERATED_VERSION = '1.85.1'/GRPC_GENERATED_VERSION = '1.0'/" \
-  kvxferd/v1/*_pb2_grpc.py /tmp/site/grpc_health/v1/*_pb2_grpc.py \
-  /tmp/site/grpc_reflection/v1alpha/*_pb2_grpc.py
 date -u
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 step() { echo; echo "== $1 ($(date -u +%T))"; }
