@@ -153,7 +153,6 @@ class Daemon:
         """Metrics after a handshake attempt (PeerDirectory's callback)."""
         result = {LinkState.READY: "ok", LinkState.REFUSED: "refused"}.get(link.state, "failed")
         self.metrics.handshakes.labels("client", result).inc()
-        self.parts.peer_gauge()
 
     def describe_self(self) -> SelfDescription:
         served = self.parts.slot.served()

@@ -193,7 +193,6 @@ class Mover:
 def account(metrics: Metrics, rec: PullRecord, seconds: float) -> None:
     """A finished pull: its metrics and its one INFO line."""
     m = metrics
-    m.inflight_transfers.dec()
     m.transfers.labels(rec.state.value, rec.strategy).inc()
     m.transfer_seconds.labels(rec.state.value).observe(seconds)
     if rec.state is PullState.DONE:

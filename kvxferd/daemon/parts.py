@@ -13,7 +13,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvxferd.daemon.peers import LinkState, PeerDirectory
+from kvxferd.daemon.peers import PeerDirectory
 from kvxferd.daemon.slot import PoolSlot
 from kvxferd.metrics import Metrics
 from kvxferd.peers import PeerInfo
@@ -61,13 +61,6 @@ class Parts:
         task = asyncio.get_running_loop().create_task(coro)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
-
-    def peer_gauge(self) -> None:
-        if self.peers is not None:
-            links = self.peers.links()
-            for state in LinkState:
-                n = sum(1 for x in links if x.state is state)
-                self.metrics.peers.labels(state.value).set(n)
 
 
 Spawn = Callable[[Coroutine[Any, Any, None]], None]

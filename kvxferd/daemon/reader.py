@@ -160,7 +160,6 @@ class Reader:
                 fingerprint=req.fingerprint,
             )
         )
-        self.p.metrics.inflight_transfers.inc()
         link.active += 1
         self.shares.ensure_heartbeat(link)
         self._confirming[req.transfer_id] = confirming
@@ -286,7 +285,6 @@ class Reader:
             )
             if isinstance(result.error, PeerUnavailable) and self.p.peers is not None:
                 await self.p.peers.invalidate(req.peer_address, str(result.error))
-                self.p.peer_gauge()
         except TimeoutError:
             self.pulls.update(
                 tid,
@@ -300,7 +298,6 @@ class Reader:
         except KvxferdError as err:
             if isinstance(err, PeerUnavailable) and self.p.peers is not None:
                 await self.p.peers.invalidate(req.peer_address, str(err))
-                self.p.peer_gauge()
             self.pulls.update(
                 tid,
                 state=PullState.FAILED,

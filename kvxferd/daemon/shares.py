@@ -116,7 +116,6 @@ class Shares:
         before = link.remote
         await self.p.peers.invalidate(link.address, why, LinkState.STALE)
         await self.p.peers.ready(link.address)
-        self.p.peer_gauge()
         after = link.remote
         if (
             before is not None
@@ -194,7 +193,6 @@ class Shares:
                 await self.p.peers.invalidate(
                     link.address, f"peer restarted (instance {resp.instance_id})", LinkState.STALE
                 )
-                self.p.peer_gauge()
             for rid, tid in rids.items():
                 share = mine[tid]
                 if rid in lost:

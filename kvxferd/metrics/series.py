@@ -46,10 +46,6 @@ class Metrics:
     descriptors: Histogram
     naive_descriptors: Counter
     posted_descriptors: Counter
-    # Not exported: kvxferd_inflight_transfers and kvxferd_peers come from LiveCollector. The
-    # reader role still writes these two (daemon/reader.py); drop both once it no longer does.
-    inflight_transfers: Gauge
-    peers: Gauge
     handshakes: Counter
     lease_releases: Counter
     notifications: Counter
@@ -157,12 +153,6 @@ class Metrics:
             ),
             posted_descriptors=Counter(
                 "kvxferd_posted_descriptors", "Descriptors actually posted.", registry=r
-            ),
-            inflight_transfers=Gauge(
-                "kvxferd_inflight_transfers", "(superseded by the live series)", registry=None
-            ),
-            peers=Gauge(
-                "kvxferd_peers", "(superseded by the live series)", ["state"], registry=None
             ),
             handshakes=Counter(
                 "kvxferd_handshakes",
