@@ -7,7 +7,6 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import BLOCK, REGION, Reader, close_reader, make_reader
 
 from kvxferd.blocks.ranges import TransferPlan
 from kvxferd.errors import LeaseRefused, PeerUnavailable, ResourceExhausted
@@ -15,6 +14,7 @@ from kvxferd.scenario.naive import per_block_plan
 from kvxferd.scenario.owner import OwnerProcess, OwnerSpec
 from kvxferd.scenario.pattern import pattern_words
 from kvxferd.transfer import EngineOptions, TransferStatus, notify
+from tests.transfer.conftest import BLOCK, REGION, Reader, close_reader, make_reader
 
 WORDS = BLOCK // 8
 
