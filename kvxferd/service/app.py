@@ -28,6 +28,7 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import ThreadingHTTPServer
 from pathlib import Path
@@ -66,7 +67,7 @@ from kvxferd.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
-from kvxferd.wire.peer_client import GrpcTransport
+from kvxferd.wire.peer_client import GrpcTransport, Transport
 
 log = logging.getLogger(__name__)
 
@@ -125,8 +126,17 @@ class Running:
         log.info("stopped", extra=kv(cancelled_pulls=cancelled))
 
 
-async def start(cfg: Config, *, fill_seed: int | None = None) -> Running:
+async def start(
+    cfg: Config,
+    *,
+    fill_seed: int | None = None,
+    peer_transport: Callable[[str], Transport] | None = None,
+) -> Running:
     """Bind, build, register and start everything; returns once every port serves.
+
+    ``peer_transport(address)``: how this daemon reaches peer daemons; gRPC channels when
+    None. Tests pass an in-process :class:`~kvxferd.wire.peer_client.FakeTransport` to play an
+    owner that misbehaves in ways a real one cannot be made to.
 
     Listeners are bound before any memory is allocated or registered: a port in use, a bad
     socket path or an unreadable credential file is a ConfigError naming the key, with nothing
@@ -145,6 +155,7 @@ async def start(cfg: Config, *, fill_seed: int | None = None) -> Running:
             listeners=listeners,
             undo=undo,
             fill_seed=fill_seed,
+            peer_transport=peer_transport,
         )
         undo.pop_all()
     return running
@@ -159,6 +170,7 @@ async def _build(
     listeners: Listeners,
     undo: contextlib.AsyncExitStack,
     fill_seed: int | None,
+    peer_transport: Callable[[str], Transport] | None,
 ) -> Running:
     metrics = listeners.metrics or Metrics.create(CollectorRegistry())
     registry = metrics.registry
@@ -217,7 +229,7 @@ async def _build(
     peers = PeerDirectory(
         daemon.describe_self,
         daemon.connect_remote,
-        transport_factory=lambda target: GrpcTransport(channel(target)),
+        transport_factory=peer_transport or (lambda target: GrpcTransport(channel(target))),
         metadata=call_metadata(token),
         timeout_s=cfg.transfer.handshake_timeout_ms / 1000,
         on_handshake=daemon.observe_peer,
