@@ -212,7 +212,7 @@ class Daemon:
     # -- lifecycle ----------------------------------------------------------------------------
 
     async def close(self) -> None:
-        self.reader.stop_heartbeats()
+        self.reader.shares.stop()
         tasks = self.parts.tasks
         for t in list(tasks):
             t.cancel()

@@ -18,7 +18,7 @@ from kvxferd.blocks import plan_pull
 from kvxferd.blocks.plan import PullPlan
 from kvxferd.blocks.ranges import TransferPlan
 from kvxferd.daemon.parts import Parts
-from kvxferd.daemon.peers import PeerLink
+from kvxferd.daemon.peers import PeerLink, RemoteDescription
 from kvxferd.daemon.pulls import PullBook, PullRecord, PullRequest, PullState, Stages
 from kvxferd.daemon.receiver import PushReceiver
 from kvxferd.logs import kv
@@ -42,14 +42,9 @@ class Mover:
         self.pulls = pulls
         self.receiver = receiver  # set in push mode: the owner WRITEs
 
-    def choose(
-        self, req: PullRequest, link: PeerLink
-    ) -> tuple[PullPlan, TransferPlan, Decision | None, Decision | None]:
-        """Plan the pull (kvxferd.blocks) and pick its strategy: the whole plan, the part read
-        from this peer's rank, the decision (None without staging or in push mode) and the
-        decision again when it is STAGED or KERNEL (None for DIRECT and push)."""
-        remote = link.remote
-        assert remote is not None
+    def plan(self, req: PullRequest, remote: RemoteDescription) -> tuple[PullPlan, TransferPlan]:
+        """Plan the pull (kvxferd.blocks): the whole plan and the part read from this peer's
+        rank. Pure (no I/O): the lease confirmation's RPC is in flight meanwhile."""
         plan = plan_pull(
             self.p.pool.spec,
             remote.info.spec,
@@ -60,9 +55,17 @@ class Mover:
             remote_tp=(remote.info.tp_rank, remote.info.tp_size),
             max_ids=self.p.limits.max_block_ids,
         )
-        part = plan.per_rank.get(remote.info.tp_rank) or TransferPlan(ranges=())
+        return plan, plan.per_rank.get(remote.info.tp_rank) or TransferPlan(ranges=())
+
+    def choose(
+        self, req: PullRequest, link: PeerLink, plan: PullPlan, part: TransferPlan
+    ) -> tuple[Decision | None, Decision | None]:
+        """Pick the pull's strategy: the decision (None without staging or in push mode) and
+        the decision again when it is STAGED or KERNEL (None for DIRECT and push)."""
+        remote = link.remote
+        assert remote is not None
         decision = None
-        if self.p.staging is not None and not self.receiver is not None:
+        if self.p.staging is not None and self.receiver is None:
             decision = decide(
                 self.p.staging,
                 local=self.p.pool.spec,
@@ -89,7 +92,7 @@ class Mover:
             if decision and decision.choice.strategy in (Strategy.STAGED, Strategy.KERNEL)
             else None
         )
-        return plan, part, decision, staged
+        return decision, staged
 
     async def move(
         self,

@@ -45,6 +45,10 @@ log = logging.getLogger(__name__)
 
 Int64Array = npt.NDArray[np.int64]
 
+# Loop turns a grpc.aio unary call needs before its request is sent (measured: 1, or 2 with a
+# client interceptor); planning first would hold the request back for the whole planning.
+RPC_START_TURNS = 3
+
 _TERMINAL = {
     TransferStatus.DONE: PullState.DONE,
     TransferStatus.FAILED: PullState.FAILED,
@@ -121,13 +125,16 @@ class Reader:
         stages.mark("handshake")
         remote = link.remote
         assert remote is not None
-        # The lease confirmation runs while we plan and build descriptors; the READ is posted
-        # only once it succeeded (_run_pull), so freed blocks are never read.
+        # The confirmation is sent before we plan and build; the owner answers meanwhile. The
+        # READ is posted only once it succeeded (_run_pull): freed blocks are never read.
         confirming = asyncio.ensure_future(
             self.shares.confirm(link, req.request_id, req.remote_ids, deadline)
         )
+        for _ in range(RPC_START_TURNS):
+            await asyncio.sleep(0)
         try:
-            plan, part, decision, staged = self._mover.choose(req, link)
+            plan, part = self._mover.plan(req, remote)
+            decision, staged = self._mover.choose(req, link, plan, part)
             stages.mark("plan")
             prepared = (
                 None
@@ -390,6 +397,3 @@ class Reader:
         for w in pending:
             w.cancel()
         return len(pending)
-
-    def stop_heartbeats(self) -> None:
-        self.shares.stop()
