@@ -65,7 +65,7 @@ examples:
                                                   one row per strategy beside raw, naive, floor
 """
 
-STRATEGIES = ("auto", "direct", "staged", "kernel")
+STRATEGIES = ("auto", "direct", "staged", "kernel", "push")
 
 
 def _sizes(text: str) -> list[int]:
@@ -153,7 +153,8 @@ def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
         metavar="S,S",
         help=(
             "transfer.strategy of the decode daemon, one kvxferd row per value: auto (KERNEL"
-            " where eligible, else the cost model picks), direct, staged, kernel; default auto."
+            " where eligible, else the cost model picks), direct, staged, kernel; push runs both"
+            " daemons in transfer.mode = push (the prefill daemon WRITEs); default auto."
             " Each row shows what ran."
         ),
     )

@@ -23,6 +23,9 @@ from kvxferd.scenario.puller import PULL_DEADLINE_MS, BenchFailure, DaemonPuller
 from kvxferd.scenario.report import percentile
 from kvxferd.v1 import scheduler_pb2
 
+PUSH = "push"
+"""The bench's name for a row through two daemons in transfer.mode = push."""
+
 
 def _record_stages(cell: Cell, st: scheduler_pb2.TransferStatus) -> None:
     cell.kvxferd_strategy = scheduler_pb2.TransferStrategy.Name(st.strategy).removeprefix(
@@ -77,24 +80,28 @@ def measure_daemons(
     latency_pulls: int = 0,
 ) -> dict[str, Any]:
     """Pull every cell ``repeat`` times through a prefill and a decode daemon running
-    ``transfer.strategy = strategy`` (logs under ``workdir``), verifying each cell's first pull
+    ``transfer.strategy = strategy``, or both in ``transfer.mode = push`` for ``"push"`` (logs
+    under ``workdir``), verifying each cell's first pull
     when ``verify``; then ``latency_pulls`` small pulls. Returns the latency figures ({} when
     none were asked)."""
     pool = f"dense:num_blocks={workload.shape.num_blocks}"
     pulls = latency_pulls
+    # "push": both daemons in transfer.mode = push (the prefill daemon WRITEs, docs/nixl.md §9)
+    push = strategy == PUSH
+    mode = ("--set", "transfer.mode=push") if push else ()
     options = [
         DaemonOptions(
             "prefill",
             pool,
             device=workload.dev_prefill,
             fill_seed=11 if verify else None,
-            extra=("--set", f"transfer.default_deadline_ms={PULL_DEADLINE_MS}"),
+            extra=("--set", f"transfer.default_deadline_ms={PULL_DEADLINE_MS}", *mode),
         ),
         DaemonOptions(
             "decode",
             pool,
             device=workload.dev_decode,
-            extra=("--set", f"transfer.strategy={strategy}"),
+            extra=("--set", f"transfer.strategy={'auto' if push else strategy}", *mode),
         ),
     ]
     latency: dict[str, Any] = {}
@@ -138,6 +145,10 @@ def measure_daemons(
                                 " sampled blocks differ from the prefill's"
                             )
             _record_transport(decode, cells)
+            if push:
+                for cell in cells:
+                    cell.kvxferd_strategy = "PUSH"
+                    cell.kvxferd_transport = f"NIXL WRITE ({cell.kvxferd_transport})"
             if not pulls:
                 daemons.check_alive()
                 return {}

@@ -315,6 +315,30 @@ def test_demo_tp_two_prefill_ranks_to_one_decode_rank(tmp_path: Path) -> None:
     assert sorted({s for v in rank["sources"].values() for s in v}) == [0, 1]
 
 
+@pytest.mark.slow
+def test_bench_push_row_is_verified_and_says_what_ran(tmp_path: Path) -> None:
+    """``--strategy push``: both daemons in transfer.mode = push, the sampled blocks verified,
+    the row names PUSH and the NIXL WRITE."""
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "kvxferd", "bench", "--sizes", "256", "--repeat", "1"]
+    cmd += ["--patterns", "fragmented", "--strategy", "push", "--latency-pulls", "2"]
+    proc = subprocess.run(
+        [*cmd, "--json", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=DEMO_TIMEOUT_S,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "kvxferd push: PUSH" in proc.stdout
+    doc = json.loads(out.read_text())
+    (row,) = doc["rows"]
+    assert row["mismatches"] == 0 and row["kvxferd"]["median_gbps"] > 0
+    assert row["strategy"] == {**row["strategy"], "configured": "push", "ran": "PUSH"}
+    assert row["kvxferd"]["transport"].startswith("NIXL WRITE")
+
+
 def test_arguments() -> None:
     parser = argparse.ArgumentParser()
     demo.add_parser(parser.add_subparsers())
