@@ -241,6 +241,10 @@ class Attacher:
                 with contextlib.suppress(LeaseRefused):
                     self.d.leases.cancel(rid, ReleaseReason.ENGINE_DETACHED)
                     released += 1
+            # Push mode: an owner's WRITE into this pool must be over before the pool goes.
+            pushes = await self.d.reader.receiver.settle()
+            if pushes:
+                log.info("pushes ended before the detach", extra=kv(pushes=pushes))
             mem = MemType.VRAM if att.memory is MemoryType.VRAM else MemType.DRAM
             await asyncio.to_thread(
                 self.d.engine.set_local, self.d.local_rows(_NO_ROWS), mem, f"engine detached: {why}"

@@ -13,7 +13,12 @@ point, one terminal status); only the data movement differs. :meth:`PushReceiver
   blocks be reused;
 * ends DONE when the notification lands, FAILED when the owner refused or its WRITE failed,
   EXPIRED when the deadline passed first (the call is then cancelled, which cancels the WRITE);
-  every end but DONE lists every local block the WRITE may have touched.
+  every end but DONE lists every local block the WRITE may have touched;
+* never ends (nor lets :meth:`PushReceiver.settle`, hence an engine detach, return) while the
+  owner's WRITE may still land: a cancelled push waits for the owner's answer to its Push call
+  (sent once its WRITE completed or failed), and a push whose owner cannot answer (unreachable,
+  or silent past the answer's time) waits until the owner's WRITE timeout has passed, the one
+  bound the owner guarantees.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import numpy.typing as npt
 
 from kvxferd.blocks.ranges import TransferPlan
 from kvxferd.daemon.peers import PeerLink
-from kvxferd.errors import DeadlineExceeded, KvxferdError
+from kvxferd.errors import DeadlineExceeded, KvxferdError, PeerUnavailable
 from kvxferd.logs import kv
 from kvxferd.transfer import TransferResult, TransferStatus, notify
 from kvxferd.transfer.descriptors import coalesce
@@ -56,6 +61,15 @@ def write_timeout_s(left_s: float) -> float:
 def descriptors(plan: TransferPlan) -> int:
     """How many descriptors the owner posts for ``plan`` (ranges coalesced as it does)."""
     return sum(coalesce(r.local_offset, r.remote_offset, r.length)[0].size for r in plan.ranges)
+
+
+async def _fenced(call: asyncio.Task[peer_pb2.PushResponse], fence: float) -> None:
+    """Wait for the owner's answer to ``call`` (its WRITE is over then) until ``fence`` (the
+    owner's WRITE timeout has passed by then); cancel the call if it has not answered."""
+    if not call.done():
+        await asyncio.wait({call}, timeout=max(0.0, fence - time.monotonic()))
+    if not call.done():
+        call.cancel()
 
 
 def _answered(call: asyncio.Task[peer_pb2.PushResponse]) -> None:
@@ -85,6 +99,8 @@ class PushReceiver:
         self._lock = threading.Lock()  # landed() runs on the NIXL thread
         self._leases: dict[int, _Lease] = {}
         self._calls: dict[str, asyncio.Task[peer_pb2.PushResponse]] = {}
+        self._stops: dict[str, asyncio.Event] = {}  # transfer ID -> cancel asked
+        self._ended: dict[str, asyncio.Future[None]] = {}  # transfer ID -> receive() returned
 
     def receiving(self) -> dict[str, tuple[Int64Array, ...]]:
         """Request ID -> local blocks under a push not yet landed."""
@@ -108,12 +124,23 @@ class PushReceiver:
         return True
 
     def cancel(self, transfer_id: str) -> bool:
-        """Cancel a push in flight (its Push call, hence the owner's WRITE)."""
-        call = self._calls.get(transfer_id)
-        if call is None or call.done():
+        """Cancel a push in flight: it ends CANCELLED once the owner's WRITE can no longer land
+        (see the module); False when no push of that ID is in flight."""
+        stop = self._stops.get(transfer_id)
+        if stop is None:
             return False
-        call.cancel()
+        stop.set()
         return True
+
+    async def settle(self) -> int:
+        """Cancel every push in flight and wait until each has ended (its WRITE can no longer
+        land), e.g. before the pool it writes into is freed. Returns how many were in flight."""
+        ended = list(self._ended.values())
+        for stop in self._stops.values():
+            stop.set()
+        if ended:
+            await asyncio.wait(ended)
+        return len(ended)
 
     async def receive(
         self,
@@ -142,19 +169,31 @@ class PushReceiver:
             write_timeout_ms=max(1, int(write_timeout_s(left) * 1000)),
             transfer_id=transfer_id,
         )
+        # The owner's WRITE ends by its timeout, counted from when the Push reached it.
+        fence = posted + write_timeout_s(left) + MIN_WRITE_MARGIN_S
         with self._lock:
             self._leases[ticket] = lease
         call = loop.create_task(link.client.push(req, left))
+        stop = asyncio.Event()
+        stopped = loop.create_task(stop.wait())
         self._calls[transfer_id] = call
+        self._stops[transfer_id] = stop
+        self._ended[transfer_id] = loop.create_future()
         try:
-            waits: set[asyncio.Future[Any]] = {call, lease.landed}
+            waits: set[asyncio.Future[Any]] = {call, lease.landed, stopped}
             done, _ = await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            if stopped in done and not lease.landed.done():
+                await _fenced(call, fence)  # the owner's answer, or its WRITE timeout
+                return self._end(transfer_id, agent, plan, TransferStatus.CANCELLED, posted=posted)
             if call in done and call.cancelled():
                 return self._end(transfer_id, agent, plan, TransferStatus.CANCELLED, posted=posted)
             if call in done and call.exception() is not None and not lease.landed.done():
                 err = call.exception()
                 assert isinstance(err, Exception)
                 error = err if isinstance(err, KvxferdError) else KvxferdError(str(err))
+                if not isinstance(err, KvxferdError) or isinstance(err, PeerUnavailable):
+                    # No answer from the owner: its WRITE may still run until its timeout.
+                    await asyncio.sleep(max(0.0, fence - time.monotonic()))
                 status = (
                     TransferStatus.EXPIRED
                     if isinstance(error, DeadlineExceeded)
@@ -196,8 +235,13 @@ class PushReceiver:
             with self._lock:
                 self._leases.pop(ticket, None)
             self._calls.pop(transfer_id, None)
+            self._stops.pop(transfer_id, None)
+            stopped.cancel()
             if not call.done() and not lease.landed.done():
                 call.cancel()
+            ended = self._ended.pop(transfer_id)
+            if not ended.done():
+                ended.set_result(None)
 
     @staticmethod
     def _end(

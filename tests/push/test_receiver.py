@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -176,20 +177,91 @@ def test_written_but_never_notified_expires() -> None:
     _lists_every_block(result)
 
 
-def test_cancel_cancels_the_push_call() -> None:
+def test_cancel_ends_only_once_the_owner_answered() -> None:
+    """A cancelled push is not CANCELLED (its blocks reusable) while the owner's WRITE may
+    still land: it waits for the owner's answer to the Push call."""
+    answered: list[float] = []
+
+    async def slow_write(req: peer_pb2.PushRequest, rx: PushReceiver) -> Any:
+        await asyncio.sleep(0.3)  # the WRITE is still running when the cancel comes
+        answered.append(time.monotonic())
+        return peer_pb2.PushResponse(nbytes=8192, descriptors=2)
+
+    t0 = time.monotonic()
+    result, _ = _receive(slow_write, cancel_after=0.05)
+    assert result.status is TransferStatus.CANCELLED
+    assert answered and time.monotonic() >= answered[0]
+    assert answered[0] - t0 >= 0.3
+    _lists_every_block(result)
+
+
+def test_cancel_of_a_silent_owner_waits_out_its_write_timeout() -> None:
+    """An owner that never answers: the push ends CANCELLED only after the owner's WRITE
+    timeout (the one bound it guarantees), and the call is then cancelled."""
     cancelled = asyncio.Event()
 
-    async def wait(req: peer_pb2.PushRequest, rx: PushReceiver) -> Any:
+    async def silent(req: peer_pb2.PushRequest, rx: PushReceiver) -> Any:
         try:
             await asyncio.sleep(30)
         except asyncio.CancelledError:
-            cancelled.set()  # the owner's handler sees the cancel (and cancels its WRITE)
+            cancelled.set()
             raise
 
-    result, _ = _receive(wait, cancel_after=0.05)
+    t0 = time.monotonic()
+    result, seen = _receive(silent, deadline_s=0.6, cancel_after=0.05)
+    took = time.monotonic() - t0
     assert result.status is TransferStatus.CANCELLED
+    (req,) = seen
+    assert took >= req.write_timeout_ms / 1000
+    assert took < 0.6 + 0.5  # not the whole deadline and more
     assert cancelled.is_set()
     _lists_every_block(result)
+
+
+def test_owner_unreachable_fails_after_its_write_timeout() -> None:
+    async def gone(req: peer_pb2.PushRequest, rx: PushReceiver) -> Any:
+        raise PeerUnavailable("peer prefill:1 is unreachable")
+
+    t0 = time.monotonic()
+    result, seen = _receive(gone, deadline_s=0.5)
+    (req,) = seen
+    assert result.status is TransferStatus.FAILED
+    assert time.monotonic() - t0 >= req.write_timeout_ms / 1000
+    _lists_every_block(result)
+
+
+def test_settle_cancels_and_waits_for_every_push() -> None:
+    async def go() -> None:
+        rx = PushReceiver()
+        seen: list[peer_pb2.PushRequest] = []
+
+        async def slow_write(req: peer_pb2.PushRequest, r: PushReceiver) -> Any:
+            await asyncio.sleep(0.2)
+            return peer_pb2.PushResponse()
+
+        link = _link(slow_write, rx, seen)
+        loop = asyncio.get_running_loop()
+        jobs = [
+            loop.create_task(
+                rx.receive(
+                    f"t{i}",
+                    f"req-{i}",
+                    link,
+                    remote_ids=(np.array([1]),),
+                    local_ids=(np.array([5]),),
+                    plan=PLAN,
+                    deadline=loop.time() + 5,
+                )
+            )
+            for i in range(3)
+        ]
+        await asyncio.sleep(0.05)
+        assert await rx.settle() == 3
+        assert all(j.done() for j in jobs)  # every push ended before settle returned
+        assert {j.result().status for j in jobs} == {TransferStatus.CANCELLED}
+        assert not rx.receiving() and await rx.settle() == 0
+
+    asyncio.run(go())
 
 
 @pytest.mark.parametrize(
