@@ -292,23 +292,24 @@ def test_table_and_progress_lines() -> None:
     assert quiet.getvalue() == ""
 
 
+def _run_json(tmp_path: Path, *args: str) -> tuple[str, dict[str, Any]]:
+    """``python -m kvxferd ARGS --json FILE``, which must exit 0: its stdout and the JSON."""
+    out = tmp_path / "out.json"
+    cmd = [sys.executable, "-m", "kvxferd", *args, "--json", str(out)]
+    proc = subprocess.run(
+        cmd, cwd=REPO, capture_output=True, text=True, timeout=DEMO_TIMEOUT_S, check=False
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc: dict[str, Any] = json.loads(out.read_text())
+    return proc.stdout, doc
+
+
 @pytest.mark.slow
 def test_demo_tp_two_prefill_ranks_to_one_decode_rank(tmp_path: Path) -> None:
     """``--tp 2:1``: three daemons, the decode rank reads half its heads from each prefill rank,
     every block verified (docs/tp.md)."""
-    out = tmp_path / "tp.json"
-    cmd = [sys.executable, "-m", "kvxferd", "demo", "--tp", "2:1", "--requests", "2"]
-    proc = subprocess.run(
-        [*cmd, "--json", str(out)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=DEMO_TIMEOUT_S,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "result: OK" in proc.stdout
-    doc = json.loads(out.read_text())
+    stdout, doc = _run_json(tmp_path, "demo", "--tp", "2:1", "--requests", "2")
+    assert "result: OK" in stdout
     assert doc["ok"] is True and (doc["prefill_tp"], doc["decode_tp"]) == (2, 1)
     (rank,) = doc["decode"]
     assert rank["blocks_checked"] > 0 and not rank["mismatches"]
@@ -319,20 +320,9 @@ def test_demo_tp_two_prefill_ranks_to_one_decode_rank(tmp_path: Path) -> None:
 def test_bench_push_row_is_verified_and_says_what_ran(tmp_path: Path) -> None:
     """``--strategy push``: both daemons in transfer.mode = push, the sampled blocks verified,
     the row names PUSH and the NIXL WRITE."""
-    out = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "kvxferd", "bench", "--sizes", "256", "--repeat", "1"]
-    cmd += ["--patterns", "fragmented", "--strategy", "push", "--latency-pulls", "2"]
-    proc = subprocess.run(
-        [*cmd, "--json", str(out)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=DEMO_TIMEOUT_S,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "kvxferd push: PUSH" in proc.stdout
-    doc = json.loads(out.read_text())
+    args = ["--sizes", "256", "--repeat", "1", "--patterns", "fragmented", "--strategy", "push"]
+    stdout, doc = _run_json(tmp_path, "bench", *args, "--latency-pulls", "2")
+    assert "kvxferd push: PUSH" in stdout
     (row,) = doc["rows"]
     assert row["mismatches"] == 0 and row["kvxferd"]["median_gbps"] > 0
     assert row["strategy"] == {**row["strategy"], "configured": "push", "ran": "PUSH"}
