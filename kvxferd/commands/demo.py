@@ -321,15 +321,21 @@ def _run_tp(args: argparse.Namespace) -> int:
         )
         return 2
     print(
-        f"kvxferd demo: TP {p}:{d}, preset {args.preset}, {args.requests} requests: starting"
-        f" {p + d} daemons (one per rank) ...",
+        f"kvxferd demo: TP {p}:{d}, preset {args.preset}, {args.requests} requests, pools in"
+        f" {'host memory' if args.device == 'cpu' else 'GPU memory'}: starting {p + d} daemons"
+        " (one per rank) ...",
         flush=True,
     )
     try:
-        report = run_tp(p, d, args.preset, requests=args.requests, seed=args.seed)
+        report = run_tp(
+            p, d, args.preset, requests=args.requests, seed=args.seed, device=args.device
+        )
     except DaemonError as exc:
         print(f"kvxferd demo: error: {exc}", file=sys.stderr)
         return 1
+    except ValueError as exc:  # the scenario's pools cannot hold this many requests
+        print(f"kvxferd demo: error: {exc} (with --tp: ask for fewer --requests)", file=sys.stderr)
+        return 2
     for line in report.lines():
         print(line)
     print(f"result: {'OK' if report.ok else 'FAILED'}")

@@ -180,14 +180,16 @@ def run_tp(
     prefill_options: str = "",
     workdir: Path | None = None,
     timeout_s: float = PULL_TIMEOUT_S,
+    device: str = "cpu",
 ) -> TPReport:
     """Run the scenario once with fresh daemons (see the module docstring); never leaves a
     daemon running. ``preset``: ``dense``, ``mla`` or ``hybrid``, with options after a colon
     (``dense:layout=NHD``); ``shard_state``: shard the Mamba states over the TP ranks (refused
     under heterogeneous TP); ``prefill_options``: options for the prefill side only
     (``hybrid`` with ``ppl=34`` against the decode side's 66: a prefix-caching-free pull
-    trims to the tokens both hold, docs/domain.md §5). Raises :class:`.daemons.DaemonError`
-    if a daemon does not start."""
+    trims to the tokens both hold, docs/domain.md §5); ``device``: ``cpu`` (pools in host
+    memory) or ``cuda[:N]`` (every rank's pool on that GPU, which one GPU can hold for several
+    ranks). Raises :class:`.daemons.DaemonError` if a daemon does not start."""
     t0 = time.monotonic()
     heads = total_kv_heads(preset)
     p_spec = rank_spec(preset, prefill_tp, shard_state=shard_state, options=prefill_options)
@@ -195,7 +197,12 @@ def run_tp(
     reqs = make_requests(p_spec, d_spec, requests, blocks, seed)
     report = TPReport(prefill_tp, decode_tp, preset, requests)
     opts = [
-        DaemonOptions(name=f"{side}{i}", preset="dense", extra=("--set", "pool.mode=attached"))
+        DaemonOptions(
+            name=f"{side}{i}",
+            preset="dense",
+            device=device,
+            extra=("--set", "pool.mode=attached"),
+        )
         for side, n in (("p", prefill_tp), ("d", decode_tp))
         for i in range(n)
     ]
@@ -214,7 +221,7 @@ def run_tp(
                 clients.append(DaemonClient(f"{name}{i}", ready.grpc, ready.engine_socket))
                 sockets.append(ready.engine_socket)
             sides.append(_Side(tp, spec, heads, clients, sockets, shard_state))
-        run = _Run(report, sides[0], sides[1], seed, timeout_s)
+        run = _Run(report, sides[0], sides[1], seed, timeout_s, vram=device.startswith("cuda"))
         try:
             run.attach()
             run.go(reqs)
@@ -228,8 +235,16 @@ class _Run:
     """One scenario run over started daemons."""
 
     def __init__(
-        self, report: TPReport, prefill: _Side, decode: _Side, seed: int, timeout_s: float
+        self,
+        report: TPReport,
+        prefill: _Side,
+        decode: _Side,
+        seed: int,
+        timeout_s: float,
+        *,
+        vram: bool = False,
     ) -> None:
+        self.vram = vram
         self.report, self.prefill, self.decode = report, prefill, decode
         self.seed, self.timeout_s = seed, timeout_s
         self.pools: list[AttachedPool] = []
@@ -239,7 +254,11 @@ class _Run:
     def attach(self) -> None:
         for side in (self.prefill, self.decode):
             for i, (c, sock) in enumerate(zip(side.clients, side.sockets, strict=True)):
-                self.pools.append(AttachedPool(c.name, sock, side.spec, tp_rank=i, tp_size=side.tp))
+                self.pools.append(
+                    AttachedPool(
+                        c.name, sock, side.spec, tp_rank=i, tp_size=side.tp, vram=self.vram
+                    )
+                )
         self.releases = [ReleaseWatcher(c) for c in self.prefill.clients]
 
     def close(self) -> None:

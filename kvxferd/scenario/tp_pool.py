@@ -1,9 +1,10 @@
 """An engine's KV pool attached to one scenario daemon, with its bytes writable.
 
-The TP scenario plays each rank's engine: it attaches an OWNED DRAM pool of the rank's spec
-and TP position over the daemon's Engine service (``Attach``, then the ``Session`` stream that
-keeps the attachment alive), maps the shared memory the daemon exports, and writes blocks
-straight into it, as a model computing its KV cache would. (``kvxferd.engine`` has the full
+The TP scenario plays each rank's engine: it attaches an OWNED pool of the rank's spec and
+TP position over the daemon's Engine service (``Attach``, then the ``Session`` stream that
+keeps the attachment alive), maps the memory the daemon exports (shared memory for DRAM, CUDA
+IPC for VRAM on the daemon's GPU), and writes blocks straight into it, as a model computing
+its KV cache would. (``kvxferd.engine`` has the full
 engine client; the scenario floor cannot import it, and needs only this much.)
 """
 
@@ -26,8 +27,9 @@ from kvxferd.wire.codec import spec_from_proto, spec_to_proto
 
 
 class AttachedPool:
-    """``spec`` attached OWNED (DRAM) to the daemon on ``engine_socket`` at TP
-    ``(tp_rank, tp_size)``; :meth:`write` puts bytes into its blocks; :meth:`close` detaches."""
+    """``spec`` attached OWNED to the daemon on ``engine_socket`` at TP ``(tp_rank, tp_size)``,
+    in DRAM or, with ``vram``, in the daemon's GPU memory; :meth:`write` puts bytes into its
+    blocks; :meth:`close` detaches."""
 
     def __init__(
         self,
@@ -38,6 +40,7 @@ class AttachedPool:
         tp_rank: int,
         tp_size: int,
         token: str = "",
+        vram: bool = False,
     ) -> None:
         self.name = name
         self._md: tuple[tuple[str, str], ...] = (
@@ -48,7 +51,7 @@ class AttachedPool:
         req = engine_pb2.AttachRequest(
             spec=spec_to_proto(spec),
             memory_mode=engine_pb2.MEMORY_MODE_OWNED,
-            memory=spec_pb2.MEMORY_TYPE_DRAM,
+            memory=spec_pb2.MEMORY_TYPE_VRAM if vram else spec_pb2.MEMORY_TYPE_DRAM,
             tp_rank=tp_rank,
             tp_size=tp_size,
         )
@@ -62,7 +65,12 @@ class AttachedPool:
         self.peer_address = pool.peer_address
         self._rows: list[torch.Tensor] = []
         for r, h in zip(self.spec.regions, pool.exports, strict=True):
-            raw = ShmSegment.open(h.shm_name).tensor(h.offset, r.nbytes)
+            if vram:
+                from kvxferd.attach.cuda_ipc import IpcMapping
+
+                raw = IpcMapping(h.cuda_ipc_handle, h.device_id).tensor(h.offset, r.nbytes)
+            else:
+                raw = ShmSegment.open(h.shm_name).tensor(h.offset, r.nbytes)
             self._rows.append(raw.view(r.num_blocks, r.stride))
         self._session = self._stub.Session(
             engine_pb2.SessionRequest(attachment_id=self.attachment_id), metadata=self._md
@@ -85,8 +93,10 @@ class AttachedPool:
         """Write ``data[i]`` (``block_len`` bytes) into kernel block ``kernel_ids[i]``."""
         rows = self._rows[region]
         width = self.spec.regions[region].block_len
-        idx = torch.as_tensor(np.asarray(kernel_ids, dtype=np.int64))
-        rows[idx, :width] = torch.from_numpy(np.ascontiguousarray(data))
+        idx = torch.as_tensor(np.asarray(kernel_ids, dtype=np.int64), device=rows.device)
+        rows[idx, :width] = torch.from_numpy(np.ascontiguousarray(data)).to(rows.device)
+        if rows.is_cuda:
+            torch.cuda.synchronize(rows.device)  # in place before the prefill is held
 
     def close(self) -> None:
         """Detach (releasing anything still held) and drop the mappings."""
