@@ -137,6 +137,19 @@ class KVPool:
                 ).contiguous()
                 rows[idx, :16] = stamp.view(torch.uint8).view(-1, 16)
 
+    def write_blocks(
+        self, region: int, kernel_ids: Sequence[int], data: npt.NDArray[np.uint8]
+    ) -> None:
+        """Write ``data[i]`` (``block_len`` bytes) into kernel block ``kernel_ids[i]`` of
+        region ``region`` (what an engine computing its KV cache does; demos and tests)."""
+        r = self.spec.regions[region]
+        ids = self._check(r.group, kernel_ids)
+        rows = self._rows[region]
+        src = torch.from_numpy(np.ascontiguousarray(data, dtype=np.uint8))
+        rows[torch.from_numpy(ids).to(rows.device), : r.block_len] = src.to(rows.device)
+        if rows.is_cuda:
+            torch.cuda.synchronize(rows.device)  # in place before anyone is told it is
+
     def checksums(self, group: int, kernel_ids: Sequence[int]) -> list[bytes]:
         """Per kernel block, a digest of that block's bytes in every region of the group."""
         ids = self._check(group, kernel_ids)
