@@ -37,6 +37,7 @@ from kvxferd.blocks.tp import (
     head_sources,
     infer_num_kv_heads,
     kv_head_range,
+    require_same,
     tp_ratio,
 )
 from kvxferd.blocks.trim import pair_group
@@ -129,15 +130,6 @@ class ChunkSegments:
     length: int
 
 
-def _require(ok: bool, local: Region, remote: Region, what: str, field: str) -> None:
-    if not ok:
-        raise InvalidRequest(
-            f"region {local.name!r}: {what}; local {local.describe()}, remote {remote.describe()}",
-            field=field,
-            fix="the peers' regions must agree (the handshake should have refused this peer)",
-        )
-
-
 def chunk_segments(
     local: Region,
     remote: Region,
@@ -154,31 +146,36 @@ def chunk_segments(
     l_rank, l_size = local_tp
     r_size = remote_tp[1]
     tp_ratio(l_size, r_size)
-    _require(local.layout is remote.layout, local, remote, "layouts differ", field)
-    _require(local.dtype is remote.dtype, local, remote, "dtypes differ", field)
+    require_same(local, remote, "layout", local.layout.value, remote.layout.value, field=field)
+    require_same(local, remote, "dtype", local.dtype.value, remote.dtype.value, field=field)
     tl, tr = local.tokens_per_block, remote.tokens_per_block
-    _require(
-        tl % tokens == 0 and tr % tokens == 0,
-        local,
-        remote,
-        f"{tokens}-token chunks do not tile blocks of {tl} and {tr} tokens",
-        field,
-    )
+    if tl % tokens or tr % tokens:
+        raise InvalidRequest(
+            f"region {local.name!r}: {tokens}-token chunks do not tile blocks of {tl} (local)"
+            f" and {tr} (remote) tokens",
+            field=field,
+            fix="the regions' tokens per block must be the groups' kernel block sizes",
+        )
     if local.layout is Layout.MLA:
-        _require(local.shape[2] == remote.shape[2], local, remote, "latent sizes differ", field)
+        require_same(local, remote, "latent size", local.shape[2], remote.shape[2], field=field)
         row = local.shape[2] * local.dtype.itemsize
         z = np.zeros(1, dtype=np.int64)
         return (ChunkSegments(l_rank % r_size, z, z.copy(), tokens * row),)
-    _require(local.layout.has_kv_halves, local, remote, "a state region has no tokens", field)
-    _require(local.num_layers == remote.num_layers, local, remote, "layer counts differ", field)
-    _require(local.head_size == remote.head_size, local, remote, "head sizes differ", field)
+    if not local.layout.has_kv_halves:
+        raise InvalidRequest(
+            f"region {local.name!r} is {local.layout.value}: it holds no tokens to re-block",
+            field=field,
+            fix="only token groups (attention, MLA) re-block; states pair whole",
+        )
+    require_same(local, remote, "layers", local.num_layers, remote.num_layers, field=field)
+    require_same(local, remote, "head size", local.head_size, remote.head_size, field=field)
     total = num_kv_heads or infer_num_kv_heads(
         local.num_kv_heads, l_size, remote.num_kv_heads, r_size, field=field
     )
     l_first, l_count = kv_head_range(l_rank, l_size, total)
     r_count = kv_head_range(0, r_size, total)[1]
-    _require(local.num_kv_heads == l_count, local, remote, "local heads per rank", field)
-    _require(remote.num_kv_heads == r_count, local, remote, "remote heads per rank", field)
+    require_same(local, remote, "local heads per rank", local.num_kv_heads, l_count, field=field)
+    require_same(local, remote, "remote heads per rank", remote.num_kv_heads, r_count, field=field)
     halves = np.arange(2 * local.num_layers, dtype=np.int64)
     itemsize = local.dtype.itemsize
     out = []

@@ -187,7 +187,7 @@ class RankSegments:
         return RankSegments(remote_rank, z, z.copy(), np.array([block_len], np.int64), True)
 
 
-def _require_same(
+def require_same(
     local: Region, remote: Region, what: str, a: object, b: object, *, field: str
 ) -> None:
     if a != b:
@@ -220,18 +220,18 @@ def region_segments(
     l_rank, l_size = local_tp
     _, r_size = remote_tp
     tp_ratio(l_size, r_size)
-    _require_same(local, remote, "layout", local.layout.value, remote.layout.value, field=field)
-    _require_same(local, remote, "dtype", local.dtype.value, remote.dtype.value, field=field)
+    require_same(local, remote, "layout", local.layout.value, remote.layout.value, field=field)
+    require_same(local, remote, "dtype", local.dtype.value, remote.dtype.value, field=field)
 
     if not local.layout.has_kv_halves:
-        _require_same(local, remote, "block length", local.block_len, remote.block_len, field=field)
+        require_same(local, remote, "block length", local.block_len, remote.block_len, field=field)
         mla = local.layout is Layout.MLA
         src = l_rank % r_size if mla else l_rank * r_size // l_size
         return (RankSegments.whole(src, local.block_len),)
 
-    _require_same(local, remote, "layers", local.num_layers, remote.num_layers, field=field)
-    _require_same(local, remote, "head size", local.head_size, remote.head_size, field=field)
-    _require_same(
+    require_same(local, remote, "layers", local.num_layers, remote.num_layers, field=field)
+    require_same(local, remote, "head size", local.head_size, remote.head_size, field=field)
+    require_same(
         local,
         remote,
         "tokens per block",
@@ -243,9 +243,9 @@ def region_segments(
         local.num_kv_heads, l_size, remote.num_kv_heads, r_size, field=field
     )
     l_first, l_count = kv_head_range(l_rank, l_size, total)
-    _require_same(local, remote, "local heads per rank", local.num_kv_heads, l_count, field=field)
+    require_same(local, remote, "local heads per rank", local.num_kv_heads, l_count, field=field)
     r_count = kv_head_range(0, r_size, total)[1]
-    _require_same(local, remote, "remote heads per rank", remote.num_kv_heads, r_count, field=field)
+    require_same(local, remote, "remote heads per rank", remote.num_kv_heads, r_count, field=field)
 
     head_bytes = local.tokens_per_block * local.head_size * local.dtype.itemsize
     halves = np.arange(2 * local.num_layers, dtype=np.int64)
