@@ -7,6 +7,7 @@ A plan never holds per-descriptor Python objects: each region's ranges are three
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 import numpy.typing as npt
@@ -55,13 +56,21 @@ class TransferPlan:
     local_kernel_blocks: tuple[Int64Array, ...] = field(default=())
     naive_descriptors: int = 0
 
-    @property
+    @cached_property
     def num_ranges(self) -> int:
         return sum(r.num_ranges for r in self.ranges)
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
-        return sum(r.nbytes for r in self.ranges)
+        # Regions of one geometry share the planner's arrays: sum each distinct array once.
+        sums: dict[int, int] = {}
+        total = 0
+        for r in self.ranges:
+            key = id(r.length)
+            if key not in sums:
+                sums[key] = r.nbytes
+            total += sums[key]
+        return total
 
     @property
     def empty(self) -> bool:

@@ -337,17 +337,18 @@ class Reader:
             self._cancel_requested.discard(tid)
             self._posted.discard(tid)
             held = self.shares.by_transfer.pop(tid, None)
-            rec = self.pulls.get(tid)
-            if held is not None and held.ticket and held.done and req.notify:
-                self.p.spawn(self.shares.notify_done(link, req.request_id, held.ticket))
-            elif (
-                held is not None and held.ticket and (held.done or rec.state is PullState.CANCELLED)
-            ):
-                # Read (no notification asked for), or a caller gave the pull up: end our share
-                # now. A FAILED or EXPIRED pull keeps it until it lapses (heartbeat timeout), so
-                # the scheduler can retry the same lease from this daemon meanwhile.
-                self.p.spawn(self.shares.release(link, req.request_id, done=held.done))
-            account(self.p.metrics, rec, time.monotonic() - t0)
+            # Watchers (woken by the terminal update) hear it first; the owner and books after.
+            asyncio.get_running_loop().call_soon(
+                self._settle, req, link, held, self.pulls.get(tid), time.monotonic() - t0
+            )
+
+    def _settle(
+        self, req: PullRequest, link: PeerLink, held: Share | None, rec: PullRecord, seconds: float
+    ) -> None:
+        """After a pull's terminal status went out: settle our lease share, account the pull."""
+        if held is not None:
+            self.shares.settle(link, req.request_id, held, notify=req.notify, state=rec.state)
+        account(self.p.metrics, rec, seconds)
 
     async def _abort_read(self, tid: str, why: str) -> None:
         log.warning("lease share lost; cancelling the read", extra=kv(transfer_id=tid, why=why))

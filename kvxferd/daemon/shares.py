@@ -20,7 +20,7 @@ import numpy.typing as npt
 
 from kvxferd.daemon.parts import Parts
 from kvxferd.daemon.peers import LinkState, PeerLink
-from kvxferd.daemon.pulls import PullBook
+from kvxferd.daemon.pulls import PullBook, PullState
 from kvxferd.errors import KvxferdError, LeaseRefused, PeerUnavailable, UnknownSession
 from kvxferd.logs import kv
 from kvxferd.peers import compat_digest
@@ -153,6 +153,20 @@ class Shares:
                 "releasing a lease share failed (it lapses on the owner)",
                 extra=kv(peer=link.address, request_id=request_id, error=str(err)),
             )
+
+    def settle(
+        self, link: PeerLink, request_id: str, held: Share, *, notify: bool, state: PullState
+    ) -> None:
+        """A pull ended: report our share read (``notify``), or end it now when it was read
+        without a notification or a caller gave the pull up. A FAILED or EXPIRED pull keeps
+        it until it lapses (heartbeat timeout), so the scheduler can retry the same lease from
+        this daemon meanwhile."""
+        if not held.ticket:
+            return
+        if held.done and notify:
+            self.p.spawn(self.notify_done(link, request_id, held.ticket))
+        elif held.done or state is PullState.CANCELLED:
+            self.p.spawn(self.release(link, request_id, done=held.done))
 
     def ensure_heartbeat(self, link: PeerLink) -> None:
         task = self._heartbeats.get(link.address)

@@ -31,13 +31,14 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvxferd.blocks.ranges import RegionRanges, TransferPlan
+from kvxferd.blocks.ranges import TransferPlan
 from kvxferd.errors import DeadlineExceeded, KvxferdError, TransportError
 from kvxferd.ipc.mapping import Key, MappingCache, PeerMaps
 from kvxferd.ipc.publish import IpcPool
 from kvxferd.kernels import CopyKernel, RangeCopy, Regions, copy_ranges
 from kvxferd.logs import kv
 from kvxferd.pool import KVPool
+from kvxferd.transfer.descriptors import plan_runs, split_runs
 from kvxferd.transfer.state import TransferResult, TransferStatus
 
 Int64Array = npt.NDArray[np.int64]
@@ -80,83 +81,17 @@ def piece_size(lengths: Int64Array, largest: int = MAX_PIECE_BYTES) -> int:
     return 1 << int(ks[int(np.argmin(cost))])
 
 
-def _runs(
-    region: Int64Array, lo: Int64Array, ro: Int64Array, ln: Int64Array
-) -> tuple[Int64Array, Int64Array, Int64Array, Int64Array]:
-    """Order by (region, local offset) (skipped when already in order) and merge ranges
-    contiguous on both sides within a region: DIRECT's coalescing, for all regions at once."""
-    key = (region << 40) | lo  # offsets stay below 1 TiB per region
-    if lo.size > 1 and not bool(np.all(key[1:] > key[:-1])):
-        order = np.argsort(key, kind="stable")
-        region, lo, ro, ln = region[order], lo[order], ro[order], ln[order]
-    joins = (region[:-1] == region[1:]) & (lo[:-1] + ln[:-1] == lo[1:])
-    joins &= ro[:-1] + ln[:-1] == ro[1:]
-    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
-    if starts.size != ln.size:
-        region, lo, ro, ln = region[starts], lo[starts], ro[starts], np.add.reduceat(ln, starts)
-    return region, lo, ro, ln
-
-
-def _cut(
-    region: Int64Array, lo: Int64Array, ro: Int64Array, ln: Int64Array, size: int
-) -> tuple[Int64Array, Int64Array, Int64Array, Int64Array]:
-    """Runs cut into pieces of at most ``size`` bytes."""
-    cut = (ln + size - 1) // size
-    if ln.size == 0 or int(cut.max()) <= 1:
-        return region, lo, ro, ln
-    idx = np.repeat(np.arange(ln.size), cut)
-    first = np.cumsum(cut) - cut
-    skip = (np.arange(idx.size, dtype=np.int64) - np.repeat(first, cut)) * size
-    return region[idx], lo[idx] + skip, ro[idx] + skip, np.minimum(ln[idx] - skip, size)
-
-
-def _int64(a: npt.NDArray[np.integer]) -> Int64Array:
-    return a.astype(np.int64, copy=False)
-
-
 def pieces(plan: TransferPlan, piece_bytes: int = MAX_PIECE_BYTES) -> tuple[RangeCopy, int]:
     """The plan's ranges as kernel pieces, and the number of (region, run) pairs before the
     cut (what DIRECT would post as descriptors): every region's ranges coalesced as DIRECT
-    does, the runs cut at one power-of-two size (:func:`piece_size`, at most ``piece_bytes``).
-
-    The planner gives regions of one geometry (typically every layer) the *same* offset arrays:
-    those are coalesced once and the result repeated over their regions, so a 32-layer pull
-    costs about one layer's sorting. Otherwise all regions are coalesced together (one sort of
-    everything); either way a fixed number of NumPy operations, no loop over pieces."""
-    parts = [rr for rr in plan.ranges if rr.num_ranges]
-    if not parts:
+    does (:func:`kvxferd.transfer.descriptors.plan_runs`: regions sharing the planner's arrays
+    are coalesced once), the runs cut at one power-of-two size (:func:`piece_size`, at most
+    ``piece_bytes``). A fixed number of NumPy operations, no loop over pieces or regions."""
+    region, lo, ro, ln = plan_runs(plan)
+    if ln.size == 0:
         return RangeCopy.empty(), 0
-    shared: dict[tuple[int, int, int], list[RegionRanges]] = {}
-    for rr in parts:
-        shared.setdefault((id(rr.local_offset), id(rr.remote_offset), id(rr.length)), []).append(rr)
-    if 4 * len(shared) > len(parts):  # little sharing: everything in one sort
-        counts = [rr.num_ranges for rr in parts]
-        region = np.repeat(np.array([rr.region for rr in parts], dtype=np.int64), counts)
-        lo, ro, ln = (
-            _int64(np.concatenate([getattr(rr, f) for rr in parts]))
-            for f in ("local_offset", "remote_offset", "length")
-        )
-        region, lo, ro, ln = _runs(region, lo, ro, ln)
-        rc = RangeCopy(*_cut(region, lo, ro, ln, piece_size(ln, piece_bytes)))
-        return rc, int(ln.size)
-    groups = []
-    for members in shared.values():
-        one = members[0]
-        zero = np.zeros(one.num_ranges, dtype=np.int64)
-        _, lo, ro, ln = _runs(
-            zero, _int64(one.local_offset), _int64(one.remote_offset), _int64(one.length)
-        )
-        groups.append((np.array([m.region for m in members], dtype=np.int64), lo, ro, ln))
-    every = np.concatenate([np.tile(ln, regions.size) for regions, _, _, ln in groups])
-    size = piece_size(every, piece_bytes)
-    cols: list[list[Int64Array]] = [[], [], [], []]
-    for regions, lo, ro, ln in groups:
-        _, plo, pro, pln = _cut(np.zeros(ln.size, dtype=np.int64), lo, ro, ln, size)
-        cols[0].append(np.repeat(regions, pln.size))
-        for col, a in zip(cols[1:], (plo, pro, pln), strict=True):
-            col.append(np.tile(a, regions.size))
-    rc = RangeCopy(*(np.concatenate(c) for c in cols))
-    return rc, int(every.size)
+    rc = RangeCopy(*split_runs(region, lo, ro, ln, piece_size(ln, piece_bytes)))
+    return rc, int(ln.size)
 
 
 def region_bytes(pool: KVPool) -> list[torch.Tensor]:

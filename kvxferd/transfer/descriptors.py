@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from kvxferd.blocks.ranges import TransferPlan
+from kvxferd.blocks.ranges import RegionRanges, TransferPlan
 from kvxferd.errors import BlockRangeError, InvalidRequest
 
 Int64Array = npt.NDArray[np.int64]
@@ -71,46 +71,131 @@ def coalesce(
     return lo[starts], ro[starts], np.add.reduceat(ln, starts)
 
 
-def split_long(
-    local_offset: Int64Array, remote_offset: Int64Array, length: Int64Array, max_len: int
-) -> tuple[Int64Array, Int64Array, Int64Array]:
-    """Cut ranges longer than ``max_len`` into ``max_len`` pieces (the last may be shorter), so
-    a multi-threaded UCX backend can spread one huge range over its worker threads."""
+Runs = tuple[Int64Array, Int64Array, Int64Array, Int64Array]
+"""Flat ``(region, local_offset, remote_offset, length)`` arrays, one row per range."""
+
+
+def split_runs(
+    region: Int64Array,
+    local_offset: Int64Array,
+    remote_offset: Int64Array,
+    length: Int64Array,
+    max_len: int,
+) -> Runs:
+    """Cut ranges longer than ``max_len`` into ``max_len`` pieces (the last may be shorter),
+    keeping each piece's region: a multi-threaded UCX backend spreads one huge range over its
+    worker threads, and the copy kernel gives every piece one slot."""
     if max_len <= 0:
         raise InvalidRequest(f"max descriptor length must be positive, got {max_len}")
     pieces = (length + max_len - 1) // max_len
     if length.size == 0 or int(pieces.max()) <= 1:
-        return local_offset, remote_offset, length
+        return region, local_offset, remote_offset, length
     idx = np.repeat(np.arange(length.size), pieces)
     first = np.cumsum(pieces) - pieces
-    k = np.arange(idx.size, dtype=np.int64) - np.repeat(first, pieces)
-    skip = k * max_len
+    skip = (np.arange(idx.size, dtype=np.int64) - np.repeat(first, pieces)) * max_len
     ln = np.minimum(length[idx] - skip, max_len)
-    return local_offset[idx] + skip, remote_offset[idx] + skip, ln
+    return region[idx], local_offset[idx] + skip, remote_offset[idx] + skip, ln
+
+
+def split_long(
+    local_offset: Int64Array, remote_offset: Int64Array, length: Int64Array, max_len: int
+) -> tuple[Int64Array, Int64Array, Int64Array]:
+    """:func:`split_runs` for the ranges of one region."""
+    _, lo, ro, ln = split_runs(
+        np.zeros(length.size, dtype=np.int64), local_offset, remote_offset, length, max_len
+    )
+    return lo, ro, ln
+
+
+def _int64(a: npt.NDArray[np.integer]) -> Int64Array:
+    return a.astype(np.int64, copy=False)
+
+
+def _merge_all(region: Int64Array, lo: Int64Array, ro: Int64Array, ln: Int64Array) -> Runs:
+    """:func:`coalesce` for the ranges of many regions at once (one sort by region, then local
+    offset; a run never crosses from one region into the next)."""
+    if ln.size <= 1:
+        return region, lo, ro, ln
+    order = np.lexsort((lo, region))
+    region, lo, ro, ln = region[order], lo[order], ro[order], ln[order]
+    joins = (region[:-1] == region[1:]) & (lo[:-1] + ln[:-1] == lo[1:])
+    joins &= ro[:-1] + ln[:-1] == ro[1:]
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    if starts.size == ln.size:
+        return region, lo, ro, ln
+    return region[starts], lo[starts], ro[starts], np.add.reduceat(ln, starts)
+
+
+def plan_runs(plan: TransferPlan, *, merge: bool = True) -> Runs:
+    """Every range of ``plan`` as flat ``(region, local_offset, remote_offset, length)``
+    arrays; with ``merge``, ranges back to back on both sides within one region are merged
+    (:func:`coalesce`; a run never spans two regions, since each is its own registration).
+
+    The planner gives regions of one geometry (typically every layer) the *same* arrays:
+    those are checked and coalesced once and repeated over their regions, so a 32-layer pull
+    costs about one layer's NumPy calls; with little sharing, everything is coalesced in one
+    sort. Either way a fixed number of NumPy operations per distinct array, none per range.
+    Raises :class:`BlockRangeError` for an empty or negative range.
+    """
+    parts = [rr for rr in plan.ranges if rr.num_ranges]
+    if not parts:
+        empty = np.empty(0, dtype=np.int64)
+        return empty, empty, empty, empty
+    shared: dict[tuple[int, int, int], list[RegionRanges]] = {}
+    for rr in parts:
+        shared.setdefault((id(rr.local_offset), id(rr.remote_offset), id(rr.length)), []).append(rr)
+    for members in shared.values():
+        if int(members[0].length.min()) <= 0:
+            r = members[0].region
+            raise BlockRangeError(
+                f"the ranges of region {r} include an empty or negative range",
+                field=f"ranges[{r}].length",
+            )
+    if not merge or 4 * len(shared) > len(parts):  # plan order, or little sharing: one sort
+        counts = [rr.num_ranges for rr in parts]
+        region = np.repeat(np.array([rr.region for rr in parts], dtype=np.int64), counts)
+        lo, ro, ln = (
+            _int64(np.concatenate([getattr(rr, f) for rr in parts]))
+            for f in ("local_offset", "remote_offset", "length")
+        )
+        return _merge_all(region, lo, ro, ln) if merge else (region, lo, ro, ln)
+    cols: list[list[Int64Array]] = [[], [], [], []]
+    for members in shared.values():
+        one = members[0]
+        lo, ro, ln = coalesce(
+            _int64(one.local_offset), _int64(one.remote_offset), _int64(one.length)
+        )
+        regions = np.array([m.region for m in members], dtype=np.int64)
+        cols[0].append(np.repeat(regions, ln.size))
+        for col, a in zip(cols[1:], (lo, ro, ln), strict=True):
+            col.append(np.tile(a, regions.size))
+    region, lo, ro, ln = (np.concatenate(c) for c in cols)
+    return region, lo, ro, ln
 
 
 def _check_bounds(
-    side: str, table: RegionTable, region: int, off: Int64Array, ln: Int64Array
+    side: str, table: RegionTable, region: Int64Array, off: Int64Array, ln: Int64Array
 ) -> None:
-    if not 0 <= region < table.num_regions:
+    """Every range inside its region of ``table`` (one vectorised test for all of them)."""
+    if region.size == 0:
+        return
+    lo_r, hi_r = int(region.min()), int(region.max())
+    if lo_r < 0 or hi_r >= table.num_regions:
+        bad = lo_r if lo_r < 0 else hi_r
         raise InvalidRequest(
-            f"plan names region {region}, the {side} side registered {table.num_regions}",
-            field=f"ranges[{region}]",
+            f"plan names region {bad}, the {side} side registered {table.num_regions}",
+            field=f"ranges[{bad}]",
             fix="re-handshake: the peers' region lists differ",
         )
-    if off.size == 0:
-        return
-    if int(ln.min()) <= 0:
+    size = table.length[region]
+    outside = np.flatnonzero((off < 0) | (off + ln > size))
+    if outside.size:
+        k = int(outside[0])
+        r = int(region[k])
         raise BlockRangeError(
-            f"{side} ranges of region {region} include an empty range",
-            field=f"ranges[{region}].length",
-        )
-    end = off + ln
-    if int(off.min()) < 0 or int(end.max()) > int(table.length[region]):
-        raise BlockRangeError(
-            f"{side} ranges of region {region} leave the region "
-            f"(0..{int(table.length[region])} bytes)",
-            field=f"ranges[{region}]",
+            f"{side} ranges of region {r} leave the region (0..{int(table.length[r])} bytes):"
+            f" one covers bytes [{int(off[k])}, {int(off[k] + ln[k])})",
+            field=f"ranges[{r}]",
             fix="check block IDs against the registered block counts",
         )
 
@@ -126,35 +211,22 @@ def build_descriptors(
     """``(local, remote)`` ``N x 3`` int64 descriptor arrays for ``plan``, rows paired.
 
     Bounds are checked against both sides' region lengths; ``merge`` coalesces ranges
-    contiguous on both sides (within one region: a descriptor never spans registrations);
-    ``max_desc_bytes`` then cuts longer ranges (see :func:`split_long`).
+    contiguous on both sides (within one region: a descriptor never spans registrations;
+    :func:`plan_runs`); ``max_desc_bytes`` then cuts longer ranges (:func:`split_runs`).
+    Proportional to the plan's distinct arrays and ranges, not to the regions.
     """
-    loc_parts: list[Int64Array] = []
-    rem_parts: list[Int64Array] = []
-    for rr in plan.ranges:
-        if rr.num_ranges == 0:
-            continue
-        lo = rr.local_offset.astype(np.int64, copy=False)
-        ro = rr.remote_offset.astype(np.int64, copy=False)
-        ln = rr.length.astype(np.int64, copy=False)
-        _check_bounds("local", local, rr.region, lo, ln)
-        _check_bounds("remote", remote, rr.region, ro, ln)
-        if merge:
-            lo, ro, ln = coalesce(lo, ro, ln)
-        if max_desc_bytes is not None:
-            lo, ro, ln = split_long(lo, ro, ln, max_desc_bytes)
-        n = ln.shape[0]
-        loc = np.empty((n, 3), dtype=np.int64)
-        loc[:, 0] = local.base[rr.region] + lo
-        loc[:, 1] = ln
-        loc[:, 2] = local.dev[rr.region]
-        rem = np.empty((n, 3), dtype=np.int64)
-        rem[:, 0] = remote.base[rr.region] + ro
-        rem[:, 1] = ln
-        rem[:, 2] = remote.dev[rr.region]
-        loc_parts.append(loc)
-        rem_parts.append(rem)
-    if not loc_parts:
-        empty = np.empty((0, 3), dtype=np.int64)
-        return empty, empty.copy()
-    return np.concatenate(loc_parts), np.concatenate(rem_parts)
+    region, lo, ro, ln = plan_runs(plan, merge=merge)
+    _check_bounds("local", local, region, lo, ln)
+    _check_bounds("remote", remote, region, ro, ln)
+    if max_desc_bytes is not None:
+        region, lo, ro, ln = split_runs(region, lo, ro, ln, max_desc_bytes)
+    n = ln.shape[0]
+    loc = np.empty((n, 3), dtype=np.int64)
+    np.add(local.base[region], lo, out=loc[:, 0])
+    loc[:, 1] = ln
+    loc[:, 2] = local.dev[region]
+    rem = np.empty((n, 3), dtype=np.int64)
+    np.add(remote.base[region], ro, out=rem[:, 0])
+    rem[:, 1] = ln
+    rem[:, 2] = remote.dev[region]
+    return loc, rem
