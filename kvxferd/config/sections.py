@@ -137,6 +137,13 @@ class PeersConfig:
     """An owner ends a reader's share of a lease when it has not heard from it this long."""
     max_links: int = 1_024
     """Most peer links kept; the least recently used unreachable ones are evicted first."""
+    local_socket: str = "auto"
+    """The same-host Peer socket: ``auto`` serves the Peer calls of a pull's lifetime
+    (ConfirmLease, heartbeats, releases, STAGED gathers) also on a Unix socket in the temporary
+    directory, advertised in the handshake, and uses a peer's socket when it can reach it (a
+    Heartbeat through it must reach the same instance); a path serves there instead; ``off``
+    does neither (every Peer call over gRPC). Saves a gRPC round trip per call between daemons
+    on one host (docs/benchmarks.md)."""
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,7 @@ class Daemon:
             self.parts.staging = staging.build(pool.current() if pool.registered else None)
         self.address = address
         self.instance_id = instance_id or uuid.uuid4().hex
+        self.local_socket = ""  # set once the same-host Peer socket serves (service.app)
         self.daemon_id = agent_name
         self.owner = Owner(self.parts)
         self.reader = Reader(self.parts)
@@ -175,6 +176,7 @@ class Daemon:
             staging=staging.info if staging else None,
             host_id=staging.ipc.host_id if staging else "",
             ipc=staging.ipc_export(served.pool, self.generation) if staging else None,
+            local_socket=self.local_socket,
         )
 
     def connect_remote(self, remote: RemoteDescription) -> None:

@@ -46,6 +46,7 @@ class SelfDescription:
     staging: RingInfo | None = None
     host_id: str = ""  # kvxferd.ipc.host.host_id(): who can open our CUDA IPC handles
     ipc: IpcPool | None = None  # our VRAM regions over CUDA IPC (KERNEL pulls)
+    local_socket: str = ""  # our same-host Peer socket (kvxferd.service.local_peer)
 
     def payload(self) -> peer_pb2.HandshakePayload:
         ring = self.staging
@@ -72,6 +73,7 @@ class SelfDescription:
             instance_id=self.instance_id,
             peer_address=self.address,
             transfer_mode=mode_to_proto(self.info.transfer_mode),
+            local_socket=self.local_socket,
         )
 
     def envelope(self) -> tuple[int, bytes, bytes]:
@@ -94,6 +96,7 @@ class RemoteDescription:
     staging: RingInfo | None = None
     host_id: str = ""
     ipc: IpcPool | None = None
+    local_socket: str = ""
 
     @property
     def key(self) -> tuple[str, str, int]:
@@ -168,6 +171,7 @@ def decode_envelope(
         staging=_ring(msg),
         host_id=msg.host_id,
         ipc=IpcPool.from_proto(msg.cuda_ipc) if msg.HasField("cuda_ipc") else None,
+        local_socket=msg.local_socket,
     )
     if digest == bytes.fromhex(compat_digest(local.info.spec)):
         log.debug("handshake digest matches", extra=kv(peer=who))

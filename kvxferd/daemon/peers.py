@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -95,11 +96,14 @@ class PeerDirectory:
         max_links: int = 1024,
         probe: Callable[[PeerLink, RemoteDescription], Awaitable[TransportReport]] | None = None,
         forget: Callable[[str, str], None] | None = None,
+        local: Callable[[str], Transport] | None = None,
     ) -> None:
         """``probe``: after each handshake, which transport serves READs from the peer
         (kvxferd.ipc.transport; never raises). ``forget(agent, why)``: the peer's incarnation
         is gone or no longer trusted (invalidated, replaced, evicted): drop what was kept for
-        it (its CUDA IPC mappings)."""
+        it (its CUDA IPC mappings). ``local(path)``: a transport to a peer's same-host Peer
+        socket (kvxferd.wire.local); None keeps every call on gRPC."""
+        self._local = local
         self._probe = probe
         self._forget = forget
         self._max_links = max_links
@@ -305,6 +309,7 @@ class PeerDirectory:
             link.last_error = str(err)
             log.warning("handshake refused", extra=kv(peer=link.address, error=str(err)))
             raise
+        channel = await self._use_local(link, remote)
         if self._probe is not None:
             link.transport = await self._probe(link, remote)
         link.remote = remote
@@ -323,8 +328,29 @@ class PeerDirectory:
                 read_gbps=round(t.read_gbps, 3) if t and t.read_gbps == t.read_gbps else None,
                 transport_detail=t.detail if t else "",
                 same_host=bool(remote.host_id) and remote.host_id == me.host_id,
+                peer_calls=channel,
             ),
         )
+
+    async def _use_local(self, link: PeerLink, remote: RemoteDescription) -> str:
+        """Send the pull-lifetime Peer calls through the peer's same-host socket once a
+        Heartbeat through it reached this very instance; else keep them on gRPC. Returns
+        which channel they take."""
+        path = remote.local_socket
+        if self._local is None or not path or not os.path.exists(path):  # another host
+            await link.client.use_local(None)
+            return "grpc"
+        await link.client.use_local(self._local(path))
+        try:
+            resp = await self.heartbeat(link, [], 0, min(self._timeout_s, 1.0))
+            if resp.instance_id == remote.instance_id:
+                return f"unix:{path}"
+            why = f"it answered as instance {resp.instance_id}"
+        except KvxferdError as err:
+            why = str(err)
+        await link.client.use_local(None)
+        log.info("peer socket not usable, using gRPC", extra=kv(peer=link.address, why=why))
+        return "grpc"
 
     async def close(self) -> None:
         for link in self._links.values():

@@ -87,6 +87,7 @@ class Ready:
     engine_socket: str
     metrics: str
     pid: int
+    peer_socket: str = ""  # the same-host Peer socket (peers.local_socket), "" when off
 
 
 @dataclass
@@ -159,6 +160,7 @@ class Daemon:
                 engine_socket=str(doc.get("engine_socket") or ""),
                 metrics=str(doc.get("metrics") or ""),
                 pid=int(doc.get("pid") or 0),
+                peer_socket=str(doc.get("peer_socket") or ""),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise DaemonError(f"daemon {self.name}: ready file lacks {exc}: {doc}") from exc

@@ -56,6 +56,7 @@ from kvxferd.service.auth import call_metadata, channel_credentials
 from kvxferd.service.compose import compose_daemon
 from kvxferd.service.listeners import GRPC_OPTIONS, Listeners, bind, hostport
 from kvxferd.service.live import live_source, observe_pulls
+from kvxferd.service.local_peer import LocalPeerServer, serve_local
 from kvxferd.service.memory import open_memory, pool_spec
 from kvxferd.service.servicers import EngineService, PeerService, SchedulerService
 from kvxferd.transfer import LeaseTable, NotificationPump, TransferEngine
@@ -67,6 +68,7 @@ from kvxferd.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
+from kvxferd.wire.local import LocalTransport
 from kvxferd.wire.peer_client import GrpcTransport, Transport
 
 log = logging.getLogger(__name__)
@@ -104,6 +106,7 @@ class Running:
     http: ThreadingHTTPServer | None
     registry: CollectorRegistry
     metrics_task: asyncio.Task[None] | None = None
+    local_peer: LocalPeerServer | None = None
 
     async def stop(self) -> None:
         if self.metrics_task is not None:
@@ -111,6 +114,8 @@ class Running:
         await self.health.enter_graceful_shutdown()
         cancelled = await self.daemon.reader.drain(self.cfg.server.drain_timeout_s)
         await self.server.stop(grace=1.0)
+        if self.local_peer is not None:
+            await self.local_peer.close()
         if self.engine_server is not None:
             await self.engine_server.stop(grace=1.0)
         if self.attacher is not None:
@@ -237,6 +242,7 @@ async def _build(
         max_links=cfg.peers.max_links,
         probe=probe,
         forget=forget,
+        local=LocalTransport if cfg.peers.local_socket != "off" else None,
     )
     daemon.attach_peers(peers)
     await daemon.owner.start_release_pump()
@@ -254,7 +260,11 @@ async def _build(
         undo.push_async_callback(attacher.close)
 
     health_servicer = health_aio.HealthServicer()
-    peer_pb2_grpc.add_PeerServicer_to_server(PeerService(daemon), server)
+    peer_service = PeerService(daemon)
+    peer_pb2_grpc.add_PeerServicer_to_server(peer_service, server)
+    local_peer = await serve_local(cfg, peer_service, metrics, token, daemon)
+    if local_peer is not None:
+        undo.push_async_callback(local_peer.close)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerService(daemon), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -296,6 +306,7 @@ async def _build(
         extra=kv(
             grpc=address,
             engine_socket=cfg.server.engine_socket,
+            peer_socket=daemon.local_socket,
             metrics=metrics_address,
             agent=agent.name,
             mode=cfg.pool.mode,
@@ -323,6 +334,7 @@ async def _build(
         http,
         registry,
         metrics_task,
+        local_peer,
     )
 
 
@@ -358,6 +370,7 @@ async def serve_forever(cfg: Config, *, ready_file: str = "", fill_seed: int | N
                     "grpc": running.grpc_address,
                     "metrics": running.metrics_address,
                     "engine_socket": running.engine_socket,
+                    "peer_socket": running.daemon.local_socket,
                     "pid": os.getpid(),
                 }
             )

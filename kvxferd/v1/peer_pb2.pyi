@@ -198,6 +198,7 @@ class HandshakePayload(google.protobuf.message.Message):
     HOST_ID_FIELD_NUMBER: builtins.int
     CUDA_IPC_FIELD_NUMBER: builtins.int
     TRANSFER_MODE_FIELD_NUMBER: builtins.int
+    LOCAL_SOCKET_FIELD_NUMBER: builtins.int
     nixl_agent_name: builtins.str
     """The NIXL agent's name (unique per daemon process)."""
     nixl_agent_metadata: builtins.bytes
@@ -224,6 +225,13 @@ class HandshakePayload(google.protobuf.message.Message):
     transfer_mode: Global___TransferMode.ValueType
     """Who moves the bytes (transfer.mode): both peers must advertise the same mode or the
     handshake is refused. Old peers leave it unset, which means TRANSFER_MODE_PULL.
+    """
+    local_socket: builtins.str
+    """Path of a Unix socket on which this daemon also answers the Peer calls of a pull's
+    lifetime (ConfirmLease, ExtendLease, ReleaseLease, Heartbeat, Gather, ReleaseStaging) for
+    readers on the same host: one short frame per call instead of a gRPC round trip
+    (kvxferd/wire/local.py). A reader uses it only after a Heartbeat through it reached this
+    instance; Handshake and Push always go over gRPC. Empty when not served and from old peers.
     """
     @property
     def spec(self) -> kvxferd.v1.spec_pb2.KvCacheSpec:
@@ -264,9 +272,10 @@ class HandshakePayload(google.protobuf.message.Message):
         host_id: builtins.str = ...,
         cuda_ipc: Global___CudaIpcExport | None = ...,
         transfer_mode: Global___TransferMode.ValueType = ...,
+        local_socket: builtins.str = ...,
     ) -> None: ...
     def HasField(self, field_name: typing.Literal["cuda_ipc", b"cuda_ipc", "spec", b"spec", "staging", b"staging"]) -> builtins.bool: ...
-    def ClearField(self, field_name: typing.Literal["cuda_ipc", b"cuda_ipc", "daemon_id", b"daemon_id", "host_id", b"host_id", "instance_id", b"instance_id", "nixl_agent_metadata", b"nixl_agent_metadata", "nixl_agent_name", b"nixl_agent_name", "peer_address", b"peer_address", "prefix_caching", b"prefix_caching", "registration_generation", b"registration_generation", "registrations", b"registrations", "spec", b"spec", "staging", b"staging", "tp_rank", b"tp_rank", "tp_size", b"tp_size", "transfer_mode", b"transfer_mode"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["cuda_ipc", b"cuda_ipc", "daemon_id", b"daemon_id", "host_id", b"host_id", "instance_id", b"instance_id", "local_socket", b"local_socket", "nixl_agent_metadata", b"nixl_agent_metadata", "nixl_agent_name", b"nixl_agent_name", "peer_address", b"peer_address", "prefix_caching", b"prefix_caching", "registration_generation", b"registration_generation", "registrations", b"registrations", "spec", b"spec", "staging", b"staging", "tp_rank", b"tp_rank", "tp_size", b"tp_size", "transfer_mode", b"transfer_mode"]) -> None: ...
 
 Global___HandshakePayload: typing_extensions.TypeAlias = HandshakePayload
 

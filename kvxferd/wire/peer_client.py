@@ -23,6 +23,11 @@ from kvxferd.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 from kvxferd.wire.errors import error_from_rpc, status_for, trailer_for
 
 SESSION_METADATA = "kvxferd-session"
+# The Peer calls of a pull's lifetime, which a same-host owner also answers on its Unix socket
+# (kvxferd.wire.local); Handshake and Push always go over gRPC.
+LOCAL_METHODS = frozenset(
+    {"ConfirmLease", "ExtendLease", "ReleaseLease", "Heartbeat", "Gather", "ReleaseStaging"}
+)
 Metadata = tuple[tuple[str, str], ...]
 Resp = TypeVar("Resp")
 
@@ -53,8 +58,9 @@ class GrpcTransport:
         await self._channel.close(None)
 
 
-class _FakeRpcError(grpc.RpcError):
-    """What :class:`FakeTransport` raises: shaped like a failed gRPC call."""
+class RpcFailure(grpc.RpcError):
+    """A failed call shaped like gRPC's (code, details, trailing metadata): what
+    :class:`FakeTransport` and the same-host transport (:mod:`kvxferd.wire.local`) raise."""
 
     def __init__(self, code: grpc.StatusCode, details: str, trailer: Any) -> None:
         super().__init__(details)
@@ -87,11 +93,11 @@ class FakeTransport:
     ) -> Any:
         self.calls.append((method, request))
         if timeout <= 0:
-            raise _FakeRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", ())
+            raise RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", ())
         try:
             return await self.handler(method, request, metadata)
         except KvxferdError as err:
-            raise _FakeRpcError(status_for(err), str(err), trailer_for(err)) from err
+            raise RpcFailure(status_for(err), str(err), trailer_for(err)) from err
 
     async def close(self) -> None:
         return None
@@ -111,12 +117,20 @@ class PeerClient:
     ) -> None:
         self.address = address
         self.session = ""
+        self.local: Transport | None = None  # the owner's same-host socket, once verified
         self._transport = transport
         self._credentials = credentials
         self._max_timeout_s = max_timeout_s
 
     async def close(self) -> None:
+        await self.use_local(None)
         await self._transport.close()
+
+    async def use_local(self, transport: Transport | None) -> None:
+        """Send :data:`LOCAL_METHODS` through ``transport`` (None: back to gRPC)."""
+        old, self.local = self.local, transport
+        if old is not None and old is not transport:
+            await old.close()
 
     def metadata(self) -> Metadata:
         if not self.session:
@@ -147,7 +161,9 @@ class PeerClient:
                 fix="raise the pull's deadline_ms",
             )
         try:
-            resp = await self._transport(method, request, timeout=timeout, metadata=self.metadata())
+            local = self.local if method in LOCAL_METHODS else None
+            transport = local or self._transport
+            resp = await transport(method, request, timeout=timeout, metadata=self.metadata())
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, what, self.address) from exc
         if resp is None:  # gRPC hands back None for an answer it could not decode

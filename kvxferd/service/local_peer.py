@@ -1,0 +1,246 @@
+"""The owner's same-host Peer socket: the Peer calls of a pull's lifetime over a Unix socket.
+
+Answers the calls :data:`kvxferd.wire.peer_client.LOCAL_METHODS` names with the very
+:class:`~kvxferd.service.peer_service.PeerService` handlers gRPC uses, through a small context
+that plays the part of gRPC's (metadata, deadline, abort with a trailer), so a call behaves
+the same on either path: the same session check, the same errors with the same trailers, the
+same ``kvxferd_rpcs_total`` and ``kvxferd_rpc_duration_seconds`` series. Frames and why:
+:mod:`kvxferd.wire.local`.
+
+Who can call: the socket file is created mode 0600 (the daemon's user only), the bearer token
+is checked as on gRPC when ``auth.token`` is set, and every call acts for a handshake
+session, which only a gRPC Handshake grants. A malformed frame closes that one
+connection; a call the socket does not serve is answered UNIMPLEMENTED; neither touches memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import hmac
+import logging
+import os
+import stat
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+
+from kvxferd.config import Config
+from kvxferd.daemon.core import Daemon
+from kvxferd.logs import kv
+from kvxferd.metrics import Metrics
+from kvxferd.service.auth import TOKEN_HINT
+from kvxferd.wire.local import (
+    CANCEL,
+    METHODS,
+    REQUEST,
+    FrameError,
+    answer_frame,
+    parse_request,
+    read_frame,
+)
+
+log = logging.getLogger(__name__)
+
+SERVICE = "kvxferd.v1.Peer"
+MAX_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
+
+
+def socket_path(setting: str, instance_id: str) -> str:
+    """Where to serve: ``""`` for ``peers.local_socket = "off"``, a path in the temporary
+    directory named after this instance for ``"auto"``, else the configured path."""
+    if setting == "off":
+        return ""
+    if setting == "auto":
+        return os.path.join(tempfile.gettempdir(), f"kvxferd-peer-{instance_id[:16]}.sock")
+    return setting
+
+
+class _Abort(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class LocalContext:
+    """The part of ``grpc.aio.ServicerContext`` the Peer handlers use."""
+
+    def __init__(
+        self, metadata: Sequence[tuple[str, str | bytes]], peer: str, deadline: float
+    ) -> None:
+        self._metadata = tuple(metadata)
+        self._peer = peer
+        self._deadline = deadline
+        self.trailer: tuple[tuple[str, str | bytes], ...] = ()
+
+    def invocation_metadata(self) -> tuple[tuple[str, str | bytes], ...]:
+        return self._metadata
+
+    def peer(self) -> str:
+        return self._peer
+
+    def time_remaining(self) -> float:
+        return max(0.0, self._deadline - time.monotonic())
+
+    def set_trailing_metadata(self, trailer: Sequence[tuple[str, str | bytes]]) -> None:
+        self.trailer = tuple(trailer)
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
+        raise _Abort(code, details)
+
+    def code(self) -> None:
+        return None
+
+
+def _forget(calls: dict[int, asyncio.Task[None]], call_id: int, _: object) -> None:
+    calls.pop(call_id, None)
+
+
+class LocalPeerServer:
+    """Serves ``service``'s :data:`~kvxferd.wire.local.METHODS` on a Unix socket at ``path``."""
+
+    def __init__(self, service: Any, metrics: Metrics, path: str, token: str = "") -> None:
+        if len(path.encode()) > MAX_PATH:
+            raise ValueError(f"the local Peer socket path is over {MAX_PATH} bytes: {path}")
+        self.path = path
+        self._service = service
+        self._m = metrics
+        self._expected = f"Bearer {token}".encode() if token else b""
+        self._server: asyncio.AbstractServer | None = None
+        self._conns: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISSOCK(os.lstat(self.path).st_mode):
+                os.unlink(self.path)  # left by a daemon that was killed
+        old = os.umask(0o177)
+        try:
+            self._server = await asyncio.start_unix_server(self._accept, self.path)
+        finally:
+            os.umask(old)
+        os.chmod(self.path, 0o600)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            for task in list(self._conns):
+                task.cancel()
+            await asyncio.gather(*self._conns, return_exceptions=True)
+            with contextlib.suppress(Exception):
+                await self._server.wait_closed()
+            self._server = None
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._conns.add(task)
+        calls: dict[int, asyncio.Task[None]] = {}
+        try:
+            while True:
+                call_id, kind, body = await read_frame(reader)
+                if kind == REQUEST:
+                    call = asyncio.ensure_future(self._serve(call_id, body, writer))
+                    calls[call_id] = call
+                    call.add_done_callback(functools.partial(_forget, calls, call_id))
+                elif kind == CANCEL:
+                    running = calls.pop(call_id, None)
+                    if running is not None:
+                        running.cancel()
+                else:
+                    raise FrameError(f"unexpected frame kind {kind}")
+        except FrameError as exc:
+            log.warning("closing a local Peer connection", extra=kv(why=str(exc)))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass  # the reader went away
+        finally:
+            self._conns.discard(task)
+            for call in calls.values():
+                call.cancel()
+            writer.close()
+
+    async def _serve(self, call_id: int, body: bytes, writer: asyncio.StreamWriter) -> None:
+        t0 = time.perf_counter()
+        method, code = "unknown", grpc.StatusCode.OK
+        try:
+            out = await self._answer(call_id, body)
+            method, code = out[0], out[1]
+            frame = out[2]
+        except asyncio.CancelledError:
+            return  # the caller gave up (or we are closing): nothing to answer
+        self._m.rpcs.labels(SERVICE, method, code.name).inc()
+        self._m.rpc_seconds.labels(SERVICE, method).observe(time.perf_counter() - t0)
+        if not writer.is_closing():
+            writer.write(frame)
+
+    async def _answer(self, call_id: int, body: bytes) -> tuple[str, grpc.StatusCode, bytes]:
+        try:
+            method, meta, timeout_s, raw = parse_request(body)
+        except FrameError as exc:
+            code = grpc.StatusCode.INVALID_ARGUMENT
+            return "unknown", code, answer_frame(call_id, code, f"malformed request: {exc}")
+        types = METHODS.get(method)
+        if types is None:
+            code = grpc.StatusCode.UNIMPLEMENTED
+            text = f"{method!r} is not served on the local Peer socket; use the gRPC port"
+            return "unknown", code, answer_frame(call_id, code, text)
+        if self._expected:
+            got = next((v for k, v in meta if k == "authorization"), "")
+            got_b = got.encode() if isinstance(got, str) else bytes(got)
+            if not hmac.compare_digest(got_b, self._expected):
+                code = grpc.StatusCode.UNAUTHENTICATED
+                why = "missing token" if not got_b else "wrong token"
+                text = f"{why} for /{SERVICE}/{method}: {TOKEN_HINT}"
+                return method, code, answer_frame(call_id, code, text)
+        request = types[0]()
+        try:
+            request.ParseFromString(raw)
+        except Exception:  # protobuf's DecodeError
+            code = grpc.StatusCode.INVALID_ARGUMENT
+            text = f"the {method} request does not decode as {types[0].__name__}"
+            return method, code, answer_frame(call_id, code, text)
+        ctx = LocalContext(meta, f"unix:{self.path}", time.monotonic() + timeout_s)
+        handler = getattr(self._service, method)
+        try:
+            async with asyncio.timeout(timeout_s):
+                answer = await handler(request, ctx)
+        except _Abort as ab:
+            return method, ab.code, answer_frame(call_id, ab.code, ab.details, ctx.trailer)
+        except TimeoutError:
+            code = grpc.StatusCode.DEADLINE_EXCEEDED
+            return method, code, answer_frame(call_id, code, "Deadline Exceeded")
+        except Exception as exc:  # the handlers answer errors through abort; this is a bug
+            log.exception("local Peer call failed", extra=kv(method=method))
+            code = grpc.StatusCode.INTERNAL
+            return method, code, answer_frame(call_id, code, f"{type(exc).__name__}: {exc}")
+        return (
+            method,
+            grpc.StatusCode.OK,
+            answer_frame(call_id, grpc.StatusCode.OK, answer=answer.SerializeToString()),
+        )
+
+
+async def serve_local(
+    cfg: Config, service: Any, metrics: Metrics, token: str, daemon: Daemon
+) -> LocalPeerServer | None:
+    """Start the same-host Peer socket ``peers.local_socket`` asks for and advertise it in
+    the handshake; None when it is off or cannot be served (logged: pulls then use gRPC)."""
+    path = socket_path(cfg.peers.local_socket, daemon.instance_id)
+    if not path:
+        return None
+    try:
+        server = LocalPeerServer(service, metrics, path, token)
+        await server.start()
+    except (OSError, ValueError) as exc:
+        log.warning(
+            "same-host Peer socket not served; Peer calls use gRPC only",
+            extra=kv(socket=path, error=str(exc), fix="set peers.local_socket to a writable path"),
+        )
+        return None
+    daemon.local_socket = path
+    return server

@@ -1,0 +1,239 @@
+"""The same-host Peer channel: Peer calls as short frames over a Unix socket.
+
+Two daemons on one host still pay a whole gRPC round trip (0.5-0.7 ms of Python and gRPC
+core, measured in docs/benchmarks.md) for every ConfirmLease, which sits on each pull's critical
+path. An owner daemon therefore also serves the Peer calls of a pull's lifetime on a Unix socket
+(:mod:`kvxferd.service.local_peer`) and advertises its path in the handshake
+(``HandshakePayload.local_socket``); a reader on the same host that can reach it sends those
+calls through :class:`LocalTransport` instead. The requests and answers are the Peer service's
+own protobuf messages; only the envelope differs. Handshake and Push always use gRPC.
+
+Frames (all integers big-endian)::
+
+    header   u32 body length | u32 call id | u8 kind
+    REQUEST  u16 method len | u16 metadata len | u32 timeout (us) | method | metadata | request
+    ANSWER   u8 status code | u16 details len | u16 trailer len | details | trailer | answer
+    CANCEL   (empty body): the caller gave up on that call
+
+Metadata and trailer are JSON lists of ``[key, value]``; a key ending in ``-bin`` carries
+bytes, hex-encoded. A failed call raises :class:`~kvxferd.wire.peer_client.RpcFailure` with the
+status code, details and trailer a gRPC server would have sent, so callers map errors exactly
+as they do for gRPC (:func:`kvxferd.wire.errors.error_from_rpc`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+
+from kvxferd.v1 import peer_pb2
+from kvxferd.wire.peer_client import Metadata, RpcFailure
+
+HEADER = struct.Struct("!IIB")
+REQUEST_HEAD = struct.Struct("!HHI")
+ANSWER_HEAD = struct.Struct("!BHH")
+REQUEST, ANSWER, CANCEL = 1, 2, 3
+MAX_FRAME = 16 << 20  # far above any Peer message this channel carries
+
+# The Peer calls the channel carries: name -> (request type, answer type).
+METHODS: dict[str, tuple[type[Any], type[Any]]] = {
+    "ConfirmLease": (peer_pb2.ConfirmLeaseRequest, peer_pb2.ConfirmLeaseResponse),
+    "ExtendLease": (peer_pb2.ExtendLeaseRequest, peer_pb2.ExtendLeaseResponse),
+    "ReleaseLease": (peer_pb2.ReleaseLeaseRequest, peer_pb2.ReleaseLeaseResponse),
+    "Heartbeat": (peer_pb2.HeartbeatRequest, peer_pb2.HeartbeatResponse),
+    "Gather": (peer_pb2.GatherRequest, peer_pb2.GatherResponse),
+    "ReleaseStaging": (peer_pb2.ReleaseStagingRequest, peer_pb2.ReleaseStagingResponse),
+}
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+class FrameError(Exception):
+    """A frame that does not follow the format above."""
+
+
+def encode_pairs(pairs: Sequence[tuple[str, str | bytes]]) -> bytes:
+    out = [[k, v.hex() if isinstance(v, bytes) else v] for k, v in pairs]
+    return json.dumps(out, separators=(",", ":")).encode()
+
+
+def decode_pairs(raw: bytes) -> tuple[tuple[str, str | bytes], ...]:
+    if not raw:
+        return ()
+    try:
+        items = json.loads(raw)
+        pairs: list[tuple[str, str | bytes]] = []
+        for key, value in items:
+            if not isinstance(key, str) or not isinstance(value, str):
+                raise FrameError("metadata keys and values must be strings")
+            pairs.append((key, bytes.fromhex(value) if key.endswith("-bin") else value))
+    except (ValueError, TypeError) as exc:
+        raise FrameError(f"undecodable metadata: {exc}") from exc
+    return tuple(pairs)
+
+
+def frame(call_id: int, kind: int, *parts: bytes) -> bytes:
+    body = b"".join(parts)
+    return HEADER.pack(len(body), call_id, kind) + body
+
+
+async def read_frame(reader: asyncio.StreamReader) -> tuple[int, int, bytes]:
+    """``(call id, kind, body)``; IncompleteReadError at a clean end of stream."""
+    size, call_id, kind = HEADER.unpack(await reader.readexactly(HEADER.size))
+    if size > MAX_FRAME:
+        raise FrameError(f"a frame of {size} bytes is over the {MAX_FRAME}-byte limit")
+    return call_id, kind, await reader.readexactly(size) if size else b""
+
+
+def request_frame(
+    call_id: int, method: str, metadata: Metadata, timeout_s: float, msg: Any
+) -> bytes:
+    name, meta = method.encode(), encode_pairs(metadata)
+    timeout_us = max(0, min(int(timeout_s * 1e6), 0xFFFFFFFF))
+    head = REQUEST_HEAD.pack(len(name), len(meta), timeout_us)
+    return frame(call_id, REQUEST, head, name, meta, msg.SerializeToString())
+
+
+def parse_request(body: bytes) -> tuple[str, tuple[tuple[str, str | bytes], ...], float, bytes]:
+    """``(method, metadata, timeout_s, request bytes)`` of a REQUEST body."""
+    if len(body) < REQUEST_HEAD.size:
+        raise FrameError("a request frame shorter than its header")
+    n_name, n_meta, timeout_us = REQUEST_HEAD.unpack_from(body)
+    at = REQUEST_HEAD.size
+    if at + n_name + n_meta > len(body):
+        raise FrameError("a request frame shorter than its method and metadata")
+    try:
+        method = body[at : at + n_name].decode()
+    except UnicodeDecodeError as exc:
+        raise FrameError("a method name that is not UTF-8") from exc
+    meta = decode_pairs(body[at + n_name : at + n_name + n_meta])
+    return method, meta, timeout_us / 1e6, body[at + n_name + n_meta :]
+
+
+def answer_frame(
+    call_id: int,
+    code: grpc.StatusCode,
+    details: str = "",
+    trailer: Sequence[tuple[str, str | bytes]] = (),
+    answer: bytes = b"",
+) -> bytes:
+    text, trail = details.encode(), encode_pairs(trailer)
+    head = ANSWER_HEAD.pack(code.value[0], len(text), len(trail))
+    return frame(call_id, ANSWER, head, text, trail, answer)
+
+
+def parse_answer(
+    body: bytes,
+) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str | bytes], ...], bytes]:
+    if len(body) < ANSWER_HEAD.size:
+        raise FrameError("an answer frame shorter than its header")
+    code, n_text, n_trail = ANSWER_HEAD.unpack_from(body)
+    at = ANSWER_HEAD.size
+    if at + n_text + n_trail > len(body):
+        raise FrameError("an answer frame shorter than its details and trailer")
+    text = body[at : at + n_text].decode(errors="replace")
+    trailer = decode_pairs(body[at + n_text : at + n_text + n_trail])
+    return _CODES.get(code, grpc.StatusCode.UNKNOWN), text, trailer, body[at + n_text + n_trail :]
+
+
+class LocalTransport:
+    """A :class:`~kvxferd.wire.peer_client.Transport` over the owner's Unix socket: one
+    connection, opened on first use and again after it breaks; calls are multiplexed by ID.
+    A broken connection fails the calls on it with UNAVAILABLE (the reader then re-handshakes,
+    as after any failed Peer call)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, asyncio.Future[bytes]] = {}
+        self._writer: asyncio.StreamWriter | None = None
+        self._reading: asyncio.Task[None] | None = None
+        self._opening: asyncio.Lock | None = None
+
+    async def _connect(self) -> asyncio.StreamWriter:
+        if self._writer is not None and not self._writer.is_closing():
+            return self._writer
+        if self._opening is None:
+            self._opening = asyncio.Lock()
+        async with self._opening:
+            if self._writer is None or self._writer.is_closing():
+                reader, writer = await asyncio.open_unix_connection(self.path)
+                self._writer = writer
+                self._reading = asyncio.ensure_future(self._read(reader))
+        return self._writer
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        why = "the owner closed its local Peer socket"
+        try:
+            while True:
+                call_id, kind, body = await read_frame(reader)
+                fut = self._waiting.pop(call_id, None)
+                if kind == ANSWER and fut is not None and not fut.done():
+                    fut.set_result(body)
+        except (asyncio.IncompleteReadError, ConnectionError, FrameError) as exc:
+            why = f"the local Peer socket broke: {exc}" if str(exc) else why
+        finally:
+            if self._writer is not None:
+                self._writer.close()
+            self._writer = None
+            for fut in self._waiting.values():
+                if not fut.done():
+                    fut.set_exception(RpcFailure(grpc.StatusCode.UNAVAILABLE, why, ()))
+            self._waiting.clear()
+
+    async def __call__(
+        self, method: str, request: Any, *, timeout: float, metadata: Metadata
+    ) -> Any:
+        types = METHODS.get(method)
+        if types is None:
+            raise RpcFailure(
+                grpc.StatusCode.UNIMPLEMENTED, f"{method} is not served on the local socket", ()
+            )
+        try:
+            writer = await self._connect()
+        except OSError as exc:
+            raise RpcFailure(
+                grpc.StatusCode.UNAVAILABLE, f"cannot connect to {self.path}: {exc}", ()
+            ) from exc
+        call_id = next(self._ids) & 0xFFFFFFFF
+        fut: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        self._waiting[call_id] = fut
+        writer.write(request_frame(call_id, method, metadata, timeout, request))
+        try:
+            body = await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            self._cancel(call_id)
+            raise RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", ()) from None
+        except asyncio.CancelledError:
+            self._cancel(call_id)
+            raise
+        code, details, trailer, answer = parse_answer(body)
+        if code is not grpc.StatusCode.OK:
+            raise RpcFailure(code, details, trailer)
+        msg = types[1]()
+        msg.ParseFromString(answer)
+        return msg
+
+    def _cancel(self, call_id: int) -> None:
+        self._waiting.pop(call_id, None)
+        writer = self._writer
+        if writer is not None and not writer.is_closing():
+            writer.write(frame(call_id, CANCEL))
+
+    async def close(self) -> None:
+        writer, reading = self._writer, self._reading
+        if writer is not None:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+        if reading is not None:
+            reading.cancel()
+            with contextlib.suppress(BaseException):
+                await reading

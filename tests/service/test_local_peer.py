@@ -1,0 +1,194 @@
+"""The same-host Peer socket between real daemons (kvxferd/service/local_peer.py): pulls use
+it and move the right bytes, ``peers.local_socket = off`` keeps every call on gRPC, and a
+confused or hostile caller on the socket gets a clear refusal, never a crashed daemon."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import stat
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from kvxferd.scenario.client import DaemonClient
+from kvxferd.scenario.daemons import DaemonOptions
+from kvxferd.scenario.puller import DaemonPuller
+from kvxferd.v1 import peer_pb2
+from kvxferd.wire.local import LocalTransport
+from kvxferd.wire.peer_client import RpcFailure
+from tests.service.conftest import Daemons, launch
+
+TOKEN = "s3cret-local"
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemons]:
+    ds = launch(
+        tmp_path_factory.mktemp("local"),
+        DaemonOptions("prefill", "dense:num_blocks=32", fill_seed=5),
+        DaemonOptions("decode", "dense:num_blocks=32"),
+    )
+    yield ds
+    ds.stop()
+
+
+def _socket(ds: Daemons, name: str) -> str:
+    ready = ds.set[name].ready
+    assert ready is not None
+    return ready.peer_socket
+
+
+def _pull_and_verify(ds: Daemons, token: str = "") -> None:
+    pre, dec = ds["prefill"], ds["decode"]
+    prefill = DaemonClient("prefill", pre.grpc, pre.engine_socket, token)
+    decode = DaemonClient("decode", dec.grpc, dec.engine_socket, token)
+    puller = DaemonPuller(prefill, decode)
+    try:
+        local, remote = np.array([3, 9, 4, 20], np.int64), np.array([7, 1, 30, 2], np.int64)
+        out = puller.pull(local, remote)
+        assert out.status.nbytes > 0
+        assert puller.verify(local, remote, seed=1) == 0
+    finally:
+        puller.close()
+        prefill.close()
+        decode.close()
+
+
+def _peer_calls(log: Path) -> list[str]:
+    return [
+        line.split('"peer_calls": "')[1].split('"')[0]
+        for line in log.read_text().splitlines()
+        if '"handshake done"' in line and '"peer_calls"' in line
+    ]
+
+
+def test_same_host_pulls_confirm_over_the_socket_and_move_the_right_bytes(pair: Daemons) -> None:
+    path = _socket(pair, "prefill")
+    assert path and stat.S_ISSOCK(os.stat(path).st_mode)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600  # the daemon's user only
+    _pull_and_verify(pair)
+    assert _peer_calls(pair["decode"].log) == [f"unix:{path}"]
+
+
+def _raw(path: str, data: bytes) -> bytes:
+    """Send ``data`` on a fresh connection and read until the daemon answers or closes."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(10)
+        s.connect(path)
+        s.sendall(data)
+        got = b""
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                return got
+            got += chunk
+            if len(got) >= 9 and len(got) >= 9 + int.from_bytes(got[:4], "big"):
+                return got
+
+
+async def _call(
+    path: str, method: str, msg: object, md: tuple[tuple[str, str], ...] = ()
+) -> object:
+    t = LocalTransport(path)
+    try:
+        return await t(method, msg, timeout=5, metadata=md)
+    finally:
+        await t.close()
+
+
+@pytest.mark.parametrize(
+    ("data", "why"),
+    [
+        (struct.pack("!IIB", 1 << 30, 1, 1), "a frame over the size limit"),
+        (struct.pack("!IIB", 0, 1, 9), "an unknown frame kind"),
+    ],
+)
+def test_a_malformed_frame_closes_only_that_connection(
+    pair: Daemons, data: bytes, why: str
+) -> None:
+    path = _socket(pair, "prefill")
+    assert _raw(path, data) == b"", why
+    # The daemon still answers on a new connection and over gRPC.
+    with pytest.raises(RpcFailure) as err:
+        asyncio.run(_call(path, "Heartbeat", peer_pb2.HeartbeatRequest()))
+    assert err.value.code() is grpc.StatusCode.UNAUTHENTICATED
+    _pull_and_verify(pair)
+
+
+def test_garbage_request_bodies_are_invalid_argument(pair: Daemons) -> None:
+    path = _socket(pair, "prefill")
+    short = struct.pack("!IIB", 2, 5, 1) + b"\x00\x07"
+    got = _raw(path, short)
+    assert got[9] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    name = b"Heartbeat"
+    body = struct.pack("!HHI", len(name), 0, 1_000_000) + name + b"\xff\xff\xff"
+    got = _raw(path, struct.pack("!IIB", len(body), 6, 1) + body)
+    assert got[9] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert b"does not decode as HeartbeatRequest" in got
+
+
+def test_calls_the_socket_does_not_serve_are_unimplemented(pair: Daemons) -> None:
+    path = _socket(pair, "prefill")
+    name = b"Handshake"
+    body = struct.pack("!HHI", len(name), 0, 1_000_000) + name
+    got = _raw(path, struct.pack("!IIB", len(body), 8, 1) + body)
+    assert got[9] == grpc.StatusCode.UNIMPLEMENTED.value[0]
+    assert b"use the gRPC port" in got
+
+
+def test_every_call_needs_a_handshake_session(pair: Daemons) -> None:
+    path = _socket(pair, "prefill")
+    for method, msg in (
+        ("ConfirmLease", peer_pb2.ConfirmLeaseRequest(request_id="r")),
+        ("ReleaseLease", peer_pb2.ReleaseLeaseRequest(request_id="r", reason=1)),
+        ("Heartbeat", peer_pb2.HeartbeatRequest()),
+    ):
+        with pytest.raises(RpcFailure) as err:
+            asyncio.run(_call(path, method, msg, (("kvxferd-session", "00" * 16),)))
+        assert err.value.code() is grpc.StatusCode.UNAUTHENTICATED, method
+        assert "session" in err.value.details(), err.value.details()
+
+
+def test_off_serves_no_socket_and_pulls_use_grpc(tmp_path: Path) -> None:
+    off = ("--set", "peers.local_socket=off")
+    ds = launch(
+        tmp_path,
+        DaemonOptions("prefill", "dense:num_blocks=32", fill_seed=5, extra=off),
+        DaemonOptions("decode", "dense:num_blocks=32", extra=off),
+    )
+    try:
+        assert _socket(ds, "prefill") == "" and _socket(ds, "decode") == ""
+        _pull_and_verify(ds)
+        assert _peer_calls(ds["decode"].log) == ["grpc"]
+    finally:
+        ds.stop()
+
+
+def test_the_token_is_checked_on_the_socket_as_on_grpc(tmp_path: Path) -> None:
+    auth = ("--set", f"auth.token={TOKEN}")
+    ds = launch(
+        tmp_path,
+        DaemonOptions("prefill", "dense:num_blocks=32", fill_seed=5, extra=auth),
+        DaemonOptions("decode", "dense:num_blocks=32", extra=auth),
+    )
+    try:
+        path = _socket(ds, "prefill")
+        with pytest.raises(RpcFailure) as err:
+            asyncio.run(_call(path, "Heartbeat", peer_pb2.HeartbeatRequest()))
+        assert err.value.code() is grpc.StatusCode.UNAUTHENTICATED
+        assert "missing token" in err.value.details()
+        with pytest.raises(RpcFailure) as err:
+            bad = (("authorization", "Bearer nope"),)
+            asyncio.run(_call(path, "Heartbeat", peer_pb2.HeartbeatRequest(), bad))
+        assert "wrong token" in err.value.details()
+        _pull_and_verify(ds, TOKEN)
+        assert _peer_calls(ds["decode"].log) == [f"unix:{path}"]
+    finally:
+        ds.stop()
+    assert not Path(path).exists()  # removed on shutdown
