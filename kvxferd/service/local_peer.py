@@ -21,6 +21,7 @@ import functools
 import hmac
 import logging
 import os
+import socket
 import stat
 import tempfile
 import time
@@ -58,6 +59,25 @@ def socket_path(setting: str, instance_id: str) -> str:
     if setting == "auto":
         return os.path.join(tempfile.gettempdir(), f"kvxferd-peer-{instance_id[:16]}.sock")
     return setting
+
+
+def sweep_stale(directory: str) -> list[str]:
+    """Remove the ``auto`` sockets of daemons that died without cleaning up (nobody accepts on
+    them any more); returns what was removed. A socket that accepts is left alone."""
+    removed = []
+    for name in sorted(os.listdir(directory)):
+        if not (name.startswith("kvxferd-peer-") and name.endswith(".sock")):
+            continue
+        path = os.path.join(directory, name)
+        with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX) as probe:
+            if not stat.S_ISSOCK(os.lstat(path).st_mode):
+                continue
+            try:
+                probe.connect(path)
+            except ConnectionRefusedError:
+                os.unlink(path)
+                removed.append(path)
+    return removed
 
 
 class _Abort(Exception):
@@ -233,6 +253,10 @@ async def serve_local(
     path = socket_path(cfg.peers.local_socket, daemon.instance_id)
     if not path:
         return None
+    if cfg.peers.local_socket == "auto":
+        with contextlib.suppress(OSError):
+            for stale in sweep_stale(os.path.dirname(path)):
+                log.info("removed a dead daemon's Peer socket", extra=kv(socket=stale))
     try:
         server = LocalPeerServer(service, metrics, path, token)
         await server.start()

@@ -34,7 +34,7 @@ from typing import Any
 import grpc
 
 from kvxferd.v1 import peer_pb2
-from kvxferd.wire.peer_client import Metadata, RpcFailure
+from kvxferd.wire.peer_client import Metadata, NotSent, RpcFailure
 
 HEADER = struct.Struct("!IIB")
 REQUEST_HEAD = struct.Struct("!HHI")
@@ -199,7 +199,7 @@ class LocalTransport:
         try:
             writer = await self._connect()
         except OSError as exc:
-            raise RpcFailure(
+            raise NotSent(
                 grpc.StatusCode.UNAVAILABLE, f"cannot connect to {self.path}: {exc}", ()
             ) from exc
         call_id = next(self._ids) & 0xFFFFFFFF

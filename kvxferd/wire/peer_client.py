@@ -76,6 +76,11 @@ class RpcFailure(grpc.RpcError):
         return self._trailer
 
 
+class NotSent(RpcFailure):
+    """The call never left: the transport could not reach the peer at all (no connection), so
+    it is safe to send it another way."""
+
+
 Handler = Callable[[str, Any, Metadata], Awaitable[Any]]
 
 
@@ -161,9 +166,7 @@ class PeerClient:
                 fix="raise the pull's deadline_ms",
             )
         try:
-            local = self.local if method in LOCAL_METHODS else None
-            transport = local or self._transport
-            resp = await transport(method, request, timeout=timeout, metadata=self.metadata())
+            resp = await self._send(method, request, timeout)
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, what, self.address) from exc
         if resp is None:  # gRPC hands back None for an answer it could not decode
@@ -173,6 +176,17 @@ class PeerClient:
                 fix="the peer is not a kvxferd daemon of this protocol version",
             )
         return resp
+
+    async def _send(self, method: str, request: Any, timeout: float) -> Any:
+        local = self.local if method in LOCAL_METHODS else None
+        if local is not None:
+            try:
+                return await local(method, request, timeout=timeout, metadata=self.metadata())
+            except NotSent:
+                # The owner's socket is gone (it died or restarted): back to gRPC, where a new
+                # instance answers with an unknown session and is handshaken again.
+                await self.use_local(None)
+        return await self._transport(method, request, timeout=timeout, metadata=self.metadata())
 
     async def handshake(
         self, version: int, digest: bytes, payload: bytes, time_left_s: float | None = None

@@ -192,3 +192,19 @@ def test_the_token_is_checked_on_the_socket_as_on_grpc(tmp_path: Path) -> None:
     finally:
         ds.stop()
     assert not Path(path).exists()  # removed on shutdown
+
+
+def test_sockets_of_dead_daemons_are_swept_and_live_ones_kept(tmp_path: Path) -> None:
+    from kvxferd.service.local_peer import sweep_stale
+
+    dead = tmp_path / "kvxferd-peer-dead.sock"
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(dead))  # bound, never listening: what a killed daemon leaves
+    live = tmp_path / "kvxferd-peer-live.sock"
+    other = tmp_path / "something-else.sock"
+    with socket.socket(socket.AF_UNIX) as srv, socket.socket(socket.AF_UNIX) as o:
+        srv.bind(str(live))
+        srv.listen(1)
+        o.bind(str(other))
+        assert sweep_stale(str(tmp_path)) == [str(dead)]
+        assert live.exists() and other.exists() and not dead.exists()

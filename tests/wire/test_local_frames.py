@@ -201,3 +201,25 @@ def test_no_socket_is_unavailable(tmp_path: Path) -> None:
         await t.close()
 
     asyncio.run(main())
+
+
+def test_a_call_the_socket_cannot_send_goes_over_grpc_and_the_socket_is_dropped(
+    tmp_path: Path,
+) -> None:
+    """An owner that died leaves its socket refusing connections; the call must still reach
+    whoever answers at the peer's gRPC address (a restarted owner, which asks for a new
+    handshake), and later calls must not try the dead socket again."""
+    from kvxferd.wire.peer_client import FakeTransport, PeerClient
+
+    async def answer(method: str, request: object, metadata: object) -> object:
+        return peer_pb2.HeartbeatResponse(instance_id=f"grpc:{method}")
+
+    async def main() -> None:
+        grpc_side = FakeTransport(answer)
+        client = PeerClient("127.0.0.1:1", grpc_side)
+        await client.use_local(LocalTransport(str(tmp_path / "dead.sock")))
+        resp = await client.heartbeat(peer_pb2.HeartbeatRequest(), 5)
+        assert resp.instance_id == "grpc:Heartbeat" and client.local is None
+        await client.close()
+
+    asyncio.run(main())
