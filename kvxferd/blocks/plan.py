@@ -9,6 +9,7 @@ computed once per group and the ranges shared between regions of identical geome
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -19,7 +20,7 @@ from kvxferd.blocks.bounds import DEFAULT_MAX_IDS, BlockIds, check_block_ids
 from kvxferd.blocks.coalesce import Runs, find_runs, mergeable, region_ranges
 from kvxferd.blocks.ranges import Int64Array, RegionRanges, TransferPlan
 from kvxferd.blocks.reblock import ChunkPairs, chunk_ranges, chunk_segments, pair_chunks
-from kvxferd.blocks.tp import TPPosition, check_tp, region_segments, tp_ratio
+from kvxferd.blocks.tp import RankSegments, TPPosition, check_tp, region_segments, tp_ratio
 from kvxferd.blocks.trim import pair_group
 from kvxferd.errors import BlockRangeError, InvalidRequest
 from kvxferd.layout.spec import KVCacheSpec, Region
@@ -75,6 +76,8 @@ class PullPlan:
 
 
 def _check_pairing(local: KVCacheSpec, remote: KVCacheSpec) -> None:
+    if local.pairing == remote.pairing:  # cached per spec; the loop below only words the error
+        return
     if len(local.groups) != len(remote.groups):
         raise InvalidRequest(
             f"local spec has {len(local.groups)} KV cache groups, remote {len(remote.groups)}",
@@ -111,14 +114,31 @@ def _check_kernel(ids: Int64Array, num_blocks: int, field: str) -> None:
 _Arrays = tuple[Int64Array, Int64Array, Int64Array]
 
 
-def _geometry(r: Region) -> tuple[object, ...]:
-    """Everything that decides a region's segments and ranges (cheap: no derived sizes)."""
-    return (r.layout, r.dtype, r.shape, r.block_stride)
-
-
 def _frozen(a: Int64Array) -> Int64Array:
     a.setflags(write=False)
     return a
+
+
+@functools.lru_cache(maxsize=1024)
+def _segments(
+    lr: Region,
+    rr: Region,
+    *,
+    local_tp: TPPosition,
+    remote_tp: TPPosition,
+    num_kv_heads: int | None,
+    field: str,
+) -> tuple[RankSegments, ...]:
+    """:func:`region_segments` of a region pair at a TP placement, computed once per peer:
+    a pure function of these (hashable, immutable) values, so the cache is never stale. The
+    arrays are shared by every pull from then on: read-only."""
+    segs = region_segments(
+        lr, rr, local_tp=local_tp, remote_tp=remote_tp, num_kv_heads=num_kv_heads, field=field
+    )
+    for seg in segs:
+        for a in (seg.local_offset, seg.remote_offset, seg.length):
+            _frozen(a)
+    return segs
 
 
 def _region_entries(
@@ -154,11 +174,11 @@ def _region_entries(
             arrays = (_frozen(rg.local_offset), _frozen(rg.remote_offset), _frozen(rg.length))
             out.append((cs.remote_rank, arrays, run.num_pairs * int(cs.local_base.shape[0])))
         return out
-    segs = region_segments(
+    segs = _segments(
         lr,
         rr,
-        local_tp=local_tp,
-        remote_tp=remote_tp,
+        local_tp=(local_tp[0], local_tp[1]),  # hashable whatever sequence the caller passed
+        remote_tp=(remote_tp[0], remote_tp[1]),
         num_kv_heads=num_kv_heads,
         field=f"regions[{i}]",
     )
@@ -271,38 +291,39 @@ def plan_pull(
         runs.append(run)
 
     # Regions of one group with the same geometry on both sides (typically every layer) get
-    # the same segments and byte ranges: compute them once, share the read-only arrays.
-    memo: dict[tuple[object, ...], list[tuple[int, _Arrays, int]]] = {}
-    by_rank: dict[int, list[RegionRanges]] = {}
+    # the same segments and byte ranges: compute them once per class (in the order of each
+    # class's first region), share the read-only arrays.
+    regions, n_regions = local.regions, len(local.regions)
+    by_rank: dict[int, list[RegionRanges | None]] = {}
     naive: dict[int, int] = {}
     groups_read: dict[int, set[int]] = {}
-    for i, (lr, rr) in enumerate(zip(local.regions, remote.regions, strict=True)):
-        key = (lr.group, *_geometry(lr), *_geometry(rr))
-        entries = memo.get(key)
-        if entries is None:
-            entries = _region_entries(
-                i,
-                lr,
-                rr,
-                runs[lr.group],
-                local_tp=local_tp,
-                remote_tp=remote_tp,
-                num_kv_heads=num_kv_heads,
-            )
-            memo[key] = entries
-        for rank, arrays, n_naive in entries:
-            by_rank.setdefault(rank, []).append(RegionRanges(i, lr.name, *arrays))
-            naive[rank] = naive.get(rank, 0) + n_naive
+    for members in _geometry_classes(local.geometry_ids, remote.geometry_ids):
+        i = members[0]
+        lr = regions[i]
+        for rank, arrays, n_naive in _region_entries(
+            i,
+            lr,
+            remote.regions[i],
+            runs[lr.group],
+            local_tp=local_tp,
+            remote_tp=remote_tp,
+            num_kv_heads=num_kv_heads,
+        ):
+            slots = by_rank.get(rank)
+            if slots is None:
+                slots = by_rank[rank] = [None] * n_regions
+            for j in members:
+                slots[j] = RegionRanges(j, regions[j].name, *arrays)
+            naive[rank] = naive.get(rank, 0) + n_naive * len(members)
             groups_read.setdefault(rank, set()).add(lr.group)
 
     empty = _frozen(np.zeros(0, dtype=np.int64))
     kernel = [_kernel_blocks(run) for run in runs]
     per_rank: dict[int, TransferPlan] = {}
     for r in sorted(by_rank):
-        have = {rg.region: rg for rg in by_rank[r]}
         ranges = tuple(
-            have.get(i) or RegionRanges(i, lr.name, empty, empty, empty)
-            for i, lr in enumerate(local.regions)
+            rg if rg is not None else RegionRanges(i, regions[i].name, empty, empty, empty)
+            for i, rg in enumerate(by_rank[r])
         )
         blocks = tuple(kernel[g][0] if g in groups_read[r] else empty for g in range(n_groups))
         per_rank[r] = TransferPlan(ranges, blocks, naive[r])
@@ -318,6 +339,22 @@ def plan_pull(
         local_kernel_blocks=tuple(k[0] for k in kernel),
         remote_kernel_blocks=tuple(k[1] for k in kernel),
     )
+
+
+@functools.lru_cache(maxsize=256)
+def _geometry_classes(
+    local_ids: tuple[int, ...], remote_ids: tuple[int, ...]
+) -> tuple[tuple[int, ...], ...]:
+    """Region indices grouped by (local, remote) geometry id (``KVCacheSpec.geometry_ids``),
+    each class and the classes in region order; once per pair of id tuples (value-keyed)."""
+    classes: dict[tuple[int, int], list[int]] = {}
+    for i, key in enumerate(zip(local_ids, remote_ids, strict=True)):
+        members = classes.get(key)
+        if members is None:
+            classes[key] = [i]
+        else:
+            members.append(i)
+    return tuple(tuple(m) for m in classes.values())
 
 
 def _kernel_blocks(run: Runs | ChunkPairs) -> tuple[Int64Array, Int64Array]:

@@ -23,7 +23,7 @@ import hashlib
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from enum import StrEnum
 from typing import Any
 
@@ -99,13 +99,10 @@ class Layout(StrEnum):
         return 1 if self.is_cross_layer else 0
 
 
+_ATTENTION = frozenset({Layout.NHD, Layout.HND, Layout.CROSS_LAYER_NHD, Layout.CROSS_LAYER_HND})
 _KIND_LAYOUTS: dict[GroupKind, frozenset[Layout]] = {
-    GroupKind.FULL_ATTENTION: frozenset(
-        {Layout.NHD, Layout.HND, Layout.CROSS_LAYER_NHD, Layout.CROSS_LAYER_HND}
-    ),
-    GroupKind.SLIDING_WINDOW: frozenset(
-        {Layout.NHD, Layout.HND, Layout.CROSS_LAYER_NHD, Layout.CROSS_LAYER_HND}
-    ),
+    GroupKind.FULL_ATTENTION: _ATTENTION,
+    GroupKind.SLIDING_WINDOW: _ATTENTION,
     GroupKind.MLA: frozenset({Layout.MLA}),
     GroupKind.MAMBA: frozenset({Layout.STATE}),
 }
@@ -143,9 +140,7 @@ class KVGroup:
 
     @property
     def ppl(self) -> int:
-        if self.kind.is_state:
-            return 1
-        return self.logical_block_size // self.kernel_block_size
+        return 1 if self.kind.is_state else self.logical_block_size // self.kernel_block_size
 
 
 @dataclass(frozen=True)
@@ -247,15 +242,7 @@ class Region:
     def with_num_blocks(self, num_blocks: int) -> Region:
         shape = list(self.shape)
         shape[self.layout.block_dim] = num_blocks
-        return Region(
-            name=self.name,
-            group=self.group,
-            dtype=self.dtype,
-            layout=self.layout,
-            shape=tuple(shape),
-            memory=self.memory,
-            block_stride=self.block_stride,
-        )
+        return replace(self, shape=tuple(shape))
 
     def describe(self) -> str:
         """One line, the same in logs, errors and the handshake."""
@@ -326,40 +313,53 @@ class KVCacheSpec:
             fix="use one of the declared group names",
         )
 
+    @functools.cached_property
+    def _by_group(self) -> dict[int, tuple[tuple[Region, ...], int, int]]:
+        """Per group, derived once (the spec is immutable): regions, kernel and logical blocks."""
+        by = [tuple(r for r in self.regions if r.group == g) for g in range(len(self.groups))]
+        n = [rs[0].num_blocks for rs in by]
+        return {g: (rs, n[g], n[g] // self.groups[g].ppl) for g, rs in enumerate(by)}
+
+    @functools.cached_property
+    def geometry_ids(self) -> tuple[int, ...]:
+        """Per region: a small int, equal for equal group, layout, dtype, shape, block_stride."""
+        ids: dict[tuple[object, ...], int] = {}
+        keys = [(r.group, r.layout, r.dtype, r.shape, r.block_stride) for r in self.regions]
+        return tuple(ids.setdefault(k, len(ids)) for k in keys)
+
+    @functools.cached_property
+    def pairing(self) -> tuple[int, tuple[tuple[str, int], ...]]:
+        """What regions pair on between peers: the group count, each region's name and group."""
+        return len(self.groups), tuple((r.name, r.group) for r in self.regions)
+
+    def _group(self, group: int) -> tuple[tuple[Region, ...], int, int]:
+        if (found := self._by_group.get(group)) is None:  # IndexError, as regions_of(g)[0] did
+            raise IndexError(f"no KV cache group {group!r}")
+        return found
+
     def regions_of(self, group: int) -> tuple[Region, ...]:
-        return tuple(r for r in self.regions if r.group == group)
+        return self._by_group.get(group, ((),))[0]
 
     def num_kernel_blocks(self, group: int) -> int:
         """Registered kernel blocks of a group (all its regions agree)."""
-        return self.regions_of(group)[0].num_blocks
+        return self._group(group)[1]
 
     def num_logical_blocks(self, group: int) -> int:
-        return self.num_kernel_blocks(group) // self.groups[group].ppl
+        return self._group(group)[2]
 
     @property
     def nbytes(self) -> int:
         return sum(r.nbytes for r in self.regions)
 
     def with_memory(self, memory: MemoryType) -> KVCacheSpec:
-        regions = tuple(
-            Region(r.name, r.group, r.dtype, r.layout, r.shape, memory, r.block_stride)
-            for r in self.regions
-        )
+        regions = tuple(replace(r, memory=memory) for r in self.regions)
         return KVCacheSpec(self.model, self.groups, regions)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data, the source of the TOML file and of digests."""
         return {
             "model": self.model,
-            "groups": [
-                {
-                    "name": g.name,
-                    "kind": g.kind.value,
-                    "logical_block_size": g.logical_block_size,
-                    "kernel_block_size": g.kernel_block_size,
-                }
-                for g in self.groups
-            ],
+            "groups": [{**asdict(g), "kind": g.kind.value} for g in self.groups],
             "regions": [
                 {
                     "name": r.name,

@@ -128,17 +128,16 @@ def decide(
     as handshaken (its host, CUDA IPC export and probed transport), for KERNEL and the slow
     transport refusal; raises :class:`~kvxferd.errors.SlowTransport` for that refusal."""
     kernel_why = _kernel_why(staging, local, link, part, peer)
-    why = staged_ineligible(
+    why, rows = _pair_facts(
+        staging.info,
+        remote_ring,
         local,
         remote,
         local_tp_size=local_tp_size,
         remote_tp_size=remote_tp_size,
-        local_ring=staging.info,
-        remote_ring=remote_ring,
         peer=peer,
     )
     counts = [int(a.size) for a in plan.local_kernel_blocks]
-    rows = group_row_bytes(local)
     chunks: list[Chunk] = []
     if why is None and part.nbytes != whole_blocks_bytes(counts, rows):
         why = "the plan reads parts of blocks (TP or head slicing); staging copies whole blocks"
@@ -166,6 +165,46 @@ def decide(
     if choice.strategy is not Strategy.STAGED or part.nbytes == 0:
         return Decision(choice)
     return Decision(choice, tuple(chunks))
+
+
+# What decide() needs that depends only on the two specs, TP sizes, rings and peer: STAGED
+# eligibility and the group row bytes, prepared once per such combination. Keyed on the specs'
+# ids, each entry holding its specs (an id is reused only once its object is freed, and these
+# are held; the ``is`` check guards the rest); first in, first out beyond _MAX_PAIRS.
+_Facts = tuple[KVCacheSpec, KVCacheSpec, str | None, tuple[int, ...]]
+_PAIRS: dict[tuple[object, ...], _Facts] = {}
+_MAX_PAIRS = 64
+
+
+def _pair_facts(
+    local_ring: RingInfo | None,
+    remote_ring: RingInfo | None,
+    local: KVCacheSpec,
+    remote: KVCacheSpec,
+    *,
+    local_tp_size: int,
+    remote_tp_size: int,
+    peer: str,
+) -> tuple[str | None, tuple[int, ...]]:
+    """``staged_ineligible(...)`` and ``group_row_bytes(local)``, cached."""
+    key = (id(local), id(remote), local_tp_size, remote_tp_size, local_ring, remote_ring, peer)
+    hit = _PAIRS.get(key)
+    if hit is not None and hit[0] is local and hit[1] is remote:
+        return hit[2], hit[3]
+    why = staged_ineligible(
+        local,
+        remote,
+        local_tp_size=local_tp_size,
+        remote_tp_size=remote_tp_size,
+        local_ring=local_ring,
+        remote_ring=remote_ring,
+        peer=peer,
+    )
+    rows = tuple(group_row_bytes(local))
+    while len(_PAIRS) >= _MAX_PAIRS:
+        _PAIRS.pop(next(iter(_PAIRS)), None)
+    _PAIRS[key] = (local, remote, why, rows)
+    return why, rows
 
 
 def _kernel_why(

@@ -1,0 +1,120 @@
+"""plan_pull with the per-spec cached geometry: regions of one geometry share the very same
+read-only arrays (kvxferd.transfer.descriptors.plan_runs dedupes on identity), every region's
+ranges equal a one-region-at-a-time computation, and pairing errors read as before."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from kvxferd.blocks import plan as plan_module
+from kvxferd.blocks import plan_pull
+from kvxferd.blocks.coalesce import coalesce
+from kvxferd.blocks.ranges import Int64Array, RegionRanges
+from kvxferd.blocks.tp import RankSegments, region_segments
+from kvxferd.errors import InvalidRequest
+from kvxferd.layout import preset
+from kvxferd.layout.spec import KVCacheSpec
+
+
+def _ids(spec: KVCacheSpec, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [
+        [int(b) for b in rng.permutation(spec.num_logical_blocks(g))[:6]]
+        for g in range(len(spec.groups))
+    ]
+
+
+def _padded(spec: KVCacheSpec, i: int) -> KVCacheSpec:
+    """``spec`` with region ``i`` strided at twice its block length (same pairing)."""
+    regions = list(spec.regions)
+    regions[i] = replace(regions[i], block_stride=2 * regions[i].block_len)
+    return KVCacheSpec(spec.model, spec.groups, tuple(regions))
+
+
+def _arrays(rg: RegionRanges) -> tuple[Int64Array, Int64Array, Int64Array]:
+    return rg.local_offset, rg.remote_offset, rg.length
+
+
+CASES = [
+    ("dense:num_blocks=64", None),
+    ("dense:num_blocks=64,layout=HND", None),
+    ("dense:num_blocks=64,cross_layer=1", None),
+    ("hybrid:num_blocks=8", None),
+    ("mla:num_blocks=32", None),
+    ("fp8:num_blocks=32", None),
+    ("dense:num_blocks=64", 5),
+    ("fp8:num_blocks=32", 3),
+    ("fp8:num_blocks=32", 5),
+    ("hybrid:num_blocks=8", 2),
+    ("hybrid:num_blocks=8", 7),
+]
+
+
+@pytest.mark.parametrize(("name", "pad"), CASES)
+def test_same_geometry_regions_share_arrays_and_ranges_match_per_region(
+    name: str, pad: int | None
+) -> None:
+    local = preset(name)
+    remote = preset(name) if pad is None else _padded(preset(name), pad)  # a distinct object
+    plan = plan_pull(local, remote, _ids(local, 1), _ids(remote, 2), prefix_caching=True)
+    part = plan.per_rank[0]
+    assert [rg.region for rg in part.ranges] == list(range(len(local.regions)))
+    assert [rg.name for rg in part.ranges] == [r.name for r in local.regions]
+    keys = list(zip(local.geometry_ids, remote.geometry_ids, strict=True))
+    for i, a in enumerate(part.ranges):
+        for j, b in enumerate(part.ranges):
+            shared = [x is y for x, y in zip(_arrays(a), _arrays(b), strict=True)]
+            assert shared == [keys[i] == keys[j]] * 3, (i, j)
+        assert not a.length.flags.writeable
+        lr, rr = local.regions[i], remote.regions[i]
+        (seg,) = region_segments(lr, rr)
+        g = lr.group
+        want = coalesce(plan.local_kernel_blocks[g], plan.remote_kernel_blocks[g], lr, rr, seg)
+        np.testing.assert_array_equal(a.local_offset, want.local_offset)
+        np.testing.assert_array_equal(a.remote_offset, want.remote_offset)
+        np.testing.assert_array_equal(a.length, want.length)
+
+
+def test_pairing_mismatch_still_names_the_region() -> None:
+    s = preset("fp8:num_blocks=8")
+    regions = list(s.regions)
+    regions[6] = replace(regions[6], name="renamed")
+    other = KVCacheSpec(s.model, s.groups, tuple(regions))
+    with pytest.raises(InvalidRequest) as e:
+        plan_pull(s, other, [[1], [1]], [[1], [1]], prefix_caching=False)
+    assert e.value.field == "regions[6]"
+    assert e.value.message == (
+        "region 6 does not pair: local 'layer.6' (group 0), remote 'renamed' (group 0)"
+    )
+    assert e.value.fix == "both peers must register the same regions in the same order"
+    shorter = KVCacheSpec(s.model, s.groups, s.regions[:-1])
+    with pytest.raises(InvalidRequest) as e:
+        plan_pull(s, shorter, [[1], [1]], [[1], [1]], prefix_caching=False)
+    assert e.value.field == "regions"
+
+
+def test_region_segments_are_prepared_once_per_peer_and_read_only() -> None:
+    local = preset("dense:num_blocks=16,layout=HND,num_kv_heads=4").regions[0]
+    remote = preset("dense:num_blocks=16,layout=HND,num_kv_heads=8").regions[0]
+
+    def prepared() -> tuple[RankSegments, ...]:
+        return plan_module._segments(
+            local, remote, local_tp=(1, 2), remote_tp=(0, 1), num_kv_heads=None, field="r"
+        )
+
+    segs = prepared()
+    assert segs is prepared()
+    direct = region_segments(local, remote, local_tp=(1, 2), remote_tp=(0, 1))
+    assert len(segs) == len(direct) == 1 and not segs[0].whole_block
+    for got, want in zip(segs, direct, strict=True):
+        assert got.remote_rank == want.remote_rank
+        for a, b in zip(_seg_arrays(got), _seg_arrays(want), strict=True):
+            np.testing.assert_array_equal(a, b)
+            assert not a.flags.writeable
+
+
+def _seg_arrays(seg: RankSegments) -> tuple[Int64Array, Int64Array, Int64Array]:
+    return seg.local_offset, seg.remote_offset, seg.length
