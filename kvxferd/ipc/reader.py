@@ -9,20 +9,29 @@ base addresses and sizes are arrays prepared once: the pool's at start, a peer g
 when it is mapped, at handshake time through :meth:`KernelReader.prepare`), and copies them
 all with one kernel launch (``cuda/copy_ranges.cu``; the piece table uploaded to the GPU with
 it) on a side stream, grid capped at ``max_ctas`` so decode keeps SMs. The host work is a fixed
-number of NumPy operations over the pull's ranges, no Python loop per piece or region, and runs
-in one worker-thread call with the launch; completion is a CUDA event recorded after the launch
-and waited on in that thread: no polling. :attr:`KernelReader.last` keeps the last pull's cut,
-launch and wait times. On CPU (tests, or no CUDA build) the torch twin copies the same pieces.
+number of NumPy operations over the pull's ranges, no Python loop per piece or region.
+Completion is a CUDA event recorded after the launch.
+
+A small pull (:data:`INLINE_MAX_BYTES`, :data:`INLINE_MAX_RANGES`) does its host work on the
+event loop and polls the event between turns of the loop (:func:`.completion.wait_event`; a
+worker thread only if the copy outlasts the polls): its copy takes tens of microseconds, less
+than a hop to a worker thread and back. A bigger pull does the host work, the launch and the
+wait in one worker-thread call, so the loop is never blocked for long. :attr:`KernelReader.last`
+keeps the last pull's cut, launch and wait times. On CPU (tests, or no CUDA build) the torch
+twin copies the same pieces.
 
 A running copy cannot be interrupted: cancel and deadline take effect when it ends (it moves a
 pull's bytes at memory speed, milliseconds), and a copy that ends after the deadline is
 EXPIRED with every local block listed invalid. The mappings it uses stay open until it ends,
-even if the peer's set is dropped meanwhile.
+even if the peer's set is dropped meanwhile or the pull's task is cancelled (the cancellation
+is raised once the copy has ended: :func:`.completion.settle`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -33,6 +42,7 @@ import torch
 
 from kvxferd.blocks.ranges import TransferPlan
 from kvxferd.errors import DeadlineExceeded, KvxferdError, TransportError
+from kvxferd.ipc.completion import settle, wait_event
 from kvxferd.ipc.mapping import Key, MappingCache, PeerMaps
 from kvxferd.ipc.publish import IpcPool
 from kvxferd.kernels import CopyKernel, RangeCopy, Regions, copy_ranges
@@ -49,6 +59,16 @@ MIN_PIECE_BYTES = 512
 # What one more piece costs, in bytes of copy: its table row, its share of the host's NumPy
 # work, its row lookups on the GPU (an estimate; it only steers the piece size).
 PIECE_COST_BYTES = 16 << 10
+# Pulls up to this many bytes run inline on the event loop (host work, launch, event polled;
+# KernelReader.pull). Their copy is short: on an H100 the stride kernel read 1 GiB of random
+# 64 KiB blocks over CUDA IPC in ~0.8 ms, so 64 MiB takes ~0.05 ms, well within the polls'
+# bound (completion.POLL_LIMIT_S) even on a busy GPU, and less than the worker-thread hop it
+# saves (~0.25 ms). Bigger pulls keep the worker thread: their host work (~0.75 ms for 1 GiB
+# of random blocks) and their copy must not hold the loop.
+INLINE_MAX_BYTES = 64 << 20
+# ... and at most this many ranges: the host work grows with the ranges, not the bytes (on the
+# same H100 host, cut + launch took ~0.4 ms for 512 ranges and ~0.75 ms for 16384).
+INLINE_MAX_RANGES = 8192
 
 
 @dataclass(frozen=True)
@@ -109,14 +129,19 @@ def region_bytes(pool: KVPool) -> list[torch.Tensor]:
 class PullTimes:
     """Where the last KERNEL pull's time went (seconds): cutting the plan into pieces, the
     launch (every piece checked against both sides' regions, the address table, its upload and
-    the kernel launch), the wait for the copy's event, and the whole worker-thread call seen
-    from the event loop (the rest of it is the thread hop)."""
+    the kernel launch), the wait for the copy's event, and the whole pull seen from the event
+    loop (the rest of it is the thread hop, or the loop's turns between polls). ``inline``: the
+    host work ran on the loop; ``polls``: the loop turns it yielded while polling the event;
+    ``thread_wait``: the polls ran out and the wait ended in a worker thread."""
 
     cut: float = 0.0
     launch: float = 0.0
     wait: float = 0.0
     call: float = 0.0
     pieces: int = 0
+    inline: bool = False
+    polls: int = 0
+    thread_wait: bool = False
 
 
 class KernelReader:
@@ -196,14 +221,23 @@ class KernelReader:
         t0 = time.monotonic()
         status, runs = TransferStatus.DONE, 0
         err: KvxferdError | None = None
+        times = self.last = PullTimes(inline=self.inline(plan))
         try:
             maps = self.cache.get(job.key, job.ipc)
             with maps.use() as src:
                 # copy_ranges checks every piece against the local regions and the *mapped*
                 # sizes before anything is launched (kvxferd.kernels.ranges.check_ranges).
+                # Both paths return only once the copy has ended, even if this task is
+                # cancelled meanwhile: the mappings must outlive the copy.
                 regions = self._regions(maps, src)
-                self.backend, runs = await asyncio.to_thread(self._copy, regions, plan)
-            self.last.call = time.monotonic() - t0
+                if times.inline:
+                    self.backend, runs = await self._copy_inline(regions, plan, times)
+                else:
+                    loop = asyncio.get_running_loop()
+                    call = functools.partial(self._copy, regions, plan, times)
+                    ctx = contextvars.copy_context()
+                    self.backend, runs = await settle(loop.run_in_executor(None, ctx.run, call))
+            times.call = time.monotonic() - t0
             if time.monotonic() > job.deadline:
                 status = TransferStatus.EXPIRED
                 err = DeadlineExceeded(
@@ -231,24 +265,50 @@ class KernelReader:
             elapsed_s=time.monotonic() - t0,
         )
 
-    def _copy(self, src: Regions, plan: TransferPlan) -> tuple[str, int]:
-        """Pieces, checks, one launch and its completion event (worker thread); on CPU the
-        twin, inline. Returns which implementation ran and the run count."""
+    def inline(self, plan: TransferPlan) -> bool:
+        """Whether ``plan`` is small enough to run on the event loop (:data:`INLINE_MAX_BYTES`,
+        :data:`INLINE_MAX_RANGES`)."""
+        return plan.nbytes <= INLINE_MAX_BYTES and plan.num_ranges <= INLINE_MAX_RANGES
+
+    async def _copy_inline(
+        self, src: Regions, plan: TransferPlan, times: PullTimes
+    ) -> tuple[str, int]:
+        """Pieces, checks and the launch on the loop; the event polled between turns of it."""
+        ran, runs, done = self._launch(src, plan, times)
+        if done is not None:
+            t = time.perf_counter()
+            waited = await wait_event(done)
+            times.wait = time.perf_counter() - t
+            times.polls, times.thread_wait = waited.polls, waited.thread
+        return ran, runs
+
+    def _copy(self, src: Regions, plan: TransferPlan, times: PullTimes) -> tuple[str, int]:
+        """Pieces, checks, the launch and the wait for its event (worker thread)."""
+        ran, runs, done = self._launch(src, plan, times)
+        if done is not None:
+            t = time.perf_counter()
+            done.synchronize()
+            times.wait = time.perf_counter() - t
+        return ran, runs
+
+    def _launch(
+        self, src: Regions, plan: TransferPlan, times: PullTimes
+    ) -> tuple[str, int, torch.cuda.Event | None]:
+        """Pieces, checks and one launch followed by its completion event (none on CPU: the
+        twin has copied when it returns). Returns which implementation ran, the run count and
+        the event."""
         t0 = time.perf_counter()
         rc, runs = pieces(plan, self.piece_bytes)
-        t2 = time.perf_counter()
-        self.last = PullTimes(cut=t2 - t0, pieces=rc.pieces)
+        t1 = time.perf_counter()
+        times.cut, times.pieces = t1 - t0, rc.pieces
         if self._stream is None:
             ran = copy_ranges(self.local, src, rc, max_ctas=self.max_ctas, kernel=self.kernel)
-            self.last.launch = time.perf_counter() - t2
-            return ran, runs
+            times.launch = time.perf_counter() - t1
+            return ran, runs, None
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
             # copy_ranges checks every piece against both sides before it launches anything.
             ran = copy_ranges(self.local, src, rc, max_ctas=self.max_ctas, kernel=self.kernel)
             done = torch.cuda.Event()  # type: ignore[no-untyped-call]
             done.record(self._stream)
-        t3 = time.perf_counter()
-        self.last.launch = t3 - t2
-        done.synchronize()
-        self.last.wait = time.perf_counter() - t3
-        return ran, runs
+        times.launch = time.perf_counter() - t1
+        return ran, runs, done
