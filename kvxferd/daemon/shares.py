@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +29,15 @@ from kvxferd.transfer import notify
 log = logging.getLogger(__name__)
 
 Int64Array = npt.NDArray[np.int64]
+
+
+def _missing(ids: Int64Array, held: Sequence[int]) -> Int64Array:
+    """The IDs of ``ids`` not in ``held``, sorted (a set difference; sets beat NumPy's sort
+    for the few dozen IDs of a typical pull)."""
+    if ids.size <= 256:
+        gone = set(ids.tolist()).difference(held)
+        return np.array(sorted(gone), dtype=np.int64)
+    return np.setdiff1d(ids, np.asarray(held, dtype=np.int64))
 
 
 @dataclass
@@ -98,8 +107,7 @@ class Shares:
         await self.p.peers.refresh(link, resp.lease.registration_generation)
         held = resp.lease.block_ids.groups
         for g, ids in enumerate(remote_ids):
-            have = np.asarray(held[g].ids if g < len(held) else [], dtype=np.int64)
-            missing = np.setdiff1d(ids, have)
+            missing = _missing(ids, held[g].ids if g < len(held) else ())
             if missing.size:
                 self.p.spawn(self.release(link, request_id, done=False))
                 raise LeaseRefused(
