@@ -152,6 +152,7 @@ class Reader:
             raise
         rec = self.pulls.add(
             PullRecord(
+                state=PullState.CONFIRMING,  # its confirmation is already in flight
                 transfer_id=req.transfer_id,
                 request_id=req.request_id,
                 peer_address=req.peer_address,
@@ -215,7 +216,6 @@ class Reader:
         t0 = stages.t0
         share: Share | None = None
         try:
-            self.pulls.update(tid, state=PullState.CONFIRMING, started_ns=time.time_ns())
             try:
                 share = await asyncio.wait_for(
                     asyncio.shield(confirming), timeout=max(1e-3, deadline - time.monotonic())
@@ -249,7 +249,7 @@ class Reader:
                 )
                 return
             self._posted.add(tid)
-            self.pulls.update(tid, state=PullState.TRANSFERRING)
+            self.pulls.update(tid, state=PullState.TRANSFERRING, started_ns=time.time_ns())
             # The owner hears DONE only once this reader saw its READ complete (after the pull
             # is DONE, in the finally below).
             result = await self._mover.move(

@@ -15,7 +15,8 @@ regions over CUDA IPC and copies a whole pull with SM kernels in one launch.
 * :mod:`.eligibility`: why a pull cannot be KERNEL (pure);
 * :mod:`.reader`: :class:`~.reader.KernelReader`, the KERNEL pull (``pull() -> TransferResult``
   like :class:`~kvxferd.staging.reader.StagedReader`): bounds checked against the mapped sizes,
-  one launch on a side stream, completion through a CUDA event waited on in a worker thread;
+  one launch on a side stream, completion through a CUDA event: polled between event-loop turns
+  for a small pull (:mod:`.completion`), waited on in a worker thread for a big one;
 * :mod:`.transport`: which UCX transport serves READs from a peer (a timed probe READ at
   connect), and the refusal of a VRAM-to-VRAM link that runs at TCP speed.
 

@@ -256,3 +256,36 @@ def test_a_pull_logs_at_most_one_info_line_per_daemon(pair: tuple[Daemon, Daemon
         assert any(line.get("request_id") == "req-log" for line in seen), seen  # not silent
 
     run(go())
+
+
+def test_a_pull_streams_each_state_once_with_the_proto_timestamps(
+    pair: tuple[Daemon, Daemon],
+) -> None:
+    """WatchTransfers (proto: "one message per change"): a pull is CONFIRMING from the moment
+    it is accepted (its lease confirmation is already on its way), then TRANSFERRING, then DONE;
+    started_unix_ns is when the bytes started moving (after created), finished after that."""
+
+    async def go() -> None:
+        c = Client(*pair)
+        stream = c.decode.WatchTransfers(scheduler_pb2.WatchTransfersRequest())  # every pull
+        held = await c.hold("states-1", [5, 6, 7])
+        await c.pull(held, [8, 9, 10], transfer_id="states-1")
+        seen = []
+        async for msg in stream:
+            if msg.status.transfer_id == "states-1":
+                seen.append(msg.status)
+                if msg.status.state in TERMINAL:
+                    break
+        stream.cancel()
+        states = [s.state for s in seen]
+        assert states[-1] == scheduler_pb2.TRANSFER_STATE_DONE, seen[-1].error.message
+        assert scheduler_pb2.TRANSFER_STATE_PENDING not in states
+        assert states[-2:] == [
+            scheduler_pb2.TRANSFER_STATE_TRANSFERRING,
+            scheduler_pb2.TRANSFER_STATE_DONE,
+        ]
+        assert len(states) == len(set(states)), states  # no change is sent twice
+        done = seen[-1]
+        assert 0 < done.created_unix_ns <= done.started_unix_ns <= done.finished_unix_ns
+
+    run(go())
