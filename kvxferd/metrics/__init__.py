@@ -25,6 +25,7 @@ removed once it has been idle for ``idle_s`` (no pull, nothing in flight), and p
 from kvxferd.metrics.live import LiveCollector, LiveSource, LiveState, ScrapeStart
 from kvxferd.metrics.peer_labels import OTHER_PEER, PeerLabels, PeerMetric
 from kvxferd.metrics.rpc import (
+    MeteredTransport,
     PeerRpcMetricsInterceptor,
     RpcMetricsInterceptor,
     code_name,
@@ -59,6 +60,7 @@ __all__ = [
     "LiveCollector",
     "LiveSource",
     "LiveState",
+    "MeteredTransport",
     "Metrics",
     "PeerLabels",
     "PeerMetric",

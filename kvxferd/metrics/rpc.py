@@ -205,4 +205,40 @@ class PeerRpcMetricsInterceptor(aio.UnaryUnaryClientInterceptor):  # type: ignor
         return call
 
 
-__all__ = ["PeerRpcMetricsInterceptor", "RpcMetricsInterceptor", "code_name", "split_method"]
+class MeteredTransport:
+    """A Peer transport (:class:`kvxferd.wire.peer_client.Transport`) whose calls count in the
+    same series as :class:`PeerRpcMetricsInterceptor`'s: what the same-host socket
+    (:mod:`kvxferd.wire.local`) carries is timed like a gRPC call."""
+
+    def __init__(self, inner: Any, metrics: Metrics) -> None:
+        self._inner = inner
+        self._m = metrics
+
+    async def __call__(self, method: str, request: Any, *, timeout: float, metadata: Any) -> Any:
+        t0 = time.perf_counter()
+        code = "UNKNOWN"
+        try:
+            answer = await self._inner(method, request, timeout=timeout, metadata=metadata)
+            code = "OK"
+            return answer
+        except grpc.RpcError as exc:
+            code = code_name(exc.code())
+            raise
+        except BaseException as exc:
+            code = _exc_code(exc)
+            raise
+        finally:
+            self._m.peer_rpcs.labels(method, code).inc()
+            self._m.peer_rpc_seconds.labels(method).observe(time.perf_counter() - t0)
+
+    async def close(self) -> None:
+        await self._inner.close()
+
+
+__all__ = [
+    "MeteredTransport",
+    "PeerRpcMetricsInterceptor",
+    "RpcMetricsInterceptor",
+    "code_name",
+    "split_method",
+]

@@ -49,7 +49,7 @@ from kvxferd.ipc.host import host_id
 from kvxferd.ipc.transport import TransportReport, probe_peer
 from kvxferd.layout.spec import MemoryType
 from kvxferd.logs import kv
-from kvxferd.metrics import Metrics, PeerRpcMetricsInterceptor
+from kvxferd.metrics import MeteredTransport, Metrics, PeerRpcMetricsInterceptor
 from kvxferd.netpolicy import PeerAllowList
 from kvxferd.nixl import MemType, NixlAgent
 from kvxferd.service.auth import call_metadata, channel_credentials
@@ -242,7 +242,9 @@ async def _build(
         max_links=cfg.peers.max_links,
         probe=probe,
         forget=forget,
-        local=LocalTransport if cfg.peers.local_socket != "off" else None,
+        local=(lambda path: MeteredTransport(LocalTransport(path), metrics))
+        if cfg.peers.local_socket != "off"
+        else None,
     )
     daemon.attach_peers(peers)
     await daemon.owner.start_release_pump()

@@ -9,6 +9,7 @@ import os
 import socket
 import stat
 import struct
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -74,6 +75,17 @@ def test_same_host_pulls_confirm_over_the_socket_and_move_the_right_bytes(pair: 
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600  # the daemon's user only
     _pull_and_verify(pair)
     assert _peer_calls(pair["decode"].log) == [f"unix:{path}"]
+    # Calls over the socket count in the same series as gRPC calls (the dashboards read them).
+    with urllib.request.urlopen(f"http://{pair['decode'].metrics}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    confirms = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("kvxferd_peer_rpcs_total{")
+        and 'method="ConfirmLease"' in line
+        and 'code="OK"' in line
+    ]
+    assert confirms and confirms[0] >= 1, confirms
 
 
 def _raw(path: str, data: bytes) -> bytes:
