@@ -61,12 +61,14 @@ def socket_path(setting: str, instance_id: str) -> str:
     return setting
 
 
-def sweep_stale(directory: str) -> list[str]:
-    """Remove the ``auto`` sockets of daemons that died without cleaning up (nobody accepts on
-    them any more); returns what was removed. A socket that accepts is left alone."""
+def sweep_stale(directory: str, only: str = "") -> list[str]:
+    """Remove the ``auto`` sockets (or just ``only``) of daemons that died without cleaning up
+    (nobody accepts on them any more); returns what was removed. A socket that accepts is
+    left alone."""
     removed = []
-    for name in sorted(os.listdir(directory)):
-        if not (name.startswith("kvxferd-peer-") and name.endswith(".sock")):
+    names = [os.path.basename(only)] if only else sorted(os.listdir(directory))
+    for name in names:
+        if not only and not (name.startswith("kvxferd-peer-") and name.endswith(".sock")):
             continue
         path = os.path.join(directory, name)
         with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX) as probe:
@@ -134,9 +136,13 @@ class LocalPeerServer:
         self._conns: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            if stat.S_ISSOCK(os.lstat(self.path).st_mode):
-                os.unlink(self.path)  # left by a daemon that was killed
+        """Serve; a socket left at the path by a dead daemon is replaced, one that still
+        accepts (another daemon serves there) is an OSError."""
+        if os.path.lexists(self.path):
+            if not stat.S_ISSOCK(os.lstat(self.path).st_mode):
+                raise OSError(f"{self.path} exists and is not a socket")
+            if self.path not in sweep_stale(os.path.dirname(self.path) or ".", only=self.path):
+                raise OSError(f"another process serves on {self.path}")
         old = os.umask(0o177)
         try:
             self._server = await asyncio.start_unix_server(self._accept, self.path)
@@ -225,10 +231,9 @@ class LocalPeerServer:
             text = f"the {method} request does not decode as {types[0].__name__}"
             return method, code, answer_frame(call_id, code, text)
         ctx = LocalContext(meta, f"unix:{self.path}", time.monotonic() + timeout_s)
-        handler = getattr(self._service, method)
         try:
             async with asyncio.timeout(timeout_s):
-                answer = await handler(request, ctx)
+                answer = await getattr(self._service, method)(request, ctx)
         except _Abort as ab:
             return method, ab.code, answer_frame(call_id, ab.code, ab.details, ctx.trailer)
         except TimeoutError:

@@ -220,3 +220,33 @@ def test_sockets_of_dead_daemons_are_swept_and_live_ones_kept(tmp_path: Path) ->
         o.bind(str(other))
         assert sweep_stale(str(tmp_path)) == [str(dead)]
         assert live.exists() and other.exists() and not dead.exists()
+
+
+def test_a_path_another_daemon_serves_is_not_taken_over(tmp_path: Path) -> None:
+    """Two daemons configured with one peers.local_socket path: the second does not steal the
+    first's socket (it serves gRPC only); a socket left by a dead daemon is replaced."""
+    from prometheus_client import CollectorRegistry
+
+    from kvxferd.metrics import Metrics
+    from kvxferd.service.local_peer import LocalPeerServer
+
+    path = str(tmp_path / "peer.sock")
+    with socket.socket(socket.AF_UNIX) as dead:
+        dead.bind(path)  # what a killed daemon leaves
+
+    async def main() -> None:
+        metrics = Metrics.create(CollectorRegistry())
+        first = LocalPeerServer(object(), metrics, path)
+        await first.start()  # replaces the dead socket
+        second = LocalPeerServer(object(), metrics, path)
+        with pytest.raises(OSError, match="another process serves"):
+            await second.start()
+        assert stat.S_ISSOCK(os.stat(path).st_mode)
+        name = b"Handshake"  # still the first one's socket: it answers
+        body = struct.pack("!HHI", len(name), 0, 1_000_000) + name
+        got = await asyncio.to_thread(_raw, path, struct.pack("!IIB", len(body), 1, 1) + body)
+        assert got[9] == grpc.StatusCode.UNIMPLEMENTED.value[0]
+        await first.close()
+        assert not os.path.exists(path)
+
+    asyncio.run(main())
