@@ -4,13 +4,7 @@
 # times, and 1 GiB DIRECT pulls under NIXL settings (UCX worker threads, progress delay) set
 # through KVXFERD_NIXL_* in the daemons' environment. Carry .whl/ as bench/device_session.sh
 # says. Each step is time-boxed; the short table is last.
-set -u
-OUT=${OUT:-/tmp/kvxferd-device}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl >/dev/null 2>&1 || echo "wheel install failed"
-export PYTHONPATH=/tmp/site:$PWD
+. bench/device_env.sh
 date -u
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 step() { echo; echo "== $1 ($(date -u +%T))"; }

@@ -4,13 +4,7 @@
 # bench/device_session.sh says, plus `.whl/py-spy.xz` (the py-spy binary, xz-compressed: the
 # machine has no internet; py-spy is not a kvxferd dependency). Each step is time-boxed;
 # profiles (py-spy "raw" collapsed stacks) and logs go under $OUT; the short table is last.
-set -u
-OUT=${OUT:-/tmp/kvxferd-device}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl >/dev/null 2>&1 || echo "wheel install failed"
-export PYTHONPATH=/tmp/site:$PWD
+. bench/device_env.sh
 SPY=/tmp/py-spy
 python3 -c "import lzma,sys; open('$SPY','wb').write(lzma.open('.whl/py-spy.xz').read())" \
   && chmod +x $SPY

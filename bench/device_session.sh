@@ -7,13 +7,7 @@
 # fit beside nixl-cu13 in one call). The machine's grpcio 1.84 is above the stubs' floor
 # (1.66.2), so nothing is patched. Each step is time-boxed;
 # full outputs are written under $OUT (at most 8 files come back) and the short table is last.
-set -u
-OUT=${OUT:-/tmp/kvxferd-device}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl >/dev/null 2>&1 || echo "wheel install failed"
-export PYTHONPATH=/tmp/site:$PWD
+. bench/device_env.sh
 date -u
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 nvidia-smi topo -m 2>&1 | head -4
