@@ -343,9 +343,12 @@ class PeerDirectory:
         await link.client.use_local(self._local(path))
         try:
             resp = await self.heartbeat(link, [], 0, min(self._timeout_s, 1.0))
-            if resp.instance_id == remote.instance_id:
+            if link.client.local is None:  # it could not connect: the call went over gRPC
+                why = f"cannot connect to {path}"
+            elif resp.instance_id == remote.instance_id:
                 return f"unix:{path}"
-            why = f"it answered as instance {resp.instance_id}"
+            else:
+                why = f"it answered as instance {resp.instance_id}"
         except KvxferdError as err:
             why = str(err)
         await link.client.use_local(None)

@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
+import socket
 from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -59,6 +62,7 @@ class FakeOwner:
         self.memory = memory
         self.confirm = confirm
         self.instance = "instance-1"
+        self.local_socket = ""  # what the handshake advertises as the same-host Peer socket
         self.calls: list[str] = []
         self.confirms = 0
 
@@ -82,6 +86,7 @@ class FakeOwner:
             daemon_id="fake-owner",
             instance_id=self.instance,
             address=ADDRESS,
+            local_socket=self.local_socket,
         ).envelope()
 
     async def __call__(self, method: str, request: Any, metadata: Metadata) -> Any:
@@ -288,4 +293,35 @@ def test_an_owner_that_never_confirms_expires_the_pull(owner: OwnerProcess) -> N
         assert rec.state is PullState.EXPIRED
         assert rec.invalid_local_blocks == ()
 
+    _run(fake, body)
+
+
+def test_an_advertised_socket_that_refuses_connections_leaves_the_calls_on_grpc(
+    owner: OwnerProcess, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The owner advertises a same-host Peer socket that exists here but accepts nothing (a
+    dead daemon's, or another mount namespace's): the reader's check falls back to gRPC, the
+    pull is confirmed over gRPC and reads the owner's bytes."""
+
+    async def confirm(req: peer_pb2.ConfirmLeaseRequest, n: int) -> Any:
+        return fake.lease(req, [4])
+
+    fake = FakeOwner(owner, confirm)
+    dead = tmp_path / "kvxferd-peer-dead.sock"
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(dead))
+    fake.local_socket = str(dead)
+
+    async def body(running: Running) -> None:
+        req = await _pull(running, [4], [6])
+        rec = await _end(running, req.transfer_id)
+        assert rec.state is PullState.DONE, rec.error
+        assert np.array_equal(_block_bytes(running, 0, 6), _owner_words(0, 4))
+        assert fake.calls[:3] == ["Handshake", "Heartbeat", "ConfirmLease"]
+        (link,) = running.peers.links()
+        assert link.client.local is None
+        done = [r for r in caplog.records if r.getMessage() == "handshake done"]
+        assert [r.kv["peer_calls"] for r in done] == ["grpc"]  # type: ignore[attr-defined]
+
+    caplog.set_level(logging.INFO, logger="kvxferd.daemon.peers")
     _run(fake, body)
