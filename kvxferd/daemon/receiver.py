@@ -40,7 +40,7 @@ from kvxferd.daemon.peers import PeerLink
 from kvxferd.errors import DeadlineExceeded, KvxferdError, PeerUnavailable
 from kvxferd.logs import kv
 from kvxferd.transfer import TransferResult, TransferStatus, notify
-from kvxferd.transfer.descriptors import coalesce
+from kvxferd.transfer.descriptors import plan_runs
 from kvxferd.v1 import peer_pb2
 from kvxferd.wire.codec import group_ids_to_proto
 
@@ -60,7 +60,7 @@ def write_timeout_s(left_s: float) -> float:
 
 def descriptors(plan: TransferPlan) -> int:
     """How many descriptors the owner posts for ``plan`` (ranges coalesced as it does)."""
-    return sum(coalesce(r.local_offset, r.remote_offset, r.length)[0].size for r in plan.ranges)
+    return int(plan_runs(plan)[0].size)
 
 
 async def _fenced(call: asyncio.Task[peer_pb2.PushResponse], fence: float) -> None:

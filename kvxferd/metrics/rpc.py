@@ -35,6 +35,25 @@ def split_method(full: str) -> tuple[str, str]:
 _Behavior = Callable[..., Any]
 
 
+def observe_served(m: Metrics, service: str, method: str, code: str, t0: float | None) -> None:
+    """One call a server answered (``t0``: when it started, None for a stream: not timed)."""
+    m.rpcs.labels(service, method, code).inc()
+    if t0 is not None:
+        seconds = time.perf_counter() - t0
+        m.rpc_seconds.labels(service, method).observe(seconds)
+        if service == "kvxferd.v1.Peer" and method == "Handshake":
+            m.handshake_seconds.labels("server").observe(seconds)
+
+
+def observe_peer_call(m: Metrics, method: str, code: str, t0: float) -> None:
+    """One call this daemon made to a peer's Peer service, started at ``t0``."""
+    seconds = time.perf_counter() - t0
+    m.peer_rpcs.labels(method, code).inc()
+    m.peer_rpc_seconds.labels(method).observe(seconds)
+    if method == "Handshake":
+        m.handshake_seconds.labels("client").observe(seconds)
+
+
 class RpcMetricsInterceptor(aio.ServerInterceptor):  # type: ignore[type-arg]
     """Counts every call a server answers (``kvxferd_rpcs_total``) and times unary answers
     (``kvxferd_rpc_duration_seconds``). Put it first in the server's interceptors: it then
@@ -77,12 +96,7 @@ class RpcMetricsInterceptor(aio.ServerInterceptor):  # type: ignore[type-arg]
         return wrapped
 
     def _done(self, service: str, method: str, code: str, t0: float | None) -> None:
-        self._m.rpcs.labels(service, method, code).inc()
-        if t0 is not None:
-            seconds = time.perf_counter() - t0
-            self._m.rpc_seconds.labels(service, method).observe(seconds)
-            if service == "kvxferd.v1.Peer" and method == "Handshake":
-                self._m.handshake_seconds.labels("server").observe(seconds)
+        observe_served(self._m, service, method, code, t0)
 
     def _wrap(
         self, handler: grpc.RpcMethodHandler[Any, Any], service: str, method: str
@@ -197,11 +211,7 @@ class PeerRpcMetricsInterceptor(aio.UnaryUnaryClientInterceptor):  # type: ignor
             code = _exc_code(exc)
             raise
         finally:
-            seconds = time.perf_counter() - t0
-            self._m.peer_rpcs.labels(method, code).inc()
-            self._m.peer_rpc_seconds.labels(method).observe(seconds)
-            if method == "Handshake":
-                self._m.handshake_seconds.labels("client").observe(seconds)
+            observe_peer_call(self._m, method, code, t0)
         return call
 
 
@@ -228,8 +238,7 @@ class MeteredTransport:
             code = _exc_code(exc)
             raise
         finally:
-            self._m.peer_rpcs.labels(method, code).inc()
-            self._m.peer_rpc_seconds.labels(method).observe(time.perf_counter() - t0)
+            observe_peer_call(self._m, method, code, t0)
 
     async def close(self) -> None:
         await self._inner.close()
@@ -240,5 +249,7 @@ __all__ = [
     "PeerRpcMetricsInterceptor",
     "RpcMetricsInterceptor",
     "code_name",
+    "observe_peer_call",
+    "observe_served",
     "split_method",
 ]

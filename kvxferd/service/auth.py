@@ -9,7 +9,7 @@ headers) work; it reveals nothing but serving status. mTLS is configured on the 
 from __future__ import annotations
 
 import hmac
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -41,15 +41,24 @@ class TokenInterceptor(aio.ServerInterceptor):  # type: ignore[type-arg]
         method: str = details.method
         if method.startswith(OPEN_PREFIXES):
             return await continuation(details)
-        got = b""
-        for key, value in details.invocation_metadata or ():
-            if key == "authorization":
-                got = value.encode() if isinstance(value, str) else bytes(value)
-        if hmac.compare_digest(got, self._expected):
+        refusal = token_refusal(details.invocation_metadata or (), self._expected, method)
+        if refusal is None:
             return await continuation(details)
-        why = "missing token" if not got else "wrong token"
         handler = await continuation(details)
-        return _denying_like(handler, f"{why} for {method}: {TOKEN_HINT}")
+        return _denying_like(handler, refusal)
+
+
+def token_refusal(metadata: Iterable[tuple[str, Any]], expected: bytes, method: str) -> str | None:
+    """Why a call to ``method`` carrying ``metadata`` is refused (None: its ``authorization``
+    is the ``expected`` bearer token), compared in constant time."""
+    got = b""
+    for key, value in metadata:
+        if key == "authorization":
+            got = value.encode() if isinstance(value, str) else bytes(value)
+    if hmac.compare_digest(got, expected):
+        return None
+    why = "missing token" if not got else "wrong token"
+    return f"{why} for {method}: {TOKEN_HINT}"
 
 
 def _denying_like(

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import hmac
 import logging
 import os
 import socket
@@ -34,7 +33,8 @@ from kvxferd.config import Config
 from kvxferd.daemon.core import Daemon
 from kvxferd.logs import kv
 from kvxferd.metrics import Metrics
-from kvxferd.service.auth import TOKEN_HINT
+from kvxferd.metrics.rpc import observe_served
+from kvxferd.service.auth import token_refusal
 from kvxferd.wire.local import (
     CANCEL,
     METHODS,
@@ -192,15 +192,11 @@ class LocalPeerServer:
 
     async def _serve(self, call_id: int, body: bytes, writer: asyncio.StreamWriter) -> None:
         t0 = time.perf_counter()
-        method, code = "unknown", grpc.StatusCode.OK
         try:
-            out = await self._answer(call_id, body)
-            method, code = out[0], out[1]
-            frame = out[2]
+            method, code, frame = await self._answer(call_id, body)
         except asyncio.CancelledError:
             return  # the caller gave up (or we are closing): nothing to answer
-        self._m.rpcs.labels(SERVICE, method, code.name).inc()
-        self._m.rpc_seconds.labels(SERVICE, method).observe(time.perf_counter() - t0)
+        observe_served(self._m, SERVICE, method, code.name, t0)
         if not writer.is_closing():
             writer.write(frame)
 
@@ -216,13 +212,10 @@ class LocalPeerServer:
             text = f"{method!r} is not served on the local Peer socket; use the gRPC port"
             return "unknown", code, answer_frame(call_id, code, text)
         if self._expected:
-            got = next((v for k, v in meta if k == "authorization"), "")
-            got_b = got.encode() if isinstance(got, str) else bytes(got)
-            if not hmac.compare_digest(got_b, self._expected):
+            refusal = token_refusal(meta, self._expected, f"/{SERVICE}/{method}")
+            if refusal is not None:
                 code = grpc.StatusCode.UNAUTHENTICATED
-                why = "missing token" if not got_b else "wrong token"
-                text = f"{why} for /{SERVICE}/{method}: {TOKEN_HINT}"
-                return method, code, answer_frame(call_id, code, text)
+                return method, code, answer_frame(call_id, code, refusal)
         request = types[0]()
         try:
             request.ParseFromString(raw)

@@ -97,16 +97,6 @@ def split_runs(
     return region[idx], local_offset[idx] + skip, remote_offset[idx] + skip, ln
 
 
-def split_long(
-    local_offset: Int64Array, remote_offset: Int64Array, length: Int64Array, max_len: int
-) -> tuple[Int64Array, Int64Array, Int64Array]:
-    """:func:`split_runs` for the ranges of one region."""
-    _, lo, ro, ln = split_runs(
-        np.zeros(length.size, dtype=np.int64), local_offset, remote_offset, length, max_len
-    )
-    return lo, ro, ln
-
-
 def _int64(a: npt.NDArray[np.integer]) -> Int64Array:
     return a.astype(np.int64, copy=False)
 

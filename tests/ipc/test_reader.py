@@ -166,7 +166,7 @@ def test_a_new_peer_generation_is_mapped_afresh_and_the_old_one_dropped() -> Non
 def _pieces_reference(plan: TransferPlan, largest: int) -> tuple[set[tuple[int, ...]], int]:
     """Per region: DIRECT's coalescing (kvxferd.transfer.descriptors), then the cut at the
     size piece_size picks for all the runs."""
-    from kvxferd.transfer.descriptors import coalesce, split_long
+    from kvxferd.transfer.descriptors import coalesce, split_runs
 
     runs = [
         (rr.region, *coalesce(rr.local_offset, rr.remote_offset, rr.length))
@@ -176,8 +176,9 @@ def _pieces_reference(plan: TransferPlan, largest: int) -> tuple[set[tuple[int, 
     size = piece_size(np.concatenate([r[3] for r in runs]), largest)
     out: set[tuple[int, ...]] = set()
     for region, lo, ro, ln in runs:
-        for a, b, n in zip(*split_long(lo, ro, ln, size), strict=True):
-            out.add((region, int(a), int(b), int(n)))
+        regions = np.full(ln.size, region, dtype=np.int64)
+        for r, a, b, n in zip(*split_runs(regions, lo, ro, ln, size), strict=True):
+            out.add((int(r), int(a), int(b), int(n)))
     return out, sum(int(r[3].size) for r in runs)
 
 

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from kvxferd.blocks.ranges import RegionRanges, TransferPlan
 from kvxferd.errors import BlockRangeError, InvalidRequest
-from kvxferd.transfer.descriptors import RegionTable, build_descriptors, coalesce, split_long
+from kvxferd.transfer.descriptors import RegionTable, build_descriptors, coalesce, split_runs
 
 LOCAL = RegionTable.from_array([[0x10000, 1 << 20, 0], [0x400000, 1 << 20, 1]])
 REMOTE = RegionTable.from_array([[0x7000000, 1 << 20, 3], [0x9000000, 1 << 20, 4]])
@@ -117,11 +117,13 @@ def test_coalesce_keeps_every_byte_pairing_exactly_once(
 
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.integers(1, 50), min_size=0, max_size=20), st.integers(1, 16))
-def test_split_long_covers_each_range_exactly(lengths: list[int], max_len: int) -> None:
+def test_split_runs_covers_each_range_exactly(lengths: list[int], max_len: int) -> None:
     ln = np.array(lengths, dtype=np.int64)
     lo = np.cumsum(np.concatenate(([0], ln[:-1] + 7))).astype(np.int64) if lengths else ln
     ro = lo + 1000
-    slo, sro, sln = split_long(lo, ro, ln, max_len)
+    region = np.arange(ln.size, dtype=np.int64)  # each piece must keep its range's
+    sreg, slo, sro, sln = split_runs(region, lo, ro, ln, max_len)
+    assert ((lo[sreg] <= slo) & (slo + sln <= lo[sreg] + ln[sreg])).all()
     assert (sln <= max_len).all() and (sln > 0).all()
     assert (sro - slo == 1000).all()
     want = sorted(int(a) + k for a, n in zip(lo, ln, strict=True) for k in range(int(n)))
