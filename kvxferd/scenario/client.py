@@ -325,6 +325,7 @@ class ReleaseWatcher:
         self._call = engine.WatchReleases(
             engine_pb2.WatchReleasesRequest(), metadata=client.metadata
         )
+        self._call.initial_metadata()  # the watch is registered: no release can slip by
         self._thread = threading.Thread(
             target=self._run, name=f"releases-{client.name}", daemon=True
         )

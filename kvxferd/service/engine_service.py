@@ -93,6 +93,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
     ) -> AsyncIterator[engine_pb2.WatchReleasesResponse]:
         q = self.d.owner.watch_releases(frozenset(request.request_ids))
         try:
+            await context.send_initial_metadata(())  # registered: see the proto's comment
             while True:
                 yield _release_to_proto(await q.get())
         finally:

@@ -104,7 +104,9 @@ class EngineServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def WatchReleases(self, request, context):
-        """Stream releases: one message each time a held request's blocks may be reused.
+        """Stream releases: one message each time a held request's blocks may be reused. The initial
+        metadata comes once the watch is registered: a client that waits for it sees every release
+        from then on (none before).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

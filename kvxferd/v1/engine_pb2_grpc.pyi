@@ -200,7 +200,10 @@ class EngineStub(typing.Generic[_EngineAttachType, _EngineDescribeType, _EngineH
     """
 
     WatchReleases: _EngineWatchReleasesType
-    """Stream releases: one message each time a held request's blocks may be reused."""
+    """Stream releases: one message each time a held request's blocks may be reused. The initial
+    metadata comes once the watch is registered: a client that waits for it sees every release
+    from then on (none before).
+    """
 
     Detach: _EngineDetachType
     """Deregister and drop the pool (attached mode); held requests are released with reason
@@ -284,7 +287,10 @@ class EngineServicer(metaclass=abc.ABCMeta):
         request: kvxferd.v1.engine_pb2.WatchReleasesRequest,
         context: _ServicerContext,
     ) -> typing.Union[collections.abc.Iterator[kvxferd.v1.engine_pb2.WatchReleasesResponse], collections.abc.AsyncIterator[kvxferd.v1.engine_pb2.WatchReleasesResponse]]:
-        """Stream releases: one message each time a held request's blocks may be reused."""
+        """Stream releases: one message each time a held request's blocks may be reused. The initial
+        metadata comes once the watch is registered: a client that waits for it sees every release
+        from then on (none before).
+        """
 
     @abc.abstractmethod
     def Detach(

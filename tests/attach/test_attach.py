@@ -217,6 +217,7 @@ def test_killed_engine_is_detached_and_a_restarted_one_reattaches(
         releases = _engine_stub(att).WatchReleases(
             engine_pb2.WatchReleasesRequest(request_ids=["doomed"])
         )
+        releases.initial_metadata()  # registered before the engine dies
         eng.kill()
         rel = next(iter(releases))
         assert rel.request_id == "doomed"

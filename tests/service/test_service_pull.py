@@ -104,6 +104,7 @@ def test_full_prefix_hit_completes_and_releases(pair: tuple[Daemon, Daemon]) -> 
         c = Client(*pair)
         held = await c.hold("full-hit", [1, 2, 3])
         releases = c.engine.WatchReleases(engine_pb2.WatchReleasesRequest(request_ids=["full-hit"]))
+        await releases.initial_metadata()  # registered before the pull can release anything
         st = await c.pull(held, [])
         done = await c.wait(st.transfer_id)
         assert done.state == scheduler_pb2.TRANSFER_STATE_DONE
