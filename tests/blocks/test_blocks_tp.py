@@ -145,15 +145,27 @@ def test_every_local_block_is_written_exactly_once(case: tuple[int, int, int, in
         assert (cover == 1).all()
 
 
+@st.composite
+def _covering_case(draw: st.DrawFn) -> tuple[int, int, int, int, Layout]:
+    """A :func:`_tp_case` with tp_ratio >= 1 and no replication (rt <= lt <= heads), drawn
+    directly rather than filtered (filtering tripped Hypothesis's health check)."""
+    heads = draw(HEADS)
+    lt = draw(TPS.filter(lambda t: t <= heads))
+    rt = draw(TPS.filter(lambda t: t <= lt))
+    layers = draw(st.integers(1, 3))
+    layout = Layout.HND if layers == 1 else Layout.CROSS_LAYER_HND
+    return heads, lt, rt, layers, layout
+
+
 @PROPS
-@given(_tp_case())
+@given(_covering_case())
 def test_remote_blocks_covered_exactly_once_over_local_ranks(
     case: tuple[int, int, int, int, Layout],
 ) -> None:
     """tp_ratio >= 1 without replication: all local ranks together read every byte of every
     remote rank's block exactly once."""
     heads, lt, rt, layers, layout = case
-    assume(lt >= rt and lt <= heads)
+    assert lt >= rt and lt <= heads
     local, remote = _regions(heads, lt, rt, layers, layout)
     cover = np.zeros((rt, remote.block_len), dtype=np.int64)
     for lr in range(lt):
