@@ -199,6 +199,7 @@ class HandshakePayload(google.protobuf.message.Message):
     CUDA_IPC_FIELD_NUMBER: builtins.int
     TRANSFER_MODE_FIELD_NUMBER: builtins.int
     LOCAL_SOCKET_FIELD_NUMBER: builtins.int
+    KERNEL_ONLY_REASON_FIELD_NUMBER: builtins.int
     nixl_agent_name: builtins.str
     """The NIXL agent's name (unique per daemon process)."""
     nixl_agent_metadata: builtins.bytes
@@ -232,6 +233,18 @@ class HandshakePayload(google.protobuf.message.Message):
     readers on the same host: one short frame per call instead of a gRPC round trip
     (kvxferd/wire/local.py). A reader uses it only after a Heartbeat through it reached this
     instance; Handshake and Push always go over gRPC. Empty when not served and from old peers.
+    """
+    kernel_only_reason: builtins.str
+    """Non-empty: this pool is served by KERNEL only, and why (engine-attached IMPORTED GPU
+    memory: the engine allocated it, this daemon mapped it over CUDA IPC and did not register it
+    with NIXL, which reads imported CUDA memory at ~0.5 GB/s; docs/attachment.md). Its
+    registrations still give each region's address and size in this daemon's process (for
+    planning), and cuda_ipc carries the engine's own handles, but no NIXL READ, WRITE or
+    transport probe of those regions can succeed. A reader that cannot pull it with KERNEL
+    (another host or IPC namespace, transfer.cuda_ipc = false, handles that fail to open, a
+    strategy forced to direct or staged) refuses the pull at StartPull with FAILED_PRECONDITION
+    naming the reason and the fix. Empty for every other pool and from old peers (an old reader
+    ignores it: its NIXL READ of the unregistered regions fails).
     """
     @property
     def spec(self) -> kvxferd.v1.spec_pb2.KvCacheSpec:
@@ -273,9 +286,10 @@ class HandshakePayload(google.protobuf.message.Message):
         cuda_ipc: Global___CudaIpcExport | None = ...,
         transfer_mode: Global___TransferMode.ValueType = ...,
         local_socket: builtins.str = ...,
+        kernel_only_reason: builtins.str = ...,
     ) -> None: ...
     def HasField(self, field_name: typing.Literal["cuda_ipc", b"cuda_ipc", "spec", b"spec", "staging", b"staging"]) -> builtins.bool: ...
-    def ClearField(self, field_name: typing.Literal["cuda_ipc", b"cuda_ipc", "daemon_id", b"daemon_id", "host_id", b"host_id", "instance_id", b"instance_id", "local_socket", b"local_socket", "nixl_agent_metadata", b"nixl_agent_metadata", "nixl_agent_name", b"nixl_agent_name", "peer_address", b"peer_address", "prefix_caching", b"prefix_caching", "registration_generation", b"registration_generation", "registrations", b"registrations", "spec", b"spec", "staging", b"staging", "tp_rank", b"tp_rank", "tp_size", b"tp_size", "transfer_mode", b"transfer_mode"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["cuda_ipc", b"cuda_ipc", "daemon_id", b"daemon_id", "host_id", b"host_id", "instance_id", b"instance_id", "kernel_only_reason", b"kernel_only_reason", "local_socket", b"local_socket", "nixl_agent_metadata", b"nixl_agent_metadata", "nixl_agent_name", b"nixl_agent_name", "peer_address", b"peer_address", "prefix_caching", b"prefix_caching", "registration_generation", b"registration_generation", "registrations", b"registrations", "spec", b"spec", "staging", b"staging", "tp_rank", b"tp_rank", "tp_size", b"tp_size", "transfer_mode", b"transfer_mode"]) -> None: ...
 
 Global___HandshakePayload: typing_extensions.TypeAlias = HandshakePayload
 
