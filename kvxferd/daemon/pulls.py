@@ -11,7 +11,6 @@ import dataclasses
 import enum
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -145,23 +144,42 @@ class PullBook:
             if not ids or rec.transfer_id in ids:
                 q.put_nowait(rec)
 
-    async def follow(self, transfer_ids: frozenset[str]) -> AsyncIterator[PullRecord]:
+    def follow(self, transfer_ids: frozenset[str]) -> Follower:
         """Every change of the named pulls (all pulls when empty), after a snapshot of their
-        current state; with names, the stream ends once every named pull is terminal."""
+        current state; with names, the stream ends once every named pull is terminal. The watch
+        is registered when this returns (NotFound for an unknown ID first), so no later change
+        is missed; the caller closes it."""
         for tid in transfer_ids:
-            self.get(tid)  # NotFound for unknown IDs, before streaming
-        q = self.watch(transfer_ids)
-        pending = set(transfer_ids)
-        try:
-            while True:
-                rec = await q.get()
-                yield rec
-                if transfer_ids and rec.state.terminal:
-                    pending.discard(rec.transfer_id)
-                    if not pending:
-                        return
-        finally:
-            self.unwatch(q)
+            self.get(tid)
+        return Follower(self, self.watch(transfer_ids), transfer_ids)
+
+
+class Follower:
+    """A registered watch (:meth:`PullBook.follow`) as an async iterator; :meth:`close` (or the
+    last named pull ending) unregisters it."""
+
+    def __init__(
+        self, book: PullBook, q: asyncio.Queue[PullRecord], transfer_ids: frozenset[str]
+    ) -> None:
+        self._book = book
+        self._q = q
+        self._pending = set(transfer_ids)
+        self._named = bool(transfer_ids)
+
+    def __aiter__(self) -> Follower:
+        return self
+
+    async def __anext__(self) -> PullRecord:
+        if self._named and not self._pending:
+            self.close()
+            raise StopAsyncIteration
+        rec = await self._q.get()
+        if self._named and rec.state.terminal:
+            self._pending.discard(rec.transfer_id)
+        return rec
+
+    def close(self) -> None:
+        self._book.unwatch(self._q)
 
 
 @dataclass(frozen=True)
@@ -176,6 +194,7 @@ class PullRequest:
     deadline_s: float
     notify: bool = True
     fingerprint: bytes = b""  # identifies the request for idempotent retries
+    received: float = 0.0  # monotonic time its RPC reached the handler (the pull's t0)
 
     def check(self, max_deadline_s: float) -> None:
         """Refuse a request a caller can fix: empty or malformed IDs and address, a deadline

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
 
 import numpy as np
 import numpy.typing as npt
@@ -109,7 +108,8 @@ class Reader:
                 fix="retry later or raise transfer.max_inflight",
             )
         assert self.p.peers is not None, "attach_peers() before start_pull()"
-        stages = Stages(time.monotonic())
+        stages = Stages(req.received or time.monotonic())
+        stages.mark("decode")
         deadline = stages.t0 + req.deadline_s  # the handshake is charged to it
         try:
             link = await asyncio.wait_for(
@@ -367,20 +367,14 @@ class Reader:
         self._cancel_requested.add(transfer_id)
         if transfer_id in self._posted:
             reader = self.p.staging.reader if self.p.staging else None
-            if self.receiver.cancel(transfer_id):
-                pass  # a push: its Push call (hence the owner's WRITE) is cancelled
-            elif reader is None or not reader.cancel(transfer_id):
+            pushed = self.receiver.cancel(transfer_id)  # a push: the owner's WRITE stops
+            if not pushed and (reader is None or not reader.cancel(transfer_id)):
                 await asyncio.wrap_future(self.p.engine.cancel(transfer_id))
         else:
             confirming = self._confirming.get(transfer_id)
             if confirming is not None:
                 confirming.cancel()
         return await self.pulls.wait_terminal(transfer_id)
-
-    def watch(self, transfer_ids: frozenset[str]) -> AsyncIterator[PullRecord]:
-        """Every change of the named pulls (all pulls when empty), after a snapshot of their
-        current state; with names, the stream ends once every named pull is terminal."""
-        return self.pulls.follow(transfer_ids)
 
     async def drain(self, timeout_s: float) -> int:
         """Stop taking pulls and wait up to ``timeout_s`` for in-flight ones; cancel the rest.

@@ -36,7 +36,19 @@ ACTIVE_STATES = ("PENDING", "HANDSHAKING", "CONFIRMING", "TRANSFERRING")
 confirmation) or running (TRANSFERRING: READs posted)."""
 LINK_STATES = ("NEW", "HANDSHAKING", "READY", "REFUSED", "UNREACHABLE", "STALE")
 STRATEGIES = ("DIRECT", "STAGED", "KERNEL")
-PULL_STAGES = ("handshake", "plan", "build", "confirm", "post", "transfer", "publish")
+PULL_STAGES = (
+    "decode",
+    "handshake",
+    "plan",
+    "build",
+    "confirm",
+    "post",
+    "transfer",
+    "publish",
+    "notify",
+)
+"""A pull's stages in order (TransferStatus.stages; ``notify``, from the terminal status to its
+WatchTransfers message, is only in the metric: the status is sent before it ends)."""
 STAGED_STAGES = ("gather", "gather_rpc", "read", "scatter", "slot_wait")
 RELEASE_REASONS = ("DONE", "EXPIRED", "CANCELLED", "ENGINE_DETACHED")
 NOTIFICATION_RESULTS = ("counted", "stray", "undecodable")

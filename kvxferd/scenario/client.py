@@ -243,6 +243,7 @@ class TransferWatcher:
         self._call = client.scheduler.WatchTransfers(
             scheduler_pb2.WatchTransfersRequest(), metadata=client.metadata
         )
+        self._call.initial_metadata()  # the watch is registered: no pull's end is missed
         self._thread = threading.Thread(target=self._run, name=f"watch-{client.name}", daemon=True)
         self._thread.start()
 

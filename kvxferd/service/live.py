@@ -92,7 +92,7 @@ def live_source(
 
 async def observe_pulls(daemon: Daemon, metrics: Metrics) -> None:
     """Per-peer outcome and latency of every pull, from the daemon's pull book."""
-    async for rec in daemon.reader.watch(frozenset()):
+    async for rec in daemon.reader.pulls.follow(frozenset()):
         if rec.state.terminal:
             seconds = max(0.0, (rec.finished_ns - rec.created_ns) / 1e9)
             metrics.observe_pull_end(rec.peer_address, rec.state.value, seconds)

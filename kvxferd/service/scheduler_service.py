@@ -6,6 +6,7 @@ import asyncio
 import hashlib
 import logging
 import math
+import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -88,6 +89,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     async def StartPull(
         self, request: scheduler_pb2.StartPullRequest, context: Ctx
     ) -> scheduler_pb2.StartPullResponse:
+        received = time.monotonic()
+
         async def call() -> scheduler_pb2.StartPullResponse:
             deadline_ms = request.deadline_ms or int(self.d.limits.default_deadline_s * 1000)
             fingerprint = hashlib.blake2b(
@@ -102,6 +105,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 local_ids=tuple(group_ids_from_proto(request.local_block_ids)),
                 deadline_s=deadline_ms / 1000,
                 notify=not request.options.skip_notify,
+                received=received,
             )
             rec, created = await self.d.reader.start_pull(req)
             return scheduler_pb2.StartPullResponse(status=status_to_proto(rec), created=created)
@@ -112,10 +116,19 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self, request: scheduler_pb2.WatchTransfersRequest, context: Ctx
     ) -> AsyncIterator[scheduler_pb2.WatchTransfersResponse]:
         ids = frozenset(request.transfer_ids)
+        notify = self.d.metrics.pull_stage_seconds.labels("notify")
+        since = time.time_ns()  # pulls that ended before the watch are in its snapshot
         try:
-            stream = self.d.reader.watch(ids)
-            async for rec in stream:
-                yield scheduler_pb2.WatchTransfersResponse(status=status_to_proto(rec))
+            stream = self.d.reader.pulls.follow(ids)
+            try:
+                await context.send_initial_metadata(())  # registered: see the proto's comment
+                async for rec in stream:
+                    yield scheduler_pb2.WatchTransfersResponse(status=status_to_proto(rec))
+                    if rec.state is PullState.DONE and rec.finished_ns >= since:
+                        # handed to gRPC: from the terminal status to this watcher's message
+                        notify.observe(max(0.0, (time.time_ns() - rec.finished_ns) / 1e9))
+            finally:
+                stream.close()
         except KvxferdError as err:
             context.set_trailing_metadata(trailer_for(err))
             await context.abort(status_for(err), message_for(err))
