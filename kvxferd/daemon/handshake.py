@@ -74,6 +74,7 @@ class SelfDescription:
             peer_address=self.address,
             transfer_mode=mode_to_proto(self.info.transfer_mode),
             local_socket=self.local_socket,
+            kernel_only_reason=self.ipc.kernel_only if self.ipc is not None else "",
         )
 
     def envelope(self) -> tuple[int, bytes, bytes]:
@@ -97,6 +98,7 @@ class RemoteDescription:
     host_id: str = ""
     ipc: IpcPool | None = None
     local_socket: str = ""
+    kernel_only: str = ""  # why its pool is read with KERNEL only (not registered with NIXL)
 
     @property
     def key(self) -> tuple[str, str, int]:
@@ -172,6 +174,7 @@ def decode_envelope(
         host_id=msg.host_id,
         ipc=IpcPool.from_proto(msg.cuda_ipc) if msg.HasField("cuda_ipc") else None,
         local_socket=msg.local_socket,
+        kernel_only=msg.kernel_only_reason,
     )
     if digest == bytes.fromhex(compat_digest(local.info.spec)):
         log.debug("handshake digest matches", extra=kv(peer=who))

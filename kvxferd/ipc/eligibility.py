@@ -5,10 +5,16 @@ host and IPC namespace (equal ``host_id``), the peer's CUDA IPC export for every
 spec, and that export opened here (the mapping cache says whether opening failed). It copies
 exactly the byte ranges DIRECT would post (the planner's), so whatever DIRECT can read (TP
 slices, trimmed prefixes), KERNEL can.
+
+A pool served by KERNEL only (engine-attached IMPORTED VRAM, not registered with NIXL:
+:attr:`kvxferd.ipc.publish.IpcPool.kernel_only`) is read and written with KERNEL or not at all:
+:func:`kernel_only_refusal` is the StartPull refusal of any other strategy, whether the owner's
+pool or this daemon's own is the KERNEL-only one.
 """
 
 from __future__ import annotations
 
+from kvxferd.errors import SlowTransport
 from kvxferd.ipc.publish import IpcPool
 from kvxferd.layout.spec import MemoryType
 
@@ -48,3 +54,42 @@ def kernel_ineligible(
     if open_failure is not None:
         return f"opening peer {peer}'s CUDA IPC handles failed: {open_failure}"
     return None
+
+
+def kernel_only_refusal(
+    *,
+    strategy: str,
+    why_not_kernel: str,
+    nbytes: int,
+    remote_kernel_only: str,
+    local_kernel_only: str,
+    peer: str,
+) -> SlowTransport | None:
+    """The refusal of a pull that would move bytes with NIXL (``strategy``: DIRECT or STAGED;
+    ``why_not_kernel``: why it is not KERNEL) from a KERNEL-only owner (``remote_kernel_only``:
+    the owner's ``kernel_only_reason``) or into this daemon's own KERNEL-only pool
+    (``local_kernel_only``); None for a KERNEL pull, a pull that moves nothing, or pools that
+    NIXL serves. FAILED_PRECONDITION on the wire (a slow or broken NIXL path refused up front,
+    like :func:`kvxferd.ipc.transport.refusal`)."""
+    if strategy == "KERNEL" or nbytes == 0 or not (remote_kernel_only or local_kernel_only):
+        return None
+    if remote_kernel_only:
+        return SlowTransport(
+            f"peer {peer} serves its pool with KERNEL pulls only ({remote_kernel_only}), and"
+            f" this pull cannot be KERNEL: {why_not_kernel}; a {strategy} pull would read the"
+            " unregistered memory over NIXL",
+            field="peer_address",
+            fix="pull from a decode daemon on the owner's host (same IPC namespace) with"
+            " transfer.cuda_ipc = true and transfer.strategy = auto or kernel, or attach the"
+            " owner's engine with mode='owned' (the daemon allocates; NIXL reads it at full"
+            " speed from any host); see docs/attachment.md",
+        )
+    return SlowTransport(
+        f"this daemon's pool is written with KERNEL pulls only ({local_kernel_only}), and this"
+        f" pull from {peer} cannot be KERNEL: {why_not_kernel}; a {strategy} pull would write"
+        " the unregistered memory over NIXL",
+        field="peer_address",
+        fix="pull from an owner on this host with its pool in GPU memory and"
+        " transfer.cuda_ipc = true on both daemons, or attach this daemon's engine with"
+        " mode='owned'; see docs/attachment.md",
+    )

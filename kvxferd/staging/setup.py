@@ -15,7 +15,7 @@ import numpy.typing as npt
 
 from kvxferd.blocks.plan import PullPlan
 from kvxferd.blocks.ranges import TransferPlan
-from kvxferd.ipc.eligibility import kernel_ineligible
+from kvxferd.ipc.eligibility import kernel_ineligible, kernel_only_refusal
 from kvxferd.ipc.mapping import MappingCache, Opener, cuda_opener
 from kvxferd.ipc.publish import IpcPool, Publisher
 from kvxferd.ipc.reader import KernelJob, KernelReader
@@ -153,6 +153,17 @@ def decide(
         ineligible=why,
         kernel_ineligible=kernel_why,
     )
+    remote_only = link.remote.kernel_only if link is not None and link.remote else ""
+    refused = kernel_only_refusal(  # a pool served by KERNEL only (kvxferd.ipc.eligibility)
+        strategy=choice.strategy.value,
+        why_not_kernel=kernel_why or f"this daemon's transfer.strategy = {staging.mode.value}",
+        nbytes=part.nbytes,
+        remote_kernel_only=remote_only,
+        local_kernel_only=staging.ipc.publisher.kernel_only,
+        peer=peer,
+    )
+    if refused is not None:
+        raise refused
     report = link.transport if link is not None else None
     if (
         choice.strategy is not Strategy.KERNEL

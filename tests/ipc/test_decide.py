@@ -44,6 +44,7 @@ class _Remote:
     agent_name: str = "owner"
     instance_id: str = "i1"
     generation: int = 1
+    kernel_only: str = ""
 
     @property
     def key(self) -> tuple[str, str, int]:
