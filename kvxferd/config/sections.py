@@ -114,6 +114,12 @@ class TransferConfig:
     allow_slow_transport: bool = False
     """Allow DIRECT and STAGED pulls of GPU memory over a link probed at TCP speed (refused by
     default, with the fix; docs/nixl.md §7)."""
+    cma: bool = True
+    """Read same-host peers whose pools are in host memory with CMA pulls (process_vm_readv
+    from the owner's process, named by the kernel on the same-host Peer socket); as an owner,
+    let same-user readers do so under Yama ptrace_scope 1. false: neither (docs/strategies.md)."""
+    cma_threads: int = 2
+    """CMA pulls: worker threads that copy one pull's batches in parallel."""
 
 
 @dataclass(frozen=True)

@@ -155,6 +155,12 @@ def _validate_staging(t: TransferConfig) -> None:
             field="transfer.kernel_max_ctas",
             fix="use 0 (two thread blocks per multiprocessor) or a cap such as 64",
         )
+    if not 1 <= t.cma_threads <= 64:
+        raise ConfigError(
+            f"cma_threads must be between 1 and 64, got {t.cma_threads}",
+            field="transfer.cma_threads",
+            fix="use 2 (two threads saturate memory bandwidth on small hosts) or up to 64",
+        )
     if t.staging_chunks < 0 or t.staging_chunks == 1:
         raise ConfigError(
             f"staging_chunks must be 0 (off) or >= 2, got {t.staging_chunks}",

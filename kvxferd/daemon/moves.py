@@ -1,6 +1,7 @@
 """How a confirmed pull moves its bytes: the owner WRITEs (push mode), one SM copy over CUDA
-IPC (KERNEL), staged chunks (STAGED), or one NIXL READ (DIRECT); and the record a finished
-pull leaves in the metrics and the log.
+IPC (KERNEL), batched process_vm_readv calls from a same-host owner's host memory (CMA), staged
+chunks (STAGED), or one NIXL READ (DIRECT); and the record a finished pull leaves in the
+metrics and the log.
 
 :class:`Mover` is called by the reader (:mod:`kvxferd.daemon.reader`) after the lease share is
 confirmed, at its one decision point; it only moves bytes and returns the transfer's result.
@@ -32,6 +33,7 @@ from kvxferd.transfer.engine import Prepared
 log = logging.getLogger(__name__)
 
 Int64Array = npt.NDArray[np.int64]
+_NOT_NIXL_READ = (Strategy.STAGED, Strategy.KERNEL, Strategy.CMA)
 
 
 class Mover:
@@ -61,7 +63,7 @@ class Mover:
         self, req: PullRequest, link: PeerLink, plan: PullPlan, part: TransferPlan
     ) -> tuple[Decision | None, Decision | None]:
         """Pick the pull's strategy: the decision (None without staging or in push mode) and
-        the decision again when it is STAGED or KERNEL (None for DIRECT and push)."""
+        the decision again when it is STAGED, KERNEL or CMA (None for DIRECT and push)."""
         remote = link.remote
         assert remote is not None
         decision = None
@@ -87,11 +89,7 @@ class Mover:
                     chunks=len(decision.chunks),
                 ),
             )
-        staged = (
-            decision
-            if decision and decision.choice.strategy in (Strategy.STAGED, Strategy.KERNEL)
-            else None
-        )
+        staged = decision if decision and decision.choice.strategy in _NOT_NIXL_READ else None
         return decision, staged
 
     async def move(
@@ -132,6 +130,18 @@ class Mover:
                 local_blocks=local_blocks,
                 deadline=deadline,
             )
+        elif staged is not None and staged.choice.strategy is Strategy.CMA:
+            # CMA (kvxferd.ipc.cma_reader): process_vm_readv from the owner's process, which
+            # the link's same-host socket vouches for (SO_PEERCRED), never the handshake.
+            assert self.p.staging is not None
+            result = await self.p.staging.cma_pull(
+                req.transfer_id,
+                link,
+                peer_address=req.peer_address,
+                plan=plan,
+                local_blocks=local_blocks,
+                deadline=deadline,
+            )
         elif staged is not None:
             job = self._staged_job(
                 req,
@@ -156,6 +166,16 @@ class Mover:
             stages.at("post", result.posted_at)
             stages.at("transfer", result.completed_at)
         return result
+
+    def cancel(self, transfer_id: str) -> bool:
+        """Stop a running STAGED or CMA pull (each checks between chunks or calls); False when
+        neither runs it (a NIXL READ, or nothing)."""
+        s = self.p.staging
+        if s is None:
+            return False
+        if s.reader is not None and s.reader.cancel(transfer_id):
+            return True
+        return s.cma is not None and s.cma.cancel(transfer_id)
 
     def _staged_job(
         self,

@@ -33,10 +33,12 @@ from kvxferd.errors import (
     PermissionDenied,
     ResourceExhausted,
 )
+from kvxferd.ipc.cma import OwnerProcess
 from kvxferd.ipc.transport import TransportReport
 from kvxferd.logs import kv
 from kvxferd.peers import compat_digest
 from kvxferd.v1 import peer_pb2
+from kvxferd.wire.local import LocalTransport
 from kvxferd.wire.peer_client import PeerClient, Transport
 
 log = logging.getLogger(__name__)
@@ -74,6 +76,7 @@ class PeerLink:
     active: int = 0  # pulls in flight through this link (the reader keeps it)
     last_used: float = 0.0
     transport: TransportReport | None = None  # what serves READs from it (probed at connect)
+    owner: OwnerProcess | None = None  # the peer's process, named by the kernel (CMA pulls)
 
     @property
     def usable(self) -> bool:
@@ -220,6 +223,7 @@ class PeerDirectory:
             self._forget_remote(link, reason)
 
     def _forget_remote(self, link: PeerLink, why: str) -> None:
+        _drop_owner(link, why)
         if self._forget is not None and link.remote is not None:
             self._forget(link.remote.agent_name, why)
 
@@ -276,6 +280,7 @@ class PeerDirectory:
                 if other is not link and same:
                     other.state = LinkState.STALE
                     other.last_error = f"instance {remote.instance_id} replaced it"
+                    _drop_owner(other, other.last_error)
             if self._forget is not None:
                 self._forget(remote.agent_name, f"instance {remote.instance_id} replaced it")
         self._connect(remote)
@@ -285,6 +290,7 @@ class PeerDirectory:
         me = self._me()
         version, digest, payload = me.envelope()
         link.state = LinkState.HANDSHAKING
+        _drop_owner(link, "the peer is being handshaken again")
         try:
             resp = await link.client.handshake(version, digest, payload)
             remote = decode_envelope(
@@ -329,6 +335,7 @@ class PeerDirectory:
                 transport_detail=t.detail if t else "",
                 same_host=bool(remote.host_id) and remote.host_id == me.host_id,
                 peer_calls=channel,
+                owner_pid=link.owner.pid if link.owner is not None else None,
             ),
         )
 
@@ -346,6 +353,7 @@ class PeerDirectory:
             if link.client.local is None:  # it could not connect: the call went over gRPC
                 why = f"cannot connect to {path}"
             elif resp.instance_id == remote.instance_id:
+                link.owner = _owner_process(link.client.local, remote)
                 return f"unix:{path}"
             else:
                 why = f"it answered as instance {resp.instance_id}"
@@ -357,6 +365,26 @@ class PeerDirectory:
 
     async def close(self) -> None:
         for link in self._links.values():
+            _drop_owner(link, "this daemon is stopping")
             await link.client.close()
         self._links.clear()
         await asyncio.gather(*self._closing, return_exceptions=True)
+
+
+def _owner_process(channel: Transport | None, remote: RemoteDescription) -> OwnerProcess | None:
+    """The process at the other end of the same-host socket that just answered as ``remote``'s
+    instance (``SO_PEERCRED`` of that connection), tied to that connection and incarnation."""
+    raw = getattr(channel, "inner", channel)  # the metered wrapper's socket transport
+    if not isinstance(raw, LocalTransport) or raw.peer is None:
+        return None
+    pid, uid, _ = raw.peer
+    return OwnerProcess.open(
+        pid, uid, remote.key, connection=raw.connection, channel=channel, transport=raw
+    )
+
+
+def _drop_owner(link: PeerLink, why: str) -> None:
+    """The link no longer vouches for the peer's process: CMA never reads that pid again."""
+    if link.owner is not None:
+        link.owner.drop(why)
+        link.owner = None

@@ -4,10 +4,10 @@ A pull handshakes (cached per peer), confirms its own share of the owner's lease
 plans and builds descriptors, posts its READ at one decision point (a cancel lands before it,
 nothing is written; after it, every local block the READ may have written is listed), tells
 the owner it read only after it saw the READ complete, and heartbeats the owner while it
-reads. Strategies: DIRECT (the transfer engine), STAGED and KERNEL (:mod:`kvxferd.staging`,
-:mod:`kvxferd.ipc`); with ``transfer.mode = "push"`` the owner WRITEs instead
-(:mod:`kvxferd.daemon.receiver`). Runs on the service loop; NIXL work happens on the agent's
-thread.
+reads. Strategies: DIRECT (the transfer engine), STAGED, KERNEL and CMA
+(:mod:`kvxferd.staging`, :mod:`kvxferd.ipc`); with ``transfer.mode = "push"`` the owner
+WRITEs instead (:mod:`kvxferd.daemon.receiver`). Runs on the service loop; NIXL work happens
+on the agent's thread.
 """
 
 from __future__ import annotations
@@ -352,8 +352,7 @@ class Reader:
 
     async def _abort_read(self, tid: str, why: str) -> None:
         log.warning("lease share lost; cancelling the read", extra=kv(transfer_id=tid, why=why))
-        reader = self.p.staging.reader if self.p.staging else None
-        if (reader is not None and reader.cancel(tid)) or self.receiver.cancel(tid):
+        if self._mover.cancel(tid) or self.receiver.cancel(tid):  # STAGED or CMA, or a push
             return
         await asyncio.wrap_future(self.p.engine.cancel(tid))
 
@@ -366,9 +365,8 @@ class Reader:
             return rec
         self._cancel_requested.add(transfer_id)
         if transfer_id in self._posted:
-            reader = self.p.staging.reader if self.p.staging else None
             pushed = self.receiver.cancel(transfer_id)  # a push: the owner's WRITE stops
-            if not pushed and (reader is None or not reader.cancel(transfer_id)):
+            if not pushed and not self._mover.cancel(transfer_id):  # STAGED or CMA stop
                 await asyncio.wrap_future(self.p.engine.cancel(transfer_id))
         else:
             confirming = self._confirming.get(transfer_id)

@@ -224,6 +224,11 @@ class MeteredTransport:
         self._inner = inner
         self._m = metrics
 
+    @property
+    def inner(self) -> Any:
+        """The transport it meters (a CMA reader asks the same-host socket who it reaches)."""
+        return self._inner
+
     async def __call__(self, method: str, request: Any, *, timeout: float, metadata: Any) -> Any:
         t0 = time.perf_counter()
         code = "UNKNOWN"

@@ -35,7 +35,7 @@ ACTIVE_STATES = ("PENDING", "HANDSHAKING", "CONFIRMING", "TRANSFERRING")
 """Pulls not yet terminal: waiting (the first three: the peer's handshake, the lease
 confirmation) or running (TRANSFERRING: READs posted)."""
 LINK_STATES = ("NEW", "HANDSHAKING", "READY", "REFUSED", "UNREACHABLE", "STALE")
-STRATEGIES = ("DIRECT", "STAGED", "KERNEL")
+STRATEGIES = ("DIRECT", "STAGED", "KERNEL", "CMA")
 PULL_STAGES = (
     "decode",
     "handshake",

@@ -8,6 +8,7 @@ import uuid
 from kvxferd.config import Config
 from kvxferd.daemon.core import Daemon, DaemonLimits
 from kvxferd.daemon.slot import PoolSlot
+from kvxferd.ipc.cma_link import CmaSide
 from kvxferd.ipc.host import host_id
 from kvxferd.ipc.publish import Publisher
 from kvxferd.layout.spec import MemoryType
@@ -82,6 +83,7 @@ def compose_daemon(
                 idle_s=2 * cfg.peers.heartbeat_timeout_ms / 1000,
                 publisher=Publisher(enabled=cfg.transfer.cuda_ipc),
             ),
+            cma=CmaSide(enabled=cfg.transfer.cma, threads=cfg.transfer.cma_threads),
         ),
     )
 

@@ -49,6 +49,7 @@ STRATEGIES = {
     "DIRECT": scheduler_pb2.TRANSFER_STRATEGY_DIRECT,
     "STAGED": scheduler_pb2.TRANSFER_STRATEGY_STAGED,
     "KERNEL": scheduler_pb2.TRANSFER_STRATEGY_KERNEL,
+    "CMA": scheduler_pb2.TRANSFER_STRATEGY_CMA,
 }
 
 

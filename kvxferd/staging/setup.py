@@ -1,13 +1,15 @@
-"""Per pull: DIRECT, STAGED or KERNEL, and the job; the daemon's strategy parts as one value.
+"""Per pull: DIRECT, STAGED, KERNEL or CMA, and the job; the daemon's strategy parts as one
+value.
 
-KERNEL (same-host GPU peers, :mod:`kvxferd.ipc`) is picked whenever it is eligible; a DIRECT or
-STAGED pull of GPU memory over a link probed at TCP speed is refused here, before a transfer
-exists, unless ``transfer.allow_slow_transport``.
+KERNEL (same-host GPU peers, :mod:`kvxferd.ipc`) and CMA (same-host host-memory peers,
+:mod:`kvxferd.ipc.cma_reader`) are picked whenever they are eligible; a DIRECT or STAGED pull
+of GPU memory over a link probed at TCP speed is refused here, before a transfer exists, unless
+``transfer.allow_slow_transport``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -15,6 +17,9 @@ import numpy.typing as npt
 
 from kvxferd.blocks.plan import PullPlan
 from kvxferd.blocks.ranges import TransferPlan
+from kvxferd.ipc.cma import allow_readers
+from kvxferd.ipc.cma_link import CmaSide, cma_job, cma_why_not
+from kvxferd.ipc.cma_reader import CmaReader
 from kvxferd.ipc.eligibility import kernel_ineligible, kernel_only_refusal
 from kvxferd.ipc.mapping import MappingCache, Opener, cuda_opener
 from kvxferd.ipc.publish import IpcPool, Publisher
@@ -70,6 +75,8 @@ class Staging:
     reader: StagedReader | None = None
     ipc: IpcSide = field(default_factory=IpcSide)
     kernel: KernelReader | None = None  # KERNEL pulls into this pool (VRAM pools only)
+    cma_side: CmaSide = field(default_factory=CmaSide)
+    cma: CmaReader | None = None  # CMA pulls into this pool (DRAM pools only)
 
     @property
     def info(self) -> RingInfo | None:
@@ -85,6 +92,8 @@ class Staging:
             self.owner.stop()
         if self.kernel is not None:
             self.kernel.close()
+        if self.cma is not None:
+            self.cma.close()
 
     async def kernel_pull(
         self,
@@ -103,6 +112,21 @@ class Staging:
             transfer_id, remote.agent_name, peer_address, remote.key, remote.ipc, deadline
         )
         return await self.kernel.pull(job, plan, local_blocks)
+
+    async def cma_pull(
+        self,
+        transfer_id: str,
+        link: PeerLink,
+        *,
+        peer_address: str,
+        plan: TransferPlan,
+        local_blocks: tuple[Int64Array, ...],
+        deadline: float,
+    ) -> TransferResult:
+        """Run a CMA pull from the process ``link`` vouches for *now*."""
+        assert self.cma is not None
+        job = cma_job(transfer_id, link, peer_address=peer_address, deadline=deadline)
+        return await self.cma.pull(job, plan, local_blocks)
 
 
 @dataclass(frozen=True)
@@ -128,6 +152,18 @@ def decide(
     as handshaken (its host, CUDA IPC export and probed transport), for KERNEL and the slow
     transport refusal; raises :class:`~kvxferd.errors.SlowTransport` for that refusal."""
     kernel_why = _kernel_why(staging, local, link, part, peer)
+    cma_why = (
+        cma_why_not(
+            staging.cma_side,
+            local,
+            link,
+            reader=staging.cma is not None,
+            nbytes=part.nbytes,
+            peer=peer,
+        )
+        if link is not None
+        else "not considered"
+    )
     why, rows = _pair_facts(
         staging.info,
         remote_ring,
@@ -152,6 +188,7 @@ def decide(
         chunks=len(chunks),
         ineligible=why,
         kernel_ineligible=kernel_why,
+        cma_ineligible=cma_why,
     )
     remote_only = link.remote.kernel_only if link is not None and link.remote else ""
     refused = kernel_only_refusal(  # a pool served by KERNEL only (kvxferd.ipc.eligibility)
@@ -166,13 +203,15 @@ def decide(
         raise refused
     report = link.transport if link is not None else None
     if (
-        choice.strategy is not Strategy.KERNEL
+        choice.strategy not in (Strategy.KERNEL, Strategy.CMA)
         and part.nbytes > 0
         and report is not None
         and report.slow
         and not staging.ipc.allow_slow_transport
     ):
         raise refusal(report, peer, choice.strategy.value)
+    if choice.strategy is Strategy.CMA and link is not None and link.owner is not None:
+        choice = replace(choice, reason=f"{choice.reason}; owner process {link.owner.pid}")
     if choice.strategy is not Strategy.STAGED or part.nbytes == 0:
         return Decision(choice)
     return Decision(choice, tuple(chunks))
@@ -266,6 +305,7 @@ class StagingFactory:
     grant_timeout_s: float
     max_block_ids: int
     ipc: IpcSide = field(default_factory=IpcSide)
+    cma: CmaSide = field(default_factory=CmaSide)
 
     def local_rows(self, pool_rows: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
         """The engine's local region table for a pool: its regions, then the ring's row."""
@@ -278,8 +318,11 @@ class StagingFactory:
         lease ends, the kernel reader sweeps idle mappings). Without a pool (detached) every
         pull is DIRECT; without a ring none is STAGED; KERNEL needs a VRAM pool."""
         kernel = self._kernel(pool)
+        cma = self._cma(pool)
         if self.ring is None or pool is None:
-            return Staging(Mode(self.mode), self.model, ipc=self.ipc, kernel=kernel)
+            return Staging(
+                Mode(self.mode), self.model, ipc=self.ipc, kernel=kernel, cma_side=self.cma, cma=cma
+            )
         owner = StagingOwner(
             self.ring,
             pool,
@@ -295,8 +338,24 @@ class StagingFactory:
             staging_region=len(pool.spec.regions),
         )
         return Staging(
-            Mode(self.mode), self.model, self.ring, owner, reader, ipc=self.ipc, kernel=kernel
+            Mode(self.mode),
+            self.model,
+            self.ring,
+            owner,
+            reader,
+            ipc=self.ipc,
+            kernel=kernel,
+            cma_side=self.cma,
+            cma=cma,
         )
+
+    def _cma(self, pool: KVPool | None) -> CmaReader | None:
+        """CMA pulls into a host-memory pool; as an owner, let same-user readers read us where
+        Yama's ptrace_scope = 1 would refuse them (docs/strategies.md, "CMA")."""
+        if pool is None or not self.cma.enabled or pool.memory_type is not MemoryType.DRAM:
+            return None
+        allow_readers()
+        return CmaReader(pool.region_rows(), threads=self.cma.threads, readv=self.cma.readv)
 
     def _kernel(self, pool: KVPool | None) -> KernelReader | None:
         if pool is None or not self.ipc.enabled or pool.memory_type is not MemoryType.VRAM:

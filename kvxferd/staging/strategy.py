@@ -12,6 +12,11 @@ out).
   CUDA IPC and copies every (region, block run) of the pull with SM kernels in one launch
   (:mod:`kvxferd.ipc`): ``launch_s + bytes / kernel``, no per-descriptor cost. ``auto`` picks it
   whenever it is eligible (:func:`kvxferd.ipc.eligibility.kernel_ineligible` says why not).
+* **CMA** (peers on one host, DRAM on both sides): the reader copies the pull's ranges out of
+  the owner's process with batched ``process_vm_readv`` calls (:mod:`kvxferd.ipc.cma_reader`):
+  ``calls x call_s + bytes / cma``, one call per 1024 ranges instead of one UCX operation per
+  descriptor. ``auto`` and ``kernel`` pick it whenever it is eligible
+  (:func:`kvxferd.ipc.cma_eligibility.cma_ineligible` says why not).
 
 STAGED copies whole blocks, so it is only eligible when both sides advertise a staging ring,
 the TP sizes match (no byte slicing), every region pair has the same block length and layout
@@ -39,6 +44,7 @@ class Strategy(StrEnum):
     DIRECT = "DIRECT"
     STAGED = "STAGED"
     KERNEL = "KERNEL"
+    CMA = "CMA"
 
 
 class Mode(StrEnum):
@@ -47,13 +53,18 @@ class Mode(StrEnum):
     AUTO = "auto"
     DIRECT = "direct"
     STAGED = "staged"
-    KERNEL = "kernel"
+    KERNEL = "kernel"  # a same-host copy (KERNEL on GPU, CMA on host memory) when possible
 
 
 # auto picks STAGED only when its estimate is at most this fraction of DIRECT's.
 STAGED_MARGIN = 0.9
 # KERNEL: the launch, the event wait in a worker thread and the table upload, per pull.
 KERNEL_LAUNCH_S = 100e-6
+# CMA, measured on the 2-core VM (docs/benchmarks.md, "Host memory: CMA"): one process_vm_readv
+# call of up to 1024 iovecs costs ~20 us beyond its bytes, which two threads copy at ~8 GB/s.
+CMA_CALL_S = 20e-6
+CMA_IOVECS_PER_CALL = 1024
+CMA_BPS = 8e9
 
 
 @dataclass(frozen=True)
@@ -103,6 +114,12 @@ class CostModel:
             return 0.0
         return KERNEL_LAUNCH_S + nbytes / (self.kernel_bps or self.gather_bps)
 
+    def cma_seconds(self, ranges: int, nbytes: int) -> float:
+        if nbytes <= 0:
+            return 0.0
+        calls = -(-max(1, ranges) // CMA_IOVECS_PER_CALL)
+        return calls * CMA_CALL_S + nbytes / CMA_BPS
+
     def staged_seconds(self, nbytes: int, chunks: int) -> float:
         if chunks <= 0 or nbytes <= 0:
             return 0.0
@@ -131,6 +148,7 @@ class Choice:
     direct_s: float
     staged_s: float
     kernel_s: float = math.nan
+    cma_s: float = math.nan
 
 
 def choose(
@@ -142,12 +160,38 @@ def choose(
     chunks: int,
     ineligible: str | None,
     kernel_ineligible: str | None = "not considered",
+    cma_ineligible: str | None = "not considered",
 ) -> Choice:
     """Pick the strategy. ``ineligible``: why STAGED cannot run (None if it can);
-    ``kernel_ineligible``: why KERNEL cannot (None if it can). ``auto`` and ``kernel`` take
-    KERNEL whenever it can run; a forced STAGED or KERNEL that cannot run falls back (STAGED to
-    DIRECT, KERNEL to what ``auto`` picks between DIRECT and STAGED), with the reason."""
+    ``kernel_ineligible``: why KERNEL cannot (None if it can); ``cma_ineligible``: why CMA
+    cannot (None if it can; "not considered" keeps it out of the reason, as for GPU pools).
+    ``auto`` and ``kernel`` take KERNEL, else CMA, whenever it can run; a forced STAGED or
+    KERNEL that cannot run falls back (STAGED to DIRECT, KERNEL to what ``auto`` picks between
+    DIRECT and STAGED), with the reason. ``direct`` and ``staged`` never pick CMA."""
     direct = model.direct_seconds(descriptors, nbytes)
+    if cma_ineligible is None and kernel_ineligible is not None:
+        if mode in (Mode.AUTO, Mode.KERNEL):
+            cma = model.cma_seconds(descriptors, nbytes)
+            how = "forced by transfer.strategy = kernel" if mode is Mode.KERNEL else "auto"
+            why = (
+                f"{how}: same-host host-memory peer read with process_vm_readv, estimated"
+                f" {cma * 1e3:.3f} ms vs {direct * 1e3:.3f} ms direct"
+            )
+            return Choice(Strategy.CMA, why, direct, math.nan, math.nan, cma)
+    elif mode in (Mode.AUTO, Mode.KERNEL) and cma_ineligible not in (None, "not considered"):
+        pre = f"CMA not possible: {cma_ineligible}; "
+        if mode is Mode.KERNEL:  # host memory: the same-host copy it asked for is CMA
+            mode, pre = Mode.AUTO, f"forced kernel, but {pre}as auto: "
+        inner = choose(
+            mode,
+            model,
+            descriptors=descriptors,
+            nbytes=nbytes,
+            chunks=chunks,
+            ineligible=ineligible,
+            kernel_ineligible="not considered",
+        )
+        return Choice(inner.strategy, pre + inner.reason, inner.direct_s, inner.staged_s)
     kernel = math.nan if kernel_ineligible is not None else model.kernel_seconds(nbytes)
     if kernel_ineligible is None and mode in (Mode.AUTO, Mode.KERNEL):
         how = "forced by transfer.strategy = kernel" if mode is Mode.KERNEL else "auto"

@@ -84,6 +84,17 @@ class _TransferStrategyEnumTypeWrapper(google.protobuf.internal.enum_type_wrappe
     """Same-host GPU peers: the owner's regions mapped over CUDA IPC, every (region, block run)
     of the pull copied by SM kernels in one launch (no NIXL descriptors).
     """
+    TRANSFER_STRATEGY_CMA: _TransferStrategy.ValueType  # 4
+    """Same-host peers with both pools in host memory (DRAM): the reader copies exactly the byte
+    ranges DIRECT would read straight out of the owner's process with batched
+    process_vm_readv calls (no NIXL/UCX). The owner's process is the one the kernel names
+    (SO_PEERCRED) on its same-host Peer socket, verified by a Heartbeat to be the handshaken
+    instance, never a pid from the handshake; every range is checked against both sides'
+    registered regions before any read. Chosen by transfer.strategy auto or kernel whenever
+    possible (transfer.cma on, the probe read at the first pull worked); strategy_reason says
+    why not otherwise. Cancel and deadline take effect between calls; a pull that does not end
+    DONE lists every local block invalid. docs/strategies.md, "CMA".
+    """
 
 class TransferStrategy(_TransferStrategy, metaclass=_TransferStrategyEnumTypeWrapper):
     """How descriptors were built for a transfer."""
@@ -97,6 +108,17 @@ TRANSFER_STRATEGY_STAGED: TransferStrategy.ValueType  # 2
 TRANSFER_STRATEGY_KERNEL: TransferStrategy.ValueType  # 3
 """Same-host GPU peers: the owner's regions mapped over CUDA IPC, every (region, block run)
 of the pull copied by SM kernels in one launch (no NIXL descriptors).
+"""
+TRANSFER_STRATEGY_CMA: TransferStrategy.ValueType  # 4
+"""Same-host peers with both pools in host memory (DRAM): the reader copies exactly the byte
+ranges DIRECT would read straight out of the owner's process with batched
+process_vm_readv calls (no NIXL/UCX). The owner's process is the one the kernel names
+(SO_PEERCRED) on its same-host Peer socket, verified by a Heartbeat to be the handshaken
+instance, never a pid from the handshake; every range is checked against both sides'
+registered regions before any read. Chosen by transfer.strategy auto or kernel whenever
+possible (transfer.cma on, the probe read at the first pull worked); strategy_reason says
+why not otherwise. Cancel and deadline take effect between calls; a pull that does not end
+DONE lists every local block invalid. docs/strategies.md, "CMA".
 """
 Global___TransferStrategy: typing_extensions.TypeAlias = TransferStrategy
 

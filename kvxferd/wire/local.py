@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import socket
 import struct
 from collections.abc import Sequence
 from typing import Any
@@ -143,14 +144,33 @@ def parse_answer(
     return _CODES.get(code, grpc.StatusCode.UNKNOWN), text, trailer, body[at + n_text + n_trail :]
 
 
+PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """``(pid, uid, gid)`` of the process at the other end of a connected Unix socket, as the
+    kernel recorded it (``SO_PEERCRED``, translated into this process's PID namespace: pid 0
+    when that process is not visible here)."""
+    pid, uid, gid = PEERCRED.unpack(
+        sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEERCRED.size)
+    )
+    return pid, uid, gid
+
+
 class LocalTransport:
     """A :class:`~kvxferd.wire.peer_client.Transport` over the owner's Unix socket: one
     connection, opened on first use and again after it breaks; calls are multiplexed by ID.
     A broken connection fails the calls on it with UNAVAILABLE (the reader then re-handshakes,
-    as after any failed Peer call)."""
+    as after any failed Peer call).
+
+    ``connection`` numbers the connections opened (the open one's, while open) and ``peer``
+    holds the kernel's credentials of the process at its other end (``SO_PEERCRED``; None
+    while no connection is open): CMA pulls read that process (:mod:`kvxferd.ipc.cma`)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
+        self.connection = 0
+        self.peer: tuple[int, int, int] | None = None
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[bytes]] = {}
         self._writer: asyncio.StreamWriter | None = None
@@ -166,6 +186,8 @@ class LocalTransport:
             if self._writer is None or self._writer.is_closing():
                 reader, writer = await asyncio.open_unix_connection(self.path)
                 self._writer = writer
+                self.connection += 1
+                self.peer = peer_credentials(writer.get_extra_info("socket"))
                 self._reading = asyncio.ensure_future(self._read(reader))
         return self._writer
 
@@ -183,6 +205,7 @@ class LocalTransport:
             if self._writer is not None:
                 self._writer.close()
             self._writer = None
+            self.peer = None
             for fut in self._waiting.values():
                 if not fut.done():
                     fut.set_exception(RpcFailure(grpc.StatusCode.UNAVAILABLE, why, ()))
@@ -220,6 +243,11 @@ class LocalTransport:
         msg = types[1]()
         msg.ParseFromString(answer)
         return msg
+
+    def current(self, connection: int) -> bool:
+        """Whether connection number ``connection`` is the one open now."""
+        w = self._writer
+        return w is not None and not w.is_closing() and self.connection == connection
 
     def _cancel(self, call_id: int) -> None:
         self._waiting.pop(call_id, None)
