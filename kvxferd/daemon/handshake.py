@@ -58,6 +58,7 @@ class SelfDescription:
                 chunk_bytes=ring.chunk_bytes,
                 chunks=ring.chunks,
                 device_id=ring.device,
+                stream=ring.stream,
             )
             if ring
             else None,
@@ -114,7 +115,7 @@ def _ring(msg: peer_pb2.HandshakePayload) -> RingInfo | None:
     if r.chunks < 1 or r.chunk_bytes == 0 or r.base_address == 0:
         log.warning("ignoring a malformed staging ring", extra=kv(ring=str(r).replace("\n", " ")))
         return None
-    return RingInfo(r.base_address, r.chunk_bytes, r.chunks, r.device_id)
+    return RingInfo(r.base_address, r.chunk_bytes, r.chunks, r.device_id, stream=r.stream)
 
 
 def decode_envelope(

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import AsyncIterator, Sequence
 
 from kvxferd.daemon.core import Daemon
 from kvxferd.daemon.owner import HeldRequest
 from kvxferd.daemon.peers import decode_envelope
 from kvxferd.daemon.sessions import SESSION_METADATA, PeerSession
-from kvxferd.errors import InvalidRequest, KvxferdError
+from kvxferd.errors import InvalidRequest, KvxferdError, PermissionDenied
 from kvxferd.logs import kv
 from kvxferd.service.push import push
 from kvxferd.service.rpc import Ctx, rpc
-from kvxferd.service.staging import gather, release_staging
+from kvxferd.service.staging import _owner, gather, release_staging
+from kvxferd.staging.stage_owner import Announce, StageOpen, StageStream
 from kvxferd.transfer.leases import LeaseView
 from kvxferd.v1 import (
     common_pb2,
@@ -165,6 +167,18 @@ class PeerService(peer_pb2_grpc.PeerServicer):
 
         return await rpc(self.d, "ReleaseStaging", context, call)
 
+    async def Stage(  # type: ignore[override]  # a coroutine that writes (grpc.aio allows it)
+        self, request_iterator: AsyncIterator[peer_pb2.StageRequest], context: Ctx
+    ) -> None:
+        """Answers with context.write (no queue between the gather and the wire); errors end
+        the stream with their status like every other call."""
+
+        async def call() -> None:
+            reader = self._session(context).reader
+            await serve_stage(self.d, reader, request_iterator, context)
+
+        await rpc(self.d, "Stage", context, call)
+
     async def Push(self, request: peer_pb2.PushRequest, context: Ctx) -> peer_pb2.PushResponse:
         async def call() -> peer_pb2.PushResponse:
             return await push(self.d, request, self._session(context))
@@ -172,4 +186,56 @@ class PeerService(peer_pb2_grpc.PeerServicer):
         return await rpc(self.d, "Push", context, call)
 
 
-__all__ = ["PeerService"]
+async def serve_stage(
+    daemon: Daemon, reader: str, requests: AsyncIterator[peer_pb2.StageRequest], context: Ctx
+) -> None:
+    """One Stage stream for ``reader`` (the caller's session): check its opening message as a
+    Gather is checked, then announce chunk after chunk as credits come back (peer.proto)."""
+    owner = _owner(daemon)
+    first = await anext(aiter(requests), None)
+    if first is None:
+        return  # closed before opening: nothing to serve
+    if not first.HasField("open") or first.read_slots:
+        raise InvalidRequest(
+            "the first message of a Stage stream must set open, and nothing else",
+            field="open",
+            fix="open the stream with the pull (StageOpen), then return slots as they are read",
+        )
+    o = first.open
+    if daemon.leases.is_reading(o.request_id, reader) is False:
+        raise PermissionDenied(
+            f"this caller has no share of the lease of {o.request_id!r} that it is reading",
+            field="open.request_id",
+            fix="ConfirmLease before Stage; a share that ended cannot gather",
+        )
+    ids = [list(g.ids) for g in o.kernel_block_ids.groups]
+    want = StageOpen(o.request_id, ids, o.chunk_bytes, o.chunks, o.credits)
+    stream = StageStream.open(owner, reader, want, context.time_remaining())
+
+    async def returns() -> AsyncIterator[Sequence[int]]:
+        async for req in requests:
+            if req.HasField("open"):
+                raise InvalidRequest(
+                    "open was sent again on an opened Stage stream",
+                    field="open",
+                    fix="open one stream per pull; later messages carry read_slots only",
+                )
+            yield req.read_slots
+
+    async def send(a: Announce) -> None:
+        await context.write(
+            peer_pb2.StageEvent(
+                chunk=a.chunk,
+                slot=a.slot,
+                offset=a.offset,
+                nbytes=a.nbytes,
+                gather_us=int(a.gather_s * 1e6),
+                start_us=int(a.start_s * 1e6),
+                slot_wait_us=int(a.slot_wait_s * 1e6),
+            )
+        )
+
+    await stream.run(returns(), send)
+
+
+__all__ = ["PeerService", "serve_stage"]

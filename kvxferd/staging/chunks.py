@@ -29,6 +29,7 @@ class RingInfo:
     chunk_bytes: int
     chunks: int
     device: int
+    stream: bool = False  # its daemon serves Peer.Stage (else: Gather and ReleaseStaging)
 
     @property
     def nbytes(self) -> int:

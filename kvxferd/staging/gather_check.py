@@ -53,4 +53,18 @@ def check_gather(
     return out
 
 
-__all__ = ["check_gather"]
+def check_chunk_bytes(total: int, chunk_bytes: int) -> None:
+    """A chunk of ``total`` bytes must be non-empty and fit a ``chunk_bytes`` slot."""
+    if total == 0:
+        raise InvalidRequest(
+            "nothing to gather: every group's list is empty", field="kernel_block_ids"
+        )
+    if total > chunk_bytes:
+        raise InvalidRequest(
+            f"the chunk is {total} bytes, a staging slot here holds {chunk_bytes}",
+            field="kernel_block_ids",
+            fix="cut chunks by the chunk_bytes this daemon advertises in its handshake",
+        )
+
+
+__all__ = ["check_chunk_bytes", "check_gather"]

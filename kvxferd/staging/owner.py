@@ -1,44 +1,42 @@
 """Owner side of STAGED pulls: gather leased blocks into granted slots; take slots back.
 
-A reader's ``Gather`` names a held request and kernel block IDs per group. Every ID is checked
-against the pool's kernel block counts and must be held under that request's lease: nothing
-outside the pool, and nothing not leased, is ever copied. The gather runs in a worker thread
-(on CUDA, on a side stream with an event wait), and the slot is answered only once the bytes
-are there. A granted slot returns to the ring when the reader releases it, when the request's
-lease ends (released or expired: the reader is done or gone), or after the grant timeout.
+A reader's ``Gather`` (or each chunk of its ``Stage`` stream, :mod:`kvxferd.staging.stage_owner`)
+names a held request and kernel block IDs per group. Every ID is checked against the pool's
+kernel block counts and must be held under that request's lease: nothing outside the pool,
+and nothing not leased, is ever copied. The gather runs in a worker thread (on CUDA, on a side
+stream with an event wait), and the slot is answered only once the bytes are there. A granted
+slot returns to the ring when the reader releases it, when the request's lease ends (released
+or expired: the reader is done or gone), or after the grant timeout.
 
 Slots are shared fairly between readers (a reader is an opaque identity string; the service
-decides what it is):
+decides what it is), as docs/strategies.md ("Sharing an owner's ring between readers") says:
 
-* **per-reader cap**: one reader holds at most ``reader_cap`` slots at once (the documented
-  half of the ring, at least one), so it can never take the whole ring. A reader at its cap
-  waits, up to its call's deadline, for one of *its own* slots to come back; it never takes a
-  free slot another reader could use, and times out with ``ResourceExhausted`` saying so;
-* **fair order**: when no slot is free, Gathers wait in one queue per reader and freed slots
-  go round-robin over the readers that wait and are under their cap (FIFO within a reader),
-  so a reader that asks for many slots gets one per turn, like every other waiting reader
-  (:mod:`kvxferd.staging.fair`).
+* **per-reader cap**: one reader holds at most ``reader_cap`` slots at once (half the ring, at
+  least one); a reader at its cap waits, up to its deadline, for one of *its own* slots to come
+  back and times out with ``ResourceExhausted`` saying so;
+* **fair order**: when no slot is free, waiting gathers queue per reader and freed slots go
+  round-robin over the readers that wait and are under their cap (:mod:`.fair`).
 
 The owner side waits on the ring (shared with this daemon's own reader chunks) through at most
 one :meth:`~kvxferd.staging.ring.StagingRing.claim` at a time, made only while some waiting
-reader could take a slot. :meth:`StagingOwner.occupancy` is the cheap view for metrics.
-Event-loop only, like the ring.
+reader could take a slot. Event-loop only, like the ring.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvxferd.errors import EngineDetached, InvalidRequest, LeaseRefused, ResourceExhausted
+from kvxferd.errors import EngineDetached, InvalidRequest, LeaseRefused
 from kvxferd.logs import kv
 from kvxferd.pool import KVPool
 from kvxferd.staging.chunks import span_offsets
 from kvxferd.staging.device import Int64Array, PoolCopier
 from kvxferd.staging.fair import FairQueue, Waiter, waited_in_vain
-from kvxferd.staging.gather_check import check_gather
+from kvxferd.staging.gather_check import check_chunk_bytes, check_gather
 from kvxferd.staging.ring import StagingRing, half_cap
 from kvxferd.staging.stats import Occupancy
 from kvxferd.transfer.leases import LeaseTable, Released
@@ -59,6 +57,8 @@ class Grant:
     offset: int
     nbytes: int
     gather_s: float
+    wait_s: float = 0.0  # waiting for a slot (other readers', or this reader at its cap)
+    started_at: float = 0.0  # monotonic: when the gather thread started copying
 
 
 @dataclass
@@ -143,14 +143,11 @@ class StagingOwner:
     def occupancy(self) -> Occupancy:
         """Slots granted per reader, Gathers waiting per reader, free slots (a copy; cheap:
         ``O(readers)``, no lock, no device work)."""
-        chunks = self.ring.info.chunks
-        free = self.ring.free_slots
-        granted = {r: n for r, n in self._count.items() if n > 0}
         return Occupancy(
-            slots=chunks,
-            free=free,
+            slots=self.ring.info.chunks,
+            free=self.ring.free_slots,
             reader_cap=self.reader_cap,
-            granted=granted,
+            granted={r: n for r, n in self._count.items() if n > 0},
             waiting=self._waiting.counts(),
             local=max(0, self.ring.taken_slots - len(self._grants)),
         )
@@ -160,7 +157,8 @@ class StagingOwner:
         lease = self.leases.get(request_id)
         return None if lease is None else lease.kernel_blocks
 
-    def _check(self, request_id: str, kernel_ids: Sequence[Sequence[int]]) -> list[Int64Array]:
+    def check(self, request_id: str, kernel_ids: Sequence[Sequence[int]]) -> list[Int64Array]:
+        """``kernel_ids`` as arrays once every ID is inside the pool and held under the lease."""
         return check_gather(
             self.pool.spec,
             self._lease_blocks(request_id),
@@ -181,24 +179,33 @@ class StagingOwner:
         """Check, wait for a slot (up to ``timeout_s``, less a reply margin), gather, answer
         the slot. ``reader`` is an opaque identity: caps and turns are per distinct string."""
         self.release(request_id, reader, release)
-        ids = self._check(request_id, kernel_ids)
+        ids = self.check(request_id, kernel_ids)
         _, total = span_offsets([int(a.size) for a in ids], self.copier.row_bytes)
-        if total == 0:
-            raise InvalidRequest(
-                "nothing to gather: every group's list is empty", field="kernel_block_ids"
-            )
-        if total > self.ring.info.chunk_bytes:
-            raise InvalidRequest(
-                f"the chunk is {total} bytes, a staging slot here holds"
-                f" {self.ring.info.chunk_bytes}",
-                field="kernel_block_ids",
-                fix="cut chunks by the chunk_bytes this daemon advertises in its handshake",
-            )
+        check_chunk_bytes(total, self.ring.info.chunk_bytes)
+        return await self.fill(request_id, reader, ids, total, timeout_s)
+
+    async def fill(
+        self,
+        request_id: str,
+        reader: str,
+        ids: Sequence[Int64Array],
+        total: int,
+        timeout_s: float | None,
+    ) -> Grant:
+        """Gather checked ``ids`` (``total`` bytes, fitting a slot) into a slot granted to
+        ``reader`` once one is free for it (fair order, its cap); cancelling it while the
+        gather runs frees the slot when the gather thread ends."""
+        t0 = time.monotonic()
         slot = await self._acquire(request_id, reader, timeout_s)
+        waited = time.monotonic() - t0
         held = self._grants[slot]
-        work = asyncio.ensure_future(
-            asyncio.to_thread(self.copier.gather, ids, self.ring.view(slot, total))
-        )
+        started: list[float] = []
+
+        def run() -> float:
+            started.append(time.monotonic())
+            return self.copier.gather(ids, self.ring.view(slot, total))
+
+        work = asyncio.ensure_future(asyncio.to_thread(run))
         try:
             seconds = await asyncio.shield(work)
         except asyncio.CancelledError:
@@ -225,7 +232,8 @@ class StagingOwner:
         # gather (a busy GPU) never eats the reader's time to read it.
         held.timer.cancel()
         held.timer = asyncio.get_running_loop().call_later(self.grant_timeout_s, self._expire, slot)
-        return Grant(slot, self.ring.info.slot_offset(slot), total, seconds)
+        offset = self.ring.info.slot_offset(slot)
+        return Grant(slot, offset, total, seconds, waited, started[0] if started else t0)
 
     def release(self, request_id: str, reader: str, slots: Sequence[int]) -> int:
         """Free ``slots`` granted to ``reader`` for ``request_id``; others are ignored."""
@@ -338,11 +346,9 @@ class StagingOwner:
         self._pump()
 
     def _time_out(self, w: Waiter, timeout_s: float) -> None:
-        self._fail(w, self._exhausted(w.reader, timeout_s))
-
-    def _exhausted(self, reader: str, timeout_s: float) -> ResourceExhausted:
-        held = self._count.get(reader, 0)
-        return waited_in_vain(reader, held, self.reader_cap, timeout_s, self.occupancy())
+        held = self._count.get(w.reader, 0)
+        occ = self.occupancy()
+        self._fail(w, waited_in_vain(w.reader, held, self.reader_cap, timeout_s, occ))
 
     # -- taking slots back ----------------------------------------------------------------------
 

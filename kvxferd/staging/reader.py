@@ -1,13 +1,16 @@
 """Reader side of STAGED pulls: chunk by chunk, gather remotely, READ one slot, scatter.
 
-Per chunk: take a local slot (awaiting one if the ring is busy), ask the owner to gather the
-chunk's remote kernel blocks (``Peer.Gather``), READ the owner's slot into the local slot with
-one descriptor through the :class:`~kvxferd.transfer.TransferEngine` (deadline, cancel and
-failure handling as for DIRECT), hand the owner's slot back (piggybacked on the next Gather,
-or ``ReleaseStaging`` when no Gather follows), scatter the local slot into the pool, free it.
-Chunks run concurrently up to the ring's reader cap, so gathers, READs and scatters overlap.
-When every chunk is in place, the transfer-done notification goes to the owner through the
-engine (as a DIRECT READ's notification does), so the lease ends the same way.
+An owner that serves ``Peer.Stage`` (its handshake's ring says ``stream``) is read over one
+stream per pull, without a round trip per chunk (:mod:`kvxferd.staging.stage_reader`). An
+older owner is read with one ``Peer.Gather`` per chunk, as follows. Per chunk: take a local
+slot (awaiting one if the ring is busy), ask the owner to gather the chunk's remote kernel
+blocks (``Peer.Gather``), READ the owner's slot into the local slot with one descriptor through
+the :class:`~kvxferd.transfer.TransferEngine` (deadline, cancel and failure handling as for
+DIRECT), hand the owner's slot back (piggybacked on the next Gather, or ``ReleaseStaging`` when
+no Gather follows), scatter the local slot into the pool, free it. Chunks run concurrently up
+to the ring's reader cap, so gathers, READs and scatters overlap. When every chunk is in place,
+the transfer-done notification goes to the owner through the engine (as a DIRECT READ's
+notification does), so the lease ends the same way.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from kvxferd.logs import kv
 from kvxferd.staging.chunks import Chunk, RingInfo
 from kvxferd.staging.device import Int64Array, PoolCopier
 from kvxferd.staging.ring import StagingRing
+from kvxferd.staging.stage_reader import StreamPull
 from kvxferd.staging.stats import StageTimes
 from kvxferd.transfer import TransferEngine, TransferResult, TransferStatus
 from kvxferd.v1 import common_pb2, peer_pb2
@@ -151,6 +155,21 @@ class StagedReader:
         await asyncio.gather(driver, return_exceptions=True)
 
     async def _drive(self, job: StagedJob) -> None:
+        if job.remote_ring.stream and job.client.can_stream:  # one Stage stream for the pull
+            await StreamPull(job, self.ring, self.copier, self.engine, self.staging_region).run()
+        else:  # an owner without Stage: one Gather per chunk
+            await self._drive_gathers(job)
+        if job.notif:
+            done_xfer = self.engine.submit(
+                f"{job.transfer_id}#done",
+                job.peer_agent,
+                TransferPlan(ranges=()),
+                notif=job.notif,
+                timeout_s=max(1e-3, job.remaining()),
+            )
+            await done_xfer.wait()
+
+    async def _drive_gathers(self, job: StagedJob) -> None:
         tasks = [asyncio.ensure_future(self._chunk(job, c)) for c in job.chunks]
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
@@ -163,15 +182,6 @@ class StagedReader:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
         await self._give_back(job)
-        if job.notif:
-            done_xfer = self.engine.submit(
-                f"{job.transfer_id}#done",
-                job.peer_agent,
-                TransferPlan(ranges=()),
-                notif=job.notif,
-                timeout_s=max(1e-3, job.remaining()),
-            )
-            await done_xfer.wait()
 
     async def _chunk(self, job: StagedJob, chunk: Chunk) -> None:
         t0 = time.monotonic()

@@ -44,7 +44,7 @@ class StagingRing:
             raise InvalidRequest(f"staging buffer must be {chunk_bytes * chunks} uint8 bytes")
         self.buffer = buffer
         self.info = RingInfo(
-            int(buffer.data_ptr()), chunk_bytes, chunks, int(buffer.device.index or 0)
+            int(buffer.data_ptr()), chunk_bytes, chunks, int(buffer.device.index or 0), stream=True
         )
         self.reader_cap = half_cap(chunks)
         self._free: deque[int] = deque(range(chunks))
@@ -124,6 +124,30 @@ class StagingRing:
                 return
         self._taken.discard(slot)
         self._free.append(slot)
+
+    @asynccontextmanager
+    async def reader_slots(self, want: int) -> AsyncIterator[list[int]]:
+        """Up to ``want`` slots for one reader pull, returned on exit: the first awaited, the
+        others only if free now (within ``reader_cap`` and nobody waiting), so pulls never
+        wait on each other's partial sets."""
+        slots: list[int] = []
+        await self._readers.acquire()
+        permits = 1
+        try:
+            slots.append(await self.take())
+            while len(slots) < want and not self._readers.locked():
+                await self._readers.acquire()  # free now: returns at once
+                permits += 1
+                slot = self.try_take()
+                if slot is None:
+                    break
+                slots.append(slot)
+            yield slots
+        finally:
+            for slot in slots:
+                self.give(slot)
+            for _ in range(permits):
+                self._readers.release()
 
     @asynccontextmanager
     async def reader_slot(self) -> AsyncIterator[int]:

@@ -8,15 +8,31 @@ from dataclasses import dataclass, field
 
 @dataclass
 class StageTimes:
+    """A STAGED pull's stage times, summed over its chunks (chunks overlap, so the sums can
+    exceed the pull's time). ``gather_rpc_s``: per chunk, from the moment the reader could get
+    it (the Gather sent; over a Stage stream: the credit allowing it given back, or the previous
+    announcement, whichever came later) to its slot being answered or announced. Over a Stage
+    stream (``stream``), the per-chunk *control cost* is ``control_s + owner_start_s``: reader
+    side, announcement arrived -> READ posted (less ``slot_wait_s``); owner side, credit
+    arrived -> gather started (less ``owner_slot_wait_s``)."""
+
     chunks: int = 0
     gather_s: float = 0.0
     gather_rpc_s: float = 0.0
     read_s: float = 0.0
     scatter_s: float = 0.0
     slot_wait_s: float = 0.0
+    stream: bool = False
+    control_s: float = 0.0
+    owner_start_s: float = 0.0
+    owner_slot_wait_s: float = 0.0
+
+    @property
+    def control_per_chunk_s(self) -> float:
+        return (self.control_s + self.owner_start_s) / self.chunks if self.chunks else 0.0
 
     def as_log(self) -> dict[str, float]:
-        return {
+        out = {
             "chunks": self.chunks,
             "gather_ms": round(self.gather_s * 1e3, 3),
             "gather_rpc_ms": round(self.gather_rpc_s * 1e3, 3),
@@ -24,6 +40,15 @@ class StageTimes:
             "scatter_ms": round(self.scatter_s * 1e3, 3),
             "slot_wait_ms": round(self.slot_wait_s * 1e3, 3),
         }
+        if self.stream:
+            out |= {
+                "stream": 1,
+                "control_ms": round(self.control_s * 1e3, 3),
+                "owner_start_ms": round(self.owner_start_s * 1e3, 3),
+                "owner_slot_wait_ms": round(self.owner_slot_wait_s * 1e3, 3),
+                "control_per_chunk_us": round(self.control_per_chunk_s * 1e6, 1),
+            }
+        return out
 
 
 @dataclass(frozen=True)

@@ -26,19 +26,19 @@ from kvxferd.v1 import common_pb2 as kvxferd_dot_v1_dot_common__pb2
 from kvxferd.v1 import spec_pb2 as kvxferd_dot_v1_dot_spec__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kvxferd/v1/peer.proto\x12\nkvxferd.v1\x1a\x17kvxferd/v1/common.proto\x1a\x15kvxferd/v1/spec.proto\"T\n\x10HandshakeRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x15\n\rcompat_digest\x18\x02 \x01(\x0c\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\"f\n\x11HandshakeResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x15\n\rcompat_digest\x18\x02 \x01(\x0c\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\x12\x0f\n\x07session\x18\x04 \x01(\x0c\"\x8a\x04\n\x10HandshakePayload\x12%\n\x04spec\x18\x01 \x01(\x0b\x32\x17.kvxferd.v1.KvCacheSpec\x12\x35\n\rregistrations\x18\x02 \x03(\x0b\x32\x1e.kvxferd.v1.RegionRegistration\x12\x17\n\x0fnixl_agent_name\x18\x03 \x01(\t\x12\x1b\n\x13nixl_agent_metadata\x18\x04 \x01(\x0c\x12\x1f\n\x17registration_generation\x18\x05 \x01(\x04\x12\x0f\n\x07tp_rank\x18\x06 \x01(\r\x12\x0f\n\x07tp_size\x18\x07 \x01(\r\x12\x16\n\x0eprefix_caching\x18\x08 \x01(\x08\x12\x11\n\tdaemon_id\x18\t \x01(\t\x12\x13\n\x0binstance_id\x18\n \x01(\t\x12\x14\n\x0cpeer_address\x18\x0b \x01(\t\x12(\n\x07staging\x18\x0c \x01(\x0b\x32\x17.kvxferd.v1.StagingRing\x12\x0f\n\x07host_id\x18\r \x01(\t\x12+\n\x08\x63uda_ipc\x18\x0e \x01(\x0b\x32\x19.kvxferd.v1.CudaIpcExport\x12/\n\rtransfer_mode\x18\x0f \x01(\x0e\x32\x18.kvxferd.v1.TransferMode\x12\x14\n\x0clocal_socket\x18\x10 \x01(\t\x12\x1a\n\x12kernel_only_reason\x18\x11 \x01(\t\"P\n\rCudaIpcExport\x12*\n\x07regions\x18\x01 \x03(\x0b\x32\x19.kvxferd.v1.CudaIpcRegion\x12\x13\n\x0bunavailable\x18\x02 \x01(\t\"T\n\rCudaIpcRegion\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\x13\n\x0b\x64\x65vice_uuid\x18\x04 \x01(\t\"[\n\x0bStagingRing\x12\x14\n\x0c\x62\x61se_address\x18\x01 \x01(\x04\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06\x63hunks\x18\x03 \x01(\r\x12\x11\n\tdevice_id\x18\x04 \x01(\r\"\x82\x01\n\rGatherRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\treader_id\x18\x02 \x01(\t\x12\x33\n\x10kernel_block_ids\x18\x03 \x01(\x0b\x32\x19.kvxferd.v1.GroupBlockIds\x12\x15\n\rrelease_slots\x18\x04 \x03(\r\"Q\n\x0eGatherResponse\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\x11\n\tgather_us\x18\x04 \x01(\x04\"\xcf\x01\n\x0bPushRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x33\n\x10remote_block_ids\x18\x02 \x01(\x0b\x32\x19.kvxferd.v1.GroupBlockIds\x12\x32\n\x0flocal_block_ids\x18\x03 \x01(\x0b\x32\x19.kvxferd.v1.GroupBlockIds\x12\x14\n\x0cnotif_ticket\x18\x04 \x01(\x06\x12\x18\n\x10write_timeout_ms\x18\x05 \x01(\r\x12\x13\n\x0btransfer_id\x18\x06 \x01(\t\"\\\n\x0cPushResponse\x12\x0e\n\x06nbytes\x18\x01 \x01(\x04\x12\x13\n\x0b\x64\x65scriptors\x18\x02 \x01(\r\x12\x12\n\nelapsed_us\x18\x03 \x01(\x04\x12\x13\n\x0binstance_id\x18\x04 \x01(\t\"M\n\x15ReleaseStagingRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\treader_id\x18\x02 \x01(\t\x12\r\n\x05slots\x18\x03 \x03(\r\"*\n\x16ReleaseStagingResponse\x12\x10\n\x08released\x18\x01 \x01(\r\"\x8b\x02\n\x05Lease\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x05state\x18\x02 \x01(\x0e\x32\x16.kvxferd.v1.LeaseState\x12\x17\n\x0f\x65xpires_unix_ns\x18\x03 \x01(\x03\x12\x14\n\x0cremaining_ms\x18\x04 \x01(\x04\x12,\n\tblock_ids\x18\x05 \x01(\x0b\x32\x19.kvxferd.v1.GroupBlockIds\x12\x18\n\x10readers_expected\x18\x06 \x01(\r\x12\x19\n\x11readers_confirmed\x18\x07 \x01(\r\x12\x14\n\x0creaders_done\x18\x08 \x01(\r\x12\x1f\n\x17registration_generation\x18\t \x01(\x04\"O\n\x13\x43onfirmLeaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\treader_id\x18\x02 \x01(\t\x12\x11\n\textend_ms\x18\x03 \x01(\r\"]\n\x14\x43onfirmLeaseResponse\x12 \n\x05lease\x18\x01 \x01(\x0b\x32\x11.kvxferd.v1.Lease\x12\x0e\n\x06ticket\x18\x02 \x01(\x06\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\"N\n\x12\x45xtendLeaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\treader_id\x18\x02 \x01(\t\x12\x11\n\textend_ms\x18\x03 \x01(\r\"7\n\x13\x45xtendLeaseResponse\x12 \n\x05lease\x18\x01 \x01(\x0b\x32\x11.kvxferd.v1.Lease\"g\n\x13ReleaseLeaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\treader_id\x18\x02 \x01(\t\x12)\n\x06reason\x18\x03 \x01(\x0e\x32\x19.kvxferd.v1.ReleaseReason\"8\n\x14ReleaseLeaseResponse\x12 \n\x05lease\x18\x01 \x01(\x0b\x32\x11.kvxferd.v1.Lease\"\x88\x01\n\x10HeartbeatRequest\x12\x11\n\tdaemon_id\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x1f\n\x17registration_generation\x18\x03 \x01(\x04\x12\x19\n\x11renew_request_ids\x18\x04 \x03(\t\x12\x10\n\x08renew_ms\x18\x05 \x01(\r\"\x94\x01\n\x11HeartbeatResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x1f\n\x17registration_generation\x18\x02 \x01(\x04\x12\x18\n\x10lost_request_ids\x18\x03 \x03(\t\x12\x1b\n\x13server_time_unix_ns\x18\x04 \x01(\x03\x12\x12\n\nrenewed_ms\x18\x05 \x01(\r*e\n\x0fProtocolVersion\x12 \n\x1cPROTOCOL_VERSION_UNSPECIFIED\x10\x00\x12\x17\n\x13PROTOCOL_VERSION_V1\x10\x01\x12\x17\n\x13PROTOCOL_VERSION_V2\x10\x02*]\n\x0cTransferMode\x12\x1d\n\x19TRANSFER_MODE_UNSPECIFIED\x10\x00\x12\x16\n\x12TRANSFER_MODE_PULL\x10\x01\x12\x16\n\x12TRANSFER_MODE_PUSH\x10\x02*t\n\nLeaseState\x12\x1b\n\x17LEASE_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12LEASE_STATE_ACTIVE\x10\x01\x12\x18\n\x14LEASE_STATE_RELEASED\x10\x02\x12\x17\n\x13LEASE_STATE_EXPIRED\x10\x03\x32\xe5\x04\n\x04Peer\x12H\n\tHandshake\x12\x1c.kvxferd.v1.HandshakeRequest\x1a\x1d.kvxferd.v1.HandshakeResponse\x12Q\n\x0c\x43onfirmLease\x12\x1f.kvxferd.v1.ConfirmLeaseRequest\x1a .kvxferd.v1.ConfirmLeaseResponse\x12N\n\x0b\x45xtendLease\x12\x1e.kvxferd.v1.ExtendLeaseRequest\x1a\x1f.kvxferd.v1.ExtendLeaseResponse\x12Q\n\x0cReleaseLease\x12\x1f.kvxferd.v1.ReleaseLeaseRequest\x1a .kvxferd.v1.ReleaseLeaseResponse\x12H\n\tHeartbeat\x12\x1c.kvxferd.v1.HeartbeatRequest\x1a\x1d.kvxferd.v1.HeartbeatResponse\x12?\n\x06Gather\x12\x19.kvxferd.v1.GatherRequest\x1a\x1a.kvxferd.v1.GatherResponse\x12W\n\x0eReleaseStaging\x12!.kvxferd.v1.ReleaseStagingRequest\x1a\".kvxferd.v1.ReleaseStagingResponse\x12\x39\n\x04Push\x12\x17.kvxferd.v1.PushRequest\x1a\x18.kvxferd.v1.PushResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kvxferd/v1/peer.proto\x12\nkvxferd.v1\x1a\x17kvxferd/v1/common.proto\x1a\x15kvxferd/v1/spec.proto\"T\n\x10HandshakeRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x15\n\rcompat_digest\x18\x02 \x01(\x0c\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\"f\n\x11HandshakeResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x15\n\rcompat_digest\x18\x02 \x01(\x0c\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\x12\x0f\n\x07session\x18\x04 \x01(\x0c\"\x8a\x04\n\x10HandshakePayload\x12%\n\x04spec\x18\x01 \x01(\x0b\x32\x17.kvxferd.v1.KvCacheSpec\x12\x35\n\rregistrations\x18\x02 \x03(\x0b\x32\x1e.kvxferd.v1.RegionRegistration\x12\x17\n\x0fnixl_agent_name\x18\x03 \x01(\t\x12\x1b\n\x13nixl_agent_metadata\x18\x04 \x01(\x0c\x12\x1f\n\x17registration_generation\x18\x05 \x01(\x04\x12\x0f\n\x07tp_rank\x18\x06 \x01(\r\x12\x0f\n\x07tp_size\x18\x07 \x01(\r\x12\x16\n\x0eprefix_caching\x18\x08 \x01(\x08\x12\x11\n\tdaemon_id\x18\t \x01(\t\x12\x13\n\x0binstance_id\x18\n \x01(\t\x12\x14\n\x0cpeer_address\x18\x0b \x01(\t\x12(\n\x07staging\x18\x0c \x01(\x0b\x32\x17.kvxferd.v1.StagingRing\x12\x0f\n\x07host_id\x18\r \x01(\t\x12+\n\x08\x63uda_ipc\x18\x0e \x01(\x0b\x32\x19.kvxferd.v1.CudaIpcExport\x12/\n\rtransfer_mode\x18\x0f \x01(\x0e\x32\x18.kvxferd.v1.TransferMode\x12\x14\n\x0clocal_socket\x18\x10 \x01(\t\x12\x1a\n\x12kernel_only_reason\x18\x11 \x01(\t\"P\n\rCudaIpcExport\x12*\n\x07regions\x18\x01 \x03(\x0b\x32\x19.kvxferd.v1.CudaIpcRegion\x12\x13\n\x0bunavailable\x18\x02 \x01(\t\"T\n\rCudaIpcRegion\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\x13\n\x0b\x64\x65vice_uuid\x18\x04 \x01(\t\"k\n\x0bStagingRing\x12\x14\n\x0c\x62\x61se_address\x18\x01 \x01(\x04\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06\x63hunks\x18\x03 \x01(\r\x12\x11\n\tdevice_id\x18\x04 \x01(\r\x12\x0e\n\x06stream\x18\x05 \x01(\x08\"\x82\x01\n\rGatherRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\treader_id\x18\x02 \x01(\t\x12\x33\n\x10kernel_block_ids\x18\x03 \x01(\x0b\x32\x19.kvxferd.v1.GroupBlockIds\x12\x15\n\rrelease_slots\x18\x04 \x03(\r\"Q\n\x0eGatherResponse\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\x11\n\tgather_us\x18\x04 \x01(\x04\"G\n\x0cStageRequest\x12#\n\x04open\x18\x01 \x01(\x0b\x32\x15.kvxferd.v1.StageOpen\x12\x12\n\nread_slots\x18\x02 \x03(\r\"\x9d\x01\n\tStageOpen\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\treader_id\x18\x02 \x01(\t\x12\x33\n\x10kernel_block_ids\x18\x03 \x01(\x0b\x32\x19.kvxferd.v1.GroupBlockIds\x12\x13\n\x0b\x63hunk_bytes\x18\x04 \x01(\x04\x12\x0e\n\x06\x63hunks\x18\x05 \x01(\r\x12\x0f\n\x07\x63redits\x18\x06 \x01(\r\"\x84\x01\n\nStageEvent\x12\r\n\x05\x63hunk\x18\x01 \x01(\r\x12\x0c\n\x04slot\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x12\x11\n\tgather_us\x18\x05 \x01(\x04\x12\x10\n\x08start_us\x18\x06 \x01(\x04\x12\x14\n\x0cslot_wait_us\x18\x07 \x01(\x04\"\xcf\x01\n\x0bPushRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x33\n\x10remote_block_ids\x18\x02 \x01(\x0b\x32\x19.kvxferd.v1.GroupBlockIds\x12\x32\n\x0flocal_block_ids\x18\x03 \x01(\x0b\x32\x19.kvxferd.v1.GroupBlockIds\x12\x14\n\x0cnotif_ticket\x18\x04 \x01(\x06\x12\x18\n\x10write_timeout_ms\x18\x05 \x01(\r\x12\x13\n\x0btransfer_id\x18\x06 \x01(\t\"\\\n\x0cPushResponse\x12\x0e\n\x06nbytes\x18\x01 \x01(\x04\x12\x13\n\x0b\x64\x65scriptors\x18\x02 \x01(\r\x12\x12\n\nelapsed_us\x18\x03 \x01(\x04\x12\x13\n\x0binstance_id\x18\x04 \x01(\t\"M\n\x15ReleaseStagingRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\treader_id\x18\x02 \x01(\t\x12\r\n\x05slots\x18\x03 \x03(\r\"*\n\x16ReleaseStagingResponse\x12\x10\n\x08released\x18\x01 \x01(\r\"\x8b\x02\n\x05Lease\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x05state\x18\x02 \x01(\x0e\x32\x16.kvxferd.v1.LeaseState\x12\x17\n\x0f\x65xpires_unix_ns\x18\x03 \x01(\x03\x12\x14\n\x0cremaining_ms\x18\x04 \x01(\x04\x12,\n\tblock_ids\x18\x05 \x01(\x0b\x32\x19.kvxferd.v1.GroupBlockIds\x12\x18\n\x10readers_expected\x18\x06 \x01(\r\x12\x19\n\x11readers_confirmed\x18\x07 \x01(\r\x12\x14\n\x0creaders_done\x18\x08 \x01(\r\x12\x1f\n\x17registration_generation\x18\t \x01(\x04\"O\n\x13\x43onfirmLeaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\treader_id\x18\x02 \x01(\t\x12\x11\n\textend_ms\x18\x03 \x01(\r\"]\n\x14\x43onfirmLeaseResponse\x12 \n\x05lease\x18\x01 \x01(\x0b\x32\x11.kvxferd.v1.Lease\x12\x0e\n\x06ticket\x18\x02 \x01(\x06\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\"N\n\x12\x45xtendLeaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\treader_id\x18\x02 \x01(\t\x12\x11\n\textend_ms\x18\x03 \x01(\r\"7\n\x13\x45xtendLeaseResponse\x12 \n\x05lease\x18\x01 \x01(\x0b\x32\x11.kvxferd.v1.Lease\"g\n\x13ReleaseLeaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\treader_id\x18\x02 \x01(\t\x12)\n\x06reason\x18\x03 \x01(\x0e\x32\x19.kvxferd.v1.ReleaseReason\"8\n\x14ReleaseLeaseResponse\x12 \n\x05lease\x18\x01 \x01(\x0b\x32\x11.kvxferd.v1.Lease\"\x88\x01\n\x10HeartbeatRequest\x12\x11\n\tdaemon_id\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x1f\n\x17registration_generation\x18\x03 \x01(\x04\x12\x19\n\x11renew_request_ids\x18\x04 \x03(\t\x12\x10\n\x08renew_ms\x18\x05 \x01(\r\"\x94\x01\n\x11HeartbeatResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x1f\n\x17registration_generation\x18\x02 \x01(\x04\x12\x18\n\x10lost_request_ids\x18\x03 \x03(\t\x12\x1b\n\x13server_time_unix_ns\x18\x04 \x01(\x03\x12\x12\n\nrenewed_ms\x18\x05 \x01(\r*e\n\x0fProtocolVersion\x12 \n\x1cPROTOCOL_VERSION_UNSPECIFIED\x10\x00\x12\x17\n\x13PROTOCOL_VERSION_V1\x10\x01\x12\x17\n\x13PROTOCOL_VERSION_V2\x10\x02*]\n\x0cTransferMode\x12\x1d\n\x19TRANSFER_MODE_UNSPECIFIED\x10\x00\x12\x16\n\x12TRANSFER_MODE_PULL\x10\x01\x12\x16\n\x12TRANSFER_MODE_PUSH\x10\x02*t\n\nLeaseState\x12\x1b\n\x17LEASE_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12LEASE_STATE_ACTIVE\x10\x01\x12\x18\n\x14LEASE_STATE_RELEASED\x10\x02\x12\x17\n\x13LEASE_STATE_EXPIRED\x10\x03\x32\xa4\x05\n\x04Peer\x12H\n\tHandshake\x12\x1c.kvxferd.v1.HandshakeRequest\x1a\x1d.kvxferd.v1.HandshakeResponse\x12Q\n\x0c\x43onfirmLease\x12\x1f.kvxferd.v1.ConfirmLeaseRequest\x1a .kvxferd.v1.ConfirmLeaseResponse\x12N\n\x0b\x45xtendLease\x12\x1e.kvxferd.v1.ExtendLeaseRequest\x1a\x1f.kvxferd.v1.ExtendLeaseResponse\x12Q\n\x0cReleaseLease\x12\x1f.kvxferd.v1.ReleaseLeaseRequest\x1a .kvxferd.v1.ReleaseLeaseResponse\x12H\n\tHeartbeat\x12\x1c.kvxferd.v1.HeartbeatRequest\x1a\x1d.kvxferd.v1.HeartbeatResponse\x12?\n\x06Gather\x12\x19.kvxferd.v1.GatherRequest\x1a\x1a.kvxferd.v1.GatherResponse\x12W\n\x0eReleaseStaging\x12!.kvxferd.v1.ReleaseStagingRequest\x1a\".kvxferd.v1.ReleaseStagingResponse\x12=\n\x05Stage\x12\x18.kvxferd.v1.StageRequest\x1a\x16.kvxferd.v1.StageEvent(\x01\x30\x01\x12\x39\n\x04Push\x12\x17.kvxferd.v1.PushRequest\x1a\x18.kvxferd.v1.PushResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvxferd.v1.peer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PROTOCOLVERSION']._serialized_start=2740
-  _globals['_PROTOCOLVERSION']._serialized_end=2841
-  _globals['_TRANSFERMODE']._serialized_start=2843
-  _globals['_TRANSFERMODE']._serialized_end=2936
-  _globals['_LEASESTATE']._serialized_start=2938
-  _globals['_LEASESTATE']._serialized_end=3054
+  _globals['_PROTOCOLVERSION']._serialized_start=3124
+  _globals['_PROTOCOLVERSION']._serialized_end=3225
+  _globals['_TRANSFERMODE']._serialized_start=3227
+  _globals['_TRANSFERMODE']._serialized_end=3320
+  _globals['_LEASESTATE']._serialized_start=3322
+  _globals['_LEASESTATE']._serialized_end=3438
   _globals['_HANDSHAKEREQUEST']._serialized_start=85
   _globals['_HANDSHAKEREQUEST']._serialized_end=169
   _globals['_HANDSHAKERESPONSE']._serialized_start=171
@@ -50,37 +50,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CUDAIPCREGION']._serialized_start=882
   _globals['_CUDAIPCREGION']._serialized_end=966
   _globals['_STAGINGRING']._serialized_start=968
-  _globals['_STAGINGRING']._serialized_end=1059
-  _globals['_GATHERREQUEST']._serialized_start=1062
-  _globals['_GATHERREQUEST']._serialized_end=1192
-  _globals['_GATHERRESPONSE']._serialized_start=1194
-  _globals['_GATHERRESPONSE']._serialized_end=1275
-  _globals['_PUSHREQUEST']._serialized_start=1278
-  _globals['_PUSHREQUEST']._serialized_end=1485
-  _globals['_PUSHRESPONSE']._serialized_start=1487
-  _globals['_PUSHRESPONSE']._serialized_end=1579
-  _globals['_RELEASESTAGINGREQUEST']._serialized_start=1581
-  _globals['_RELEASESTAGINGREQUEST']._serialized_end=1658
-  _globals['_RELEASESTAGINGRESPONSE']._serialized_start=1660
-  _globals['_RELEASESTAGINGRESPONSE']._serialized_end=1702
-  _globals['_LEASE']._serialized_start=1705
-  _globals['_LEASE']._serialized_end=1972
-  _globals['_CONFIRMLEASEREQUEST']._serialized_start=1974
-  _globals['_CONFIRMLEASEREQUEST']._serialized_end=2053
-  _globals['_CONFIRMLEASERESPONSE']._serialized_start=2055
-  _globals['_CONFIRMLEASERESPONSE']._serialized_end=2148
-  _globals['_EXTENDLEASEREQUEST']._serialized_start=2150
-  _globals['_EXTENDLEASEREQUEST']._serialized_end=2228
-  _globals['_EXTENDLEASERESPONSE']._serialized_start=2230
-  _globals['_EXTENDLEASERESPONSE']._serialized_end=2285
-  _globals['_RELEASELEASEREQUEST']._serialized_start=2287
-  _globals['_RELEASELEASEREQUEST']._serialized_end=2390
-  _globals['_RELEASELEASERESPONSE']._serialized_start=2392
-  _globals['_RELEASELEASERESPONSE']._serialized_end=2448
-  _globals['_HEARTBEATREQUEST']._serialized_start=2451
-  _globals['_HEARTBEATREQUEST']._serialized_end=2587
-  _globals['_HEARTBEATRESPONSE']._serialized_start=2590
-  _globals['_HEARTBEATRESPONSE']._serialized_end=2738
-  _globals['_PEER']._serialized_start=3057
-  _globals['_PEER']._serialized_end=3670
+  _globals['_STAGINGRING']._serialized_end=1075
+  _globals['_GATHERREQUEST']._serialized_start=1078
+  _globals['_GATHERREQUEST']._serialized_end=1208
+  _globals['_GATHERRESPONSE']._serialized_start=1210
+  _globals['_GATHERRESPONSE']._serialized_end=1291
+  _globals['_STAGEREQUEST']._serialized_start=1293
+  _globals['_STAGEREQUEST']._serialized_end=1364
+  _globals['_STAGEOPEN']._serialized_start=1367
+  _globals['_STAGEOPEN']._serialized_end=1524
+  _globals['_STAGEEVENT']._serialized_start=1527
+  _globals['_STAGEEVENT']._serialized_end=1659
+  _globals['_PUSHREQUEST']._serialized_start=1662
+  _globals['_PUSHREQUEST']._serialized_end=1869
+  _globals['_PUSHRESPONSE']._serialized_start=1871
+  _globals['_PUSHRESPONSE']._serialized_end=1963
+  _globals['_RELEASESTAGINGREQUEST']._serialized_start=1965
+  _globals['_RELEASESTAGINGREQUEST']._serialized_end=2042
+  _globals['_RELEASESTAGINGRESPONSE']._serialized_start=2044
+  _globals['_RELEASESTAGINGRESPONSE']._serialized_end=2086
+  _globals['_LEASE']._serialized_start=2089
+  _globals['_LEASE']._serialized_end=2356
+  _globals['_CONFIRMLEASEREQUEST']._serialized_start=2358
+  _globals['_CONFIRMLEASEREQUEST']._serialized_end=2437
+  _globals['_CONFIRMLEASERESPONSE']._serialized_start=2439
+  _globals['_CONFIRMLEASERESPONSE']._serialized_end=2532
+  _globals['_EXTENDLEASEREQUEST']._serialized_start=2534
+  _globals['_EXTENDLEASEREQUEST']._serialized_end=2612
+  _globals['_EXTENDLEASERESPONSE']._serialized_start=2614
+  _globals['_EXTENDLEASERESPONSE']._serialized_end=2669
+  _globals['_RELEASELEASEREQUEST']._serialized_start=2671
+  _globals['_RELEASELEASEREQUEST']._serialized_end=2774
+  _globals['_RELEASELEASERESPONSE']._serialized_start=2776
+  _globals['_RELEASELEASERESPONSE']._serialized_end=2832
+  _globals['_HEARTBEATREQUEST']._serialized_start=2835
+  _globals['_HEARTBEATREQUEST']._serialized_end=2971
+  _globals['_HEARTBEATRESPONSE']._serialized_start=2974
+  _globals['_HEARTBEATRESPONSE']._serialized_end=3122
+  _globals['_PEER']._serialized_start=3441
+  _globals['_PEER']._serialized_end=4117
 # @@protoc_insertion_point(module_scope)

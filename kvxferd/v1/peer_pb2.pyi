@@ -364,6 +364,7 @@ class StagingRing(google.protobuf.message.Message):
     CHUNK_BYTES_FIELD_NUMBER: builtins.int
     CHUNKS_FIELD_NUMBER: builtins.int
     DEVICE_ID_FIELD_NUMBER: builtins.int
+    STREAM_FIELD_NUMBER: builtins.int
     base_address: builtins.int
     """Address of slot 0; slot i starts at base_address + i * chunk_bytes."""
     chunk_bytes: builtins.int
@@ -372,6 +373,10 @@ class StagingRing(google.protobuf.message.Message):
     """Number of slots (transfer.staging_chunks), >= 2."""
     device_id: builtins.int
     """Device index of the buffer (0 for DRAM)."""
+    stream: builtins.bool
+    """This daemon serves Peer.Stage (one stream per STAGED pull). False from older peers: read
+    them with Gather and ReleaseStaging.
+    """
     def __init__(
         self,
         *,
@@ -379,8 +384,9 @@ class StagingRing(google.protobuf.message.Message):
         chunk_bytes: builtins.int = ...,
         chunks: builtins.int = ...,
         device_id: builtins.int = ...,
+        stream: builtins.bool = ...,
     ) -> None: ...
-    def ClearField(self, field_name: typing.Literal["base_address", b"base_address", "chunk_bytes", b"chunk_bytes", "chunks", b"chunks", "device_id", b"device_id"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["base_address", b"base_address", "chunk_bytes", b"chunk_bytes", "chunks", b"chunks", "device_id", b"device_id", "stream", b"stream"]) -> None: ...
 
 Global___StagingRing: typing_extensions.TypeAlias = StagingRing
 
@@ -450,6 +456,140 @@ class GatherResponse(google.protobuf.message.Message):
     def ClearField(self, field_name: typing.Literal["gather_us", b"gather_us", "nbytes", b"nbytes", "offset", b"offset", "slot", b"slot"]) -> None: ...
 
 Global___GatherResponse: typing_extensions.TypeAlias = GatherResponse
+
+@typing.final
+class StageRequest(google.protobuf.message.Message):
+    """A reader's message on a Stage stream. The first one sets open (and nothing else); every
+    later one sets read_slots only.
+    """
+
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
+
+    OPEN_FIELD_NUMBER: builtins.int
+    READ_SLOTS_FIELD_NUMBER: builtins.int
+    @property
+    def open(self) -> Global___StageOpen:
+        """First message only: the pull. A first message without it, or a later one with it, fails
+        the stream (INVALID_ARGUMENT).
+        """
+
+    @property
+    def read_slots(self) -> google.protobuf.internal.containers.RepeatedScalarFieldContainer[builtins.int]:
+        """Slots of this stream the reader has read since its last message (its READ completed):
+        each returns to the owner's ring and gives the owner one credit back. A slot that is not
+        one of this stream's announced, unreturned slots fails the stream (INVALID_ARGUMENT).
+        """
+
+    def __init__(
+        self,
+        *,
+        open: Global___StageOpen | None = ...,
+        read_slots: collections.abc.Iterable[builtins.int] | None = ...,
+    ) -> None: ...
+    def HasField(self, field_name: typing.Literal["open", b"open"]) -> builtins.bool: ...
+    def ClearField(self, field_name: typing.Literal["open", b"open", "read_slots", b"read_slots"]) -> None: ...
+
+Global___StageRequest: typing_extensions.TypeAlias = StageRequest
+
+@typing.final
+class StageOpen(google.protobuf.message.Message):
+    """The pull a Stage stream serves."""
+
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: builtins.int
+    READER_ID_FIELD_NUMBER: builtins.int
+    KERNEL_BLOCK_IDS_FIELD_NUMBER: builtins.int
+    CHUNK_BYTES_FIELD_NUMBER: builtins.int
+    CHUNKS_FIELD_NUMBER: builtins.int
+    CREDITS_FIELD_NUMBER: builtins.int
+    request_id: builtins.str
+    """The held request (its lease must be active and the caller's share confirmed)."""
+    reader_id: builtins.str
+    """Informational only: the reader is the caller's handshake session."""
+    chunk_bytes: builtins.int
+    """The slot size the reader cut its chunks at: the smaller of both rings' chunk_bytes. Must
+    be > 0 and <= this owner's ring chunk_bytes. The owner derives the chunks from it with
+    kvxferd.staging.chunks.split_chunks (rows of group 0 first, then group 1, ...).
+    """
+    chunks: builtins.int
+    """How many chunks the reader derived: the owner refuses the stream if it derives another
+    count (the peers disagree on the layout).
+    """
+    credits: builtins.int
+    """Initial credits: slots the owner may fill and announce before the reader returns one.
+    1 <= credits <= the owner's per-reader cap (half its ring, at least 1); outside that the
+    stream fails (INVALID_ARGUMENT, naming the cap).
+    """
+    @property
+    def kernel_block_ids(self) -> kvxferd.v1.common_pb2.GroupBlockIds:
+        """Every remote kernel block ID the pull reads, per group, in the order rows are wanted (the
+        pairing order with the reader's local IDs); each must be held under request_id.
+        """
+
+    def __init__(
+        self,
+        *,
+        request_id: builtins.str = ...,
+        reader_id: builtins.str = ...,
+        kernel_block_ids: kvxferd.v1.common_pb2.GroupBlockIds | None = ...,
+        chunk_bytes: builtins.int = ...,
+        chunks: builtins.int = ...,
+        credits: builtins.int = ...,
+    ) -> None: ...
+    def HasField(self, field_name: typing.Literal["kernel_block_ids", b"kernel_block_ids"]) -> builtins.bool: ...
+    def ClearField(self, field_name: typing.Literal["chunk_bytes", b"chunk_bytes", "chunks", b"chunks", "credits", b"credits", "kernel_block_ids", b"kernel_block_ids", "reader_id", b"reader_id", "request_id", b"request_id"]) -> None: ...
+
+Global___StageOpen: typing_extensions.TypeAlias = StageOpen
+
+@typing.final
+class StageEvent(google.protobuf.message.Message):
+    """One gathered chunk, announced once its bytes are in the owner's slot: READ nbytes at offset
+    with one descriptor, then return slot in StageRequest.read_slots.
+    """
+
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
+
+    CHUNK_FIELD_NUMBER: builtins.int
+    SLOT_FIELD_NUMBER: builtins.int
+    OFFSET_FIELD_NUMBER: builtins.int
+    NBYTES_FIELD_NUMBER: builtins.int
+    GATHER_US_FIELD_NUMBER: builtins.int
+    START_US_FIELD_NUMBER: builtins.int
+    SLOT_WAIT_US_FIELD_NUMBER: builtins.int
+    chunk: builtins.int
+    """The chunk's index in the pull's chunk order (0, 1, ...; announced in order)."""
+    slot: builtins.int
+    """The slot of the owner's ring holding it."""
+    offset: builtins.int
+    """Byte offset of the chunk from the ring's base_address (slot x chunk_bytes)."""
+    nbytes: builtins.int
+    """Bytes gathered (sum over the chunk's groups of rows x row bytes)."""
+    gather_us: builtins.int
+    """Time the gather itself took on the owner, us."""
+    start_us: builtins.int
+    """The owner's control cost for this chunk, us: from the moment it could start the chunk (the
+    credit that allowed it arrived, or the previous chunk was announced, whichever came later)
+    to the gather starting, less slot_wait_us.
+    """
+    slot_wait_us: builtins.int
+    """Time spent waiting for a free slot of the ring (other readers' slots, or this reader at
+    its cap), us.
+    """
+    def __init__(
+        self,
+        *,
+        chunk: builtins.int = ...,
+        slot: builtins.int = ...,
+        offset: builtins.int = ...,
+        nbytes: builtins.int = ...,
+        gather_us: builtins.int = ...,
+        start_us: builtins.int = ...,
+        slot_wait_us: builtins.int = ...,
+    ) -> None: ...
+    def ClearField(self, field_name: typing.Literal["chunk", b"chunk", "gather_us", b"gather_us", "nbytes", b"nbytes", "offset", b"offset", "slot", b"slot", "slot_wait_us", b"slot_wait_us", "start_us", b"start_us"]) -> None: ...
+
+Global___StageEvent: typing_extensions.TypeAlias = StageEvent
 
 @typing.final
 class PushRequest(google.protobuf.message.Message):

@@ -70,6 +70,11 @@ class PeerStub(object):
                 request_serializer=kvxferd_dot_v1_dot_peer__pb2.ReleaseStagingRequest.SerializeToString,
                 response_deserializer=kvxferd_dot_v1_dot_peer__pb2.ReleaseStagingResponse.FromString,
                 _registered_method=True)
+        self.Stage = channel.stream_stream(
+                '/kvxferd.v1.Peer/Stage',
+                request_serializer=kvxferd_dot_v1_dot_peer__pb2.StageRequest.SerializeToString,
+                response_deserializer=kvxferd_dot_v1_dot_peer__pb2.StageEvent.FromString,
+                _registered_method=True)
         self.Push = channel.unary_unary(
                 '/kvxferd.v1.Peer/Push',
                 request_serializer=kvxferd_dot_v1_dot_peer__pb2.PushRequest.SerializeToString,
@@ -150,6 +155,39 @@ class PeerServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Stage(self, request_iterator, context):
+        """STAGED pulls without a round trip per chunk: one stream per pull. Served by an owner whose
+        handshake says HandshakePayload.staging.stream; a reader reads an owner without it (an
+        older build) with Gather and ReleaseStaging, which stay.
+
+        The reader's first message carries StageOpen: the held request, the whole remote kernel
+        block-ID lists of the pull, the chunking, and its initial credits. The owner checks it as
+        it checks a Gather (the caller's share confirmed and still reading: PERMISSION_DENIED; the
+        request held and every ID held under its lease: FAILED_PRECONDITION; every ID inside the
+        pool, the chunking and credits sound: INVALID_ARGUMENT; no ring: INVALID_ARGUMENT) and
+        ends the stream with that status and an ErrorDetail trailer if any check fails; nothing is
+        gathered before every check passed. It then cuts the lists into chunks exactly as the
+        reader did (kvxferd.staging.chunks.split_chunks with StageOpen.chunk_bytes) and, chunk
+        after chunk in order, while it holds a credit: takes a slot of its ring (the per-reader
+        cap and fair order of Gather apply, across every stream and Gather of the same caller),
+        gathers the chunk into it and sends one StageEvent announcing it. One credit is one
+        announced slot not yet returned. Every later reader message returns slots it has read
+        (StageRequest.read_slots): each goes back to the ring and gives one credit back.
+
+        The stream ends OK when the reader half-closes; the owner stops gathering at once (a
+        gather in progress finishes into its slot, which returns to the ring), so a reader that
+        stops early (cancel, deadline) ends the owner's work within one chunk. A cancelled or
+        broken stream stops the same way. Every slot of the stream still out when it ends returns
+        to the ring, as do its slots when the request's lease ends (the stream then fails with
+        FAILED_PRECONDITION) or after transfer.staging_grant_timeout_ms. A reader returning a slot
+        that is not one of this stream's announced, unreturned slots fails the stream
+        (INVALID_ARGUMENT). A reader waiting for a slot gives up shortly before the call's deadline
+        with RESOURCE_EXHAUSTED saying why (its cap, or a full ring), as a Gather does.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Push(self, request, context):
         """Push mode (transfer.mode = "push" on both sides): the reader, having confirmed its share of
         a held request (ConfirmLease), asks this daemon to WRITE the held blocks into the reader's
@@ -206,6 +244,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.ReleaseStaging,
                     request_deserializer=kvxferd_dot_v1_dot_peer__pb2.ReleaseStagingRequest.FromString,
                     response_serializer=kvxferd_dot_v1_dot_peer__pb2.ReleaseStagingResponse.SerializeToString,
+            ),
+            'Stage': grpc.stream_stream_rpc_method_handler(
+                    servicer.Stage,
+                    request_deserializer=kvxferd_dot_v1_dot_peer__pb2.StageRequest.FromString,
+                    response_serializer=kvxferd_dot_v1_dot_peer__pb2.StageEvent.SerializeToString,
             ),
             'Push': grpc.unary_unary_rpc_method_handler(
                     servicer.Push,
@@ -403,6 +446,33 @@ class Peer(object):
             '/kvxferd.v1.Peer/ReleaseStaging',
             kvxferd_dot_v1_dot_peer__pb2.ReleaseStagingRequest.SerializeToString,
             kvxferd_dot_v1_dot_peer__pb2.ReleaseStagingResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stage(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvxferd.v1.Peer/Stage',
+            kvxferd_dot_v1_dot_peer__pb2.StageRequest.SerializeToString,
+            kvxferd_dot_v1_dot_peer__pb2.StageEvent.FromString,
             options,
             channel_credentials,
             insecure,

@@ -137,6 +137,22 @@ _PeerReleaseStagingType = typing_extensions.TypeVar(
     ],
 )
 
+_PeerStageType = typing_extensions.TypeVar(
+    '_PeerStageType',
+    grpc.StreamStreamMultiCallable[
+        kvxferd.v1.peer_pb2.StageRequest,
+        kvxferd.v1.peer_pb2.StageEvent,
+    ],
+    grpc.aio.StreamStreamMultiCallable[
+        kvxferd.v1.peer_pb2.StageRequest,
+        kvxferd.v1.peer_pb2.StageEvent,
+    ],
+    default=grpc.StreamStreamMultiCallable[
+        kvxferd.v1.peer_pb2.StageRequest,
+        kvxferd.v1.peer_pb2.StageEvent,
+    ],
+)
+
 _PeerPushType = typing_extensions.TypeVar(
     '_PeerPushType',
     grpc.UnaryUnaryMultiCallable[
@@ -153,7 +169,7 @@ _PeerPushType = typing_extensions.TypeVar(
     ],
 )
 
-class PeerStub(typing.Generic[_PeerHandshakeType, _PeerConfirmLeaseType, _PeerExtendLeaseType, _PeerReleaseLeaseType, _PeerHeartbeatType, _PeerGatherType, _PeerReleaseStagingType, _PeerPushType]):
+class PeerStub(typing.Generic[_PeerHandshakeType, _PeerConfirmLeaseType, _PeerExtendLeaseType, _PeerReleaseLeaseType, _PeerHeartbeatType, _PeerGatherType, _PeerReleaseStagingType, _PeerStageType, _PeerPushType]):
     """Daemon-to-daemon control service, served on the daemon's peer address (TCP, authenticated)."""
 
     @typing.overload
@@ -185,6 +201,10 @@ class PeerStub(typing.Generic[_PeerHandshakeType, _PeerConfirmLeaseType, _PeerEx
         grpc.UnaryUnaryMultiCallable[
             kvxferd.v1.peer_pb2.ReleaseStagingRequest,
             kvxferd.v1.peer_pb2.ReleaseStagingResponse,
+        ],
+        grpc.StreamStreamMultiCallable[
+            kvxferd.v1.peer_pb2.StageRequest,
+            kvxferd.v1.peer_pb2.StageEvent,
         ],
         grpc.UnaryUnaryMultiCallable[
             kvxferd.v1.peer_pb2.PushRequest,
@@ -221,6 +241,10 @@ class PeerStub(typing.Generic[_PeerHandshakeType, _PeerConfirmLeaseType, _PeerEx
         grpc.aio.UnaryUnaryMultiCallable[
             kvxferd.v1.peer_pb2.ReleaseStagingRequest,
             kvxferd.v1.peer_pb2.ReleaseStagingResponse,
+        ],
+        grpc.aio.StreamStreamMultiCallable[
+            kvxferd.v1.peer_pb2.StageRequest,
+            kvxferd.v1.peer_pb2.StageEvent,
         ],
         grpc.aio.UnaryUnaryMultiCallable[
             kvxferd.v1.peer_pb2.PushRequest,
@@ -275,6 +299,36 @@ class PeerStub(typing.Generic[_PeerHandshakeType, _PeerConfirmLeaseType, _PeerEx
     ReleaseStaging: _PeerReleaseStagingType
     """Return granted staging slots to the ring (the reader has read them)."""
 
+    Stage: _PeerStageType
+    """STAGED pulls without a round trip per chunk: one stream per pull. Served by an owner whose
+    handshake says HandshakePayload.staging.stream; a reader reads an owner without it (an
+    older build) with Gather and ReleaseStaging, which stay.
+
+    The reader's first message carries StageOpen: the held request, the whole remote kernel
+    block-ID lists of the pull, the chunking, and its initial credits. The owner checks it as
+    it checks a Gather (the caller's share confirmed and still reading: PERMISSION_DENIED; the
+    request held and every ID held under its lease: FAILED_PRECONDITION; every ID inside the
+    pool, the chunking and credits sound: INVALID_ARGUMENT; no ring: INVALID_ARGUMENT) and
+    ends the stream with that status and an ErrorDetail trailer if any check fails; nothing is
+    gathered before every check passed. It then cuts the lists into chunks exactly as the
+    reader did (kvxferd.staging.chunks.split_chunks with StageOpen.chunk_bytes) and, chunk
+    after chunk in order, while it holds a credit: takes a slot of its ring (the per-reader
+    cap and fair order of Gather apply, across every stream and Gather of the same caller),
+    gathers the chunk into it and sends one StageEvent announcing it. One credit is one
+    announced slot not yet returned. Every later reader message returns slots it has read
+    (StageRequest.read_slots): each goes back to the ring and gives one credit back.
+
+    The stream ends OK when the reader half-closes; the owner stops gathering at once (a
+    gather in progress finishes into its slot, which returns to the ring), so a reader that
+    stops early (cancel, deadline) ends the owner's work within one chunk. A cancelled or
+    broken stream stops the same way. Every slot of the stream still out when it ends returns
+    to the ring, as do its slots when the request's lease ends (the stream then fails with
+    FAILED_PRECONDITION) or after transfer.staging_grant_timeout_ms. A reader returning a slot
+    that is not one of this stream's announced, unreturned slots fails the stream
+    (INVALID_ARGUMENT). A reader waiting for a slot gives up shortly before the call's deadline
+    with RESOURCE_EXHAUSTED saying why (its cap, or a full ring), as a Gather does.
+    """
+
     Push: _PeerPushType
     """Push mode (transfer.mode = "push" on both sides): the reader, having confirmed its share of
     a held request (ConfirmLease), asks this daemon to WRITE the held blocks into the reader's
@@ -319,6 +373,10 @@ PeerAsyncStub: typing_extensions.TypeAlias = PeerStub[
     grpc.aio.UnaryUnaryMultiCallable[
         kvxferd.v1.peer_pb2.ReleaseStagingRequest,
         kvxferd.v1.peer_pb2.ReleaseStagingResponse,
+    ],
+    grpc.aio.StreamStreamMultiCallable[
+        kvxferd.v1.peer_pb2.StageRequest,
+        kvxferd.v1.peer_pb2.StageEvent,
     ],
     grpc.aio.UnaryUnaryMultiCallable[
         kvxferd.v1.peer_pb2.PushRequest,
@@ -410,6 +468,41 @@ class PeerServicer(metaclass=abc.ABCMeta):
         context: _ServicerContext,
     ) -> typing.Union[kvxferd.v1.peer_pb2.ReleaseStagingResponse, collections.abc.Awaitable[kvxferd.v1.peer_pb2.ReleaseStagingResponse]]:
         """Return granted staging slots to the ring (the reader has read them)."""
+
+    @abc.abstractmethod
+    def Stage(
+        self,
+        request_iterator: _MaybeAsyncIterator[kvxferd.v1.peer_pb2.StageRequest],
+        context: _ServicerContext,
+    ) -> typing.Union[collections.abc.Iterator[kvxferd.v1.peer_pb2.StageEvent], collections.abc.AsyncIterator[kvxferd.v1.peer_pb2.StageEvent]]:
+        """STAGED pulls without a round trip per chunk: one stream per pull. Served by an owner whose
+        handshake says HandshakePayload.staging.stream; a reader reads an owner without it (an
+        older build) with Gather and ReleaseStaging, which stay.
+
+        The reader's first message carries StageOpen: the held request, the whole remote kernel
+        block-ID lists of the pull, the chunking, and its initial credits. The owner checks it as
+        it checks a Gather (the caller's share confirmed and still reading: PERMISSION_DENIED; the
+        request held and every ID held under its lease: FAILED_PRECONDITION; every ID inside the
+        pool, the chunking and credits sound: INVALID_ARGUMENT; no ring: INVALID_ARGUMENT) and
+        ends the stream with that status and an ErrorDetail trailer if any check fails; nothing is
+        gathered before every check passed. It then cuts the lists into chunks exactly as the
+        reader did (kvxferd.staging.chunks.split_chunks with StageOpen.chunk_bytes) and, chunk
+        after chunk in order, while it holds a credit: takes a slot of its ring (the per-reader
+        cap and fair order of Gather apply, across every stream and Gather of the same caller),
+        gathers the chunk into it and sends one StageEvent announcing it. One credit is one
+        announced slot not yet returned. Every later reader message returns slots it has read
+        (StageRequest.read_slots): each goes back to the ring and gives one credit back.
+
+        The stream ends OK when the reader half-closes; the owner stops gathering at once (a
+        gather in progress finishes into its slot, which returns to the ring), so a reader that
+        stops early (cancel, deadline) ends the owner's work within one chunk. A cancelled or
+        broken stream stops the same way. Every slot of the stream still out when it ends returns
+        to the ring, as do its slots when the request's lease ends (the stream then fails with
+        FAILED_PRECONDITION) or after transfer.staging_grant_timeout_ms. A reader returning a slot
+        that is not one of this stream's announced, unreturned slots fails the stream
+        (INVALID_ARGUMENT). A reader waiting for a slot gives up shortly before the call's deadline
+        with RESOURCE_EXHAUSTED saying why (its cap, or a full ring), as a Gather does.
+        """
 
     @abc.abstractmethod
     def Push(

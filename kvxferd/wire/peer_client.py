@@ -11,7 +11,7 @@ exercised without sockets.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -29,6 +29,7 @@ LOCAL_METHODS = frozenset(
     {"ConfirmLease", "ExtendLease", "ReleaseLease", "Heartbeat", "Gather", "ReleaseStaging"}
 )
 Metadata = tuple[tuple[str, str], ...]
+StageCall = aio.StreamStreamCall[peer_pb2.StageRequest, peer_pb2.StageEvent]
 Resp = TypeVar("Resp")
 
 
@@ -53,6 +54,12 @@ class GrpcTransport:
         self, method: str, request: Any, *, timeout: float, metadata: Metadata
     ) -> Any:
         return await getattr(self._stub, method)(request, timeout=timeout, metadata=metadata)
+
+    def stream(
+        self, method: str, requests: AsyncIterator[Any], *, timeout: float, metadata: Metadata
+    ) -> Any:
+        """Open a bidi-streaming call (``Stage``): the call object, iterated for answers."""
+        return getattr(self._stub, method)(requests, timeout=timeout, metadata=metadata)
 
     async def close(self) -> None:
         await self._channel.close(None)
@@ -243,6 +250,42 @@ class PeerClient:
             "ReleaseStaging", req, "releasing staging slots", time_left_s
         )
         return resp
+
+    @property
+    def can_stream(self) -> bool:
+        """Whether this client's transport carries streams (gRPC does; the same-host socket
+        and :class:`FakeTransport` carry unary calls only)."""
+        return callable(getattr(self._transport, "stream", None))
+
+    def stage(
+        self, requests: AsyncIterator[peer_pb2.StageRequest], time_left_s: float
+    ) -> StageCall:
+        """Open a ``Stage`` stream (over gRPC) lasting up to ``time_left_s`` (the pull's whole
+        remaining time, not capped): send through ``requests``, read with :meth:`events`;
+        cancel the returned call to close it."""
+        open_stream = getattr(self._transport, "stream", None)
+        if open_stream is None:
+            raise PeerUnavailable(
+                f"the transport to {self.address} carries no streams",
+                fix="read this peer with Gather (kvxferd.staging.reader) or over gRPC",
+            )
+        if time_left_s <= 0:
+            raise DeadlineExceeded(
+                f"no time left to stage a pull from {self.address}",
+                fix="raise the pull's deadline_ms",
+            )
+        call: StageCall = open_stream(
+            "Stage", requests, timeout=time_left_s, metadata=self.metadata()
+        )
+        return call
+
+    async def events(self, call: StageCall, what: str) -> AsyncIterator[peer_pb2.StageEvent]:
+        """``call``'s announcements; a failed stream raises the :mod:`kvxferd.errors` error."""
+        try:
+            async for event in call:
+                yield event
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, what, self.address) from exc
 
     async def push(self, req: peer_pb2.PushRequest, time_left_s: float) -> peer_pb2.PushResponse:
         """Ask the owner to WRITE a held request into our blocks; answers once the WRITE

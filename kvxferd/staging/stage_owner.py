@@ -1,0 +1,253 @@
+"""Owner side of a ``Peer.Stage`` stream: one STAGED pull, chunk after chunk, as credits allow.
+
+The reader's first message (:class:`StageOpen`) names the held request, every remote kernel
+block ID of the pull and the slot size it cut its chunks at; :meth:`StageStream.open` checks
+it as a Gather is checked (every ID inside the pool and held under the lease) plus the
+chunking and the credits, and derives the chunks with :func:`kvxferd.staging.chunks.split_chunks`
+exactly as the reader did. Then two tasks run until the stream ends:
+
+* **work**: for each chunk in order, wait for a credit, take a slot through the owner (per-reader
+  cap and fair order, shared with Gathers: :class:`~kvxferd.staging.owner.StagingOwner`),
+  gather, announce (:class:`Announce`). One credit is one announced slot not yet returned.
+* **returns**: each later reader message returns slots it has read; each goes back to the ring
+  and gives a credit back. A slot that is not one of this stream's announced, unreturned slots
+  fails the stream. The reader half-closing stops the stream.
+
+Stopping (half-close, the call cancelled or broken, an error) cancels the work task: a gather
+in progress ends in its worker thread and its slot returns to the ring; no other chunk starts.
+Every slot the stream still holds returns to the ring when it ends. Event-loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+from kvxferd.errors import InvalidRequest, LeaseRefused
+from kvxferd.logs import kv
+from kvxferd.staging.chunks import Chunk, split_chunks
+from kvxferd.staging.device import Int64Array
+from kvxferd.staging.owner import StagingOwner
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StageOpen:
+    """The pull a stream serves, as the reader's first message gave it."""
+
+    request_id: str
+    kernel_ids: Sequence[Sequence[int]]  # per group, the pull's whole remote lists
+    chunk_bytes: int
+    chunks: int
+    credits: int
+
+
+@dataclass(frozen=True)
+class Announce:
+    """One gathered chunk: where it lies and what it cost the owner."""
+
+    chunk: int
+    slot: int
+    offset: int
+    nbytes: int
+    gather_s: float
+    start_s: float  # control cost: ready to start (credit, previous chunk) -> gather started
+    slot_wait_s: float
+
+
+Send = Callable[[Announce], Awaitable[None]]
+
+
+class StageStream:
+    """One open Stage stream of ``reader`` (the caller's identity) on ``owner``."""
+
+    def __init__(
+        self,
+        owner: StagingOwner,
+        reader: str,
+        request_id: str,
+        *,
+        ids: list[Int64Array],
+        chunks: list[Chunk],
+        credits: int,
+        deadline: float | None,
+    ) -> None:
+        self.owner = owner
+        self.reader = reader
+        self.request_id = request_id
+        self.ids = ids
+        self.chunks = chunks
+        self.credits = credits
+        self.deadline = deadline  # monotonic, None: no deadline
+        self.out: set[int] = set()  # announced slots not yet returned
+        self.started = 0  # gathers begun
+        self.gathered = 0  # gathers ended into their slot
+        self.announced = 0
+        self.returned = 0
+        self.ready_at = time.monotonic()  # when the next chunk could start, credits allowing
+        self._wake = asyncio.Event()
+
+    @classmethod
+    def open(
+        cls, owner: StagingOwner, reader: str, req: StageOpen, time_left_s: float | None
+    ) -> StageStream:
+        """Check ``req`` and build the stream; raises what was wrong (and the fix)."""
+        ring = owner.ring.info
+        if not 0 < req.chunk_bytes <= ring.chunk_bytes:
+            raise InvalidRequest(
+                f"chunk_bytes {req.chunk_bytes} is not between 1 and this ring's slot size"
+                f" ({ring.chunk_bytes} bytes)",
+                field="open.chunk_bytes",
+                fix="cut chunks at the smaller of both rings' chunk_bytes (the handshakes')",
+            )
+        if not 1 <= req.credits <= owner.reader_cap:
+            raise InvalidRequest(
+                f"{req.credits} credits: a reader may hold 1 to {owner.reader_cap} staging"
+                f" slots here (half of this ring's {ring.chunks}, at least one)",
+                field="open.credits",
+                fix=f"ask for at most {owner.reader_cap} credits (half the advertised ring)",
+            )
+        ids = owner.check(req.request_id, req.kernel_ids)
+        counts = [int(a.size) for a in ids]
+        chunks = split_chunks(counts, owner.copier.row_bytes, req.chunk_bytes)
+        if not chunks or len(chunks) != req.chunks:
+            raise InvalidRequest(
+                f"these IDs cut at {req.chunk_bytes} bytes make {len(chunks)} chunk(s) here,"
+                f" the reader says {req.chunks}",
+                field="open.chunks",
+                fix="the peers disagree on the staging layout (or the pull is empty): run"
+                " the same kvxferd version on both",
+            )
+        deadline = None if time_left_s is None else time.monotonic() + time_left_s
+        return cls(
+            owner,
+            reader,
+            req.request_id,
+            ids=ids,
+            chunks=chunks,
+            credits=req.credits,
+            deadline=deadline,
+        )
+
+    async def run(self, returns: AsyncIterator[Sequence[int]], send: Send) -> None:
+        """Serve the pull until every chunk was announced and returned, or the reader stops
+        (``returns`` ends: OK), or something fails (raised). Cancelling it stops it too."""
+        work = asyncio.ensure_future(self._work(send))
+        recv = asyncio.ensure_future(self._returns(returns))
+        stopped_at: tuple[int, int] | None = None
+        why = "done"
+        try:
+            await asyncio.wait((work, recv), return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
+                stopped_at, why = (self.started, self.gathered), "reader closed"
+                await self._stop(work)
+                recv.result()  # a bad message fails the stream
+            else:
+                work.result()
+        except asyncio.CancelledError:
+            why = "cancelled"
+            raise
+        except BaseException as exc:
+            why = f"failed: {exc}"
+            raise
+        finally:
+            if stopped_at is None and not work.done():
+                stopped_at = (self.started, self.gathered)
+            for t in (work, recv):
+                await self._stop(t)
+            self.owner.release(self.request_id, self.reader, sorted(self.out))
+            self.out.clear()
+            at = stopped_at or (self.started, self.gathered)
+            log.info(
+                "staged stream ended",
+                extra=kv(
+                    request_id=self.request_id,
+                    reader=self.reader,
+                    reason=why,
+                    chunks=len(self.chunks),
+                    started=self.started,
+                    gathered=self.gathered,
+                    announced=self.announced,
+                    returned=self.returned,
+                    started_at_stop=at[0],
+                    gathered_at_stop=at[1],
+                ),
+            )
+
+    @staticmethod
+    async def _stop(task: asyncio.Future[None]) -> None:
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    async def _work(self, send: Send) -> None:
+        for chunk in self.chunks:
+            while self.credits <= 0:
+                self._wake.clear()
+                await self._wake.wait()
+            self.credits -= 1
+            ids = self._ids(chunk)
+            ready = self.ready_at
+            left = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+            self.started += 1
+            grant = await self.owner.fill(self.request_id, self.reader, ids, chunk.nbytes, left)
+            self.gathered += 1
+            self.out.add(grant.slot)
+            start = max(0.0, grant.started_at - ready - grant.wait_s)
+            await send(
+                Announce(
+                    chunk.index,
+                    grant.slot,
+                    grant.offset,
+                    grant.nbytes,
+                    grant.gather_s,
+                    start,
+                    grant.wait_s,
+                )
+            )
+            self.announced += 1
+            self.ready_at = time.monotonic()
+        while self.out:  # every chunk announced: wait for the reader to return them
+            self._wake.clear()
+            await self._wake.wait()
+
+    def _ids(self, chunk: Chunk) -> list[Int64Array]:
+        part = [a[:0] for a in self.ids]
+        for s in chunk.spans:
+            part[s.group] = self.ids[s.group][s.start : s.stop]
+        return part
+
+    async def _returns(self, returns: AsyncIterator[Sequence[int]]) -> None:
+        async for slots in returns:
+            now = time.monotonic()
+            blocked = self.credits <= 0  # the work waits for this credit from now on
+            for slot in slots:
+                if slot not in self.out:
+                    raise InvalidRequest(
+                        f"slot {slot} is not one of this stream's announced, unreturned slots"
+                        f" ({sorted(self.out)})",
+                        field="read_slots",
+                        fix="return each announced slot once, after reading it",
+                    )
+                self.out.discard(slot)
+                if self.owner.release(self.request_id, self.reader, [slot]) == 0:
+                    raise LeaseRefused(
+                        f"staging slot {slot} of {self.request_id!r} was taken back before it"
+                        f" was returned (the lease ended, the reader was retired, or it was"
+                        f" held past transfer.staging_grant_timeout_ms"
+                        f" = {self.owner.grant_timeout_s * 1e3:.0f} ms)",
+                        field="read_slots",
+                        fix="return each slot as soon as its READ completes; retry the pull",
+                    )
+                self.returned += 1
+                self.credits += 1
+            if blocked and self.credits > 0:
+                self.ready_at = now  # the next chunk could start only now
+            self._wake.set()
+
+
+__all__ = ["Announce", "StageOpen", "StageStream"]
