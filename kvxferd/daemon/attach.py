@@ -8,18 +8,24 @@ Modes (``Engine.Attach``):
   (``/dev/shm/kvxferd-<instance>-g<generation>-<region>``), VRAM as a CUDA IPC handle of the
   daemon's allocation.
 * **IMPORTED**: the engine allocates; DRAM arrives as a shared-memory name, VRAM as a CUDA IPC
-  handle. The daemon maps it, checks the tensor's shape, strides and dtype against the spec
-  (:meth:`KVPool.from_tensors`) and registers it. IMPORTED VRAM is refused: imported CUDA
-  memory registered with NIXL reads at 0.5-0.6 GB/s (docs/attachment.md), and registering
-  memory imported through the driver API failed outright on the test machine.
+  handle. The daemon maps it and checks the tensor's shape, strides and dtype against the spec
+  (:meth:`KVPool.from_tensors`). IMPORTED DRAM is registered with NIXL like any pool.
+  IMPORTED VRAM is **not** (NIXL reads imported CUDA memory at 0.5-0.6 GB/s and once failed to
+  register it, docs/attachment.md): it is served by same-host KERNEL pulls only. The daemon
+  publishes the engine's own handle and offset per region in the handshake's CUDA IPC export
+  (:meth:`kvxferd.ipc.publish.Publisher.forward`; an opened handle cannot be exported again)
+  with ``kernel_only_reason`` set, so a reader that cannot use KERNEL refuses the pull at
+  StartPull, and pulls into this pool are KERNEL or refused too.
 
 Liveness: after Attach the engine opens ``Engine.Session``. When that stream ends (the engine
 process died and its socket closed), or no session is opened within ``pool.session_grace_ms``,
 or the engine calls Detach, :meth:`Attacher.detach` runs: the slot stops serving (peers get
 UNAVAILABLE saying why), the generation is bumped, held requests are released with reason
-ENGINE_DETACHED, local transfers in flight are cancelled, the memory is deregistered from NIXL,
-owned shared memory is unlinked and imported mappings are dropped (unmapped as soon as no
-tensor uses them), so a restarted engine can attach again at once.
+ENGINE_DETACHED, local transfers in flight are cancelled, the memory is deregistered from NIXL
+(an imported VRAM pool is no longer published), owned shared memory is unlinked and imported
+mappings are dropped (unmapped as soon as no tensor uses them: the engine's memory can then be
+freed), so a restarted engine can attach again at once. Readers drop their mappings of the old
+generation's handles when they see the new generation (or the peer unavailable).
 """
 
 from __future__ import annotations
@@ -34,7 +40,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvxferd.daemon.attach_memory import (
-    IMPORTED_VRAM_REFUSED,
     Attachment,
     AttachRequest,
     Built,
@@ -99,8 +104,14 @@ class Attacher:
                 field="memory_mode",
                 fix="Detach first (or let the old engine's session end), then Attach again",
             )
+        publisher = self.d.staging.ipc.publisher if self.d.staging is not None else None
         async with self._lock:
-            memory, spec = resolve_memory(req, self.device)
+            memory, spec = resolve_memory(
+                req,
+                self.device,
+                cuda_ipc=publisher is not None and publisher.enabled,
+                transfer_mode=self.d.limits.transfer_mode,
+            )
             self.d.slot.begin()
             att_id = uuid.uuid4().hex
             mem = MemType.VRAM if memory is MemoryType.VRAM else MemType.DRAM
@@ -116,11 +127,17 @@ class Attacher:
                     instance_id=self.d.instance_id,
                 )
                 rows = built.pool.region_rows()
-                reg = await asyncio.to_thread(self.agent.register, rows, mem)
+                if built.kernel_only:  # IMPORTED VRAM: published to KERNEL readers, no NIXL
+                    assert publisher is not None
+                    publisher.forward(built.pool, built.forwarded)
+                else:
+                    reg = await asyncio.to_thread(self.agent.register, rows, mem)
                 local = self.d.local_rows(rows)
                 await asyncio.to_thread(self.d.engine.set_local, local, mem, "pool attached")
                 metadata = await asyncio.to_thread(self.agent.metadata)
             except BaseException as exc:
+                if publisher is not None and built is not None and built.kernel_only:
+                    publisher.forget()
                 if reg is not None:
                     with contextlib.suppress(KvxferdError):
                         await asyncio.to_thread(self.agent.deregister, reg)
@@ -148,6 +165,7 @@ class Attacher:
                 registration=reg,
                 segments=built.segments,
                 mappings=built.mappings,
+                kernel_only=built.kernel_only,
             )
             att.generation = self.d.slot.fill(Served(built.pool, info), metadata)
             self.d.rebind_staging(built.pool)
@@ -161,6 +179,7 @@ class Attacher:
                 generation=att.generation,
                 spec=spec.describe(),
                 bytes=spec.nbytes,
+                kernel_only=att.kernel_only,
             ),
         )
         asyncio.get_running_loop().call_later(self.session_grace_s, self._check_session, att)
@@ -234,6 +253,8 @@ class Attacher:
                     fix="wait for their releases, or set force = true to release them all",
                 )
             served = self.d.slot.empty(why)
+            if att.kernel_only and self.d.staging is not None:
+                self.d.staging.ipc.publisher.forget()  # its handles are published no more
             att.ended.set()
             self.attachment = None
             released = 0
@@ -287,7 +308,6 @@ class Attacher:
 
 
 __all__ = [
-    "IMPORTED_VRAM_REFUSED",
     "AttachRequest",
     "Attacher",
     "Attachment",

@@ -4,6 +4,14 @@
 VRAM with a CUDA IPC handle exported to the engine). **IMPORTED**: the engine allocates; the
 daemon maps each region and checks its shape, strides and dtype against the spec. What is
 built here is registered and served by :class:`~kvxferd.daemon.attach.Attacher`.
+
+IMPORTED VRAM is served by KERNEL pulls only (docs/attachment.md): NIXL reads GPU memory
+imported over CUDA IPC at 0.5-0.6 GB/s and once failed to register it at all, while an SM
+kernel reads it at full speed. So it is never registered with NIXL; :class:`Built` keeps the
+engine's own handle and offset per region (``forwarded``), which the daemon publishes to
+same-host readers in place of an export of its own (an opened handle cannot be exported
+again). :func:`resolve_memory` refuses it where KERNEL cannot serve it: a daemon without a GPU,
+with ``transfer.cuda_ipc = false``, or in push mode (the owner WRITEs with NIXL).
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ import gc
 import logging
 import weakref
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,13 +34,10 @@ from kvxferd.logs import kv
 from kvxferd.nixl import Registration
 from kvxferd.pool import KVPool
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from kvxferd.attach.cuda_ipc import IpcMapping
 
-IMPORTED_VRAM_REFUSED = (
-    "IMPORTED VRAM is not supported: GPU memory the engine allocated and shared over CUDA IPC"
-    " reads at 0.5-0.6 GB/s once registered with NIXL, against ~300 GB/s for memory the daemon"
-    " allocated (docs/attachment.md)"
-)
+log = logging.getLogger(__name__)
 
 
 class MemoryMode(enum.Enum):
@@ -90,6 +96,7 @@ class Attachment:
     registration: Registration | None = None
     segments: list[ShmSegment] = field(default_factory=list)
     mappings: list[weakref.ref[object]] = field(default_factory=list)
+    kernel_only: bool = False  # IMPORTED VRAM: published to KERNEL readers, not in NIXL
     session_open: bool = False
     ended: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -100,11 +107,22 @@ class Built:
     exports: tuple[ExportHandle, ...]
     segments: list[ShmSegment]
     mappings: list[weakref.ref[object]]
+    # IMPORTED VRAM: the engine's (CUDA IPC handle, offset) per region, in spec order, for
+    # same-host readers (KERNEL); empty otherwise.
+    forwarded: tuple[tuple[bytes, int], ...] = ()
+
+    @property
+    def kernel_only(self) -> bool:
+        """Served by KERNEL only: not registered with NIXL."""
+        return bool(self.forwarded)
 
 
-def resolve_memory(req: AttachRequest, device: str) -> tuple[MemoryType, KVCacheSpec]:
+def resolve_memory(
+    req: AttachRequest, device: str, *, cuda_ipc: bool = True, transfer_mode: str = "pull"
+) -> tuple[MemoryType, KVCacheSpec]:
     """The kind of memory the pool lives in, and the spec set to it; refuses what cannot
-    attach here (mixed memory, VRAM on a CPU daemon, IMPORTED VRAM, a bad TP rank)."""
+    attach here (mixed memory, VRAM on a CPU daemon, IMPORTED VRAM where KERNEL cannot serve
+    it: ``cuda_ipc`` off or push mode, a bad TP rank)."""
     kinds = {r.memory for r in req.spec.regions}
     if req.memory is None and len(kinds) > 1:
         raise SpecError(
@@ -119,14 +137,21 @@ def resolve_memory(req: AttachRequest, device: str) -> tuple[MemoryType, KVCache
             field="memory",
             fix="run the daemon with pool.device = cuda:N (the engine's GPU), or attach DRAM",
         )
-    vram_import = req.mode is MemoryMode.IMPORTED and memory is MemoryType.VRAM
-    if vram_import:
-        raise InvalidRequest(
-            IMPORTED_VRAM_REFUSED,
-            field="memory_mode",
-            fix="attach with MEMORY_MODE_OWNED: the daemon allocates and the engine maps the"
-            " daemon's memory over CUDA IPC and computes straight into it (full speed)",
-        )
+    if req.mode is MemoryMode.IMPORTED and memory is MemoryType.VRAM:
+        why = ""
+        if not cuda_ipc:
+            why = "this daemon's transfer.cuda_ipc = false"
+        elif transfer_mode == "push":
+            why = "this daemon is in push mode (transfer.mode = push: NIXL WRITEs)"
+        if why:
+            raise InvalidRequest(
+                f"IMPORTED VRAM is served by same-host KERNEL pulls only (NIXL reads GPU memory"
+                f" imported over CUDA IPC at 0.5-0.6 GB/s, docs/attachment.md), but {why}",
+                field="memory_mode",
+                fix="attach with MEMORY_MODE_OWNED (the daemon allocates, the engine maps it"
+                " over CUDA IPC and computes straight into it: full speed over NIXL too), or"
+                " run the daemon with transfer.cuda_ipc = true and transfer.mode = pull",
+            )
     if not 0 <= req.tp_rank < max(1, req.tp_size):
         raise InvalidRequest(
             f"tp_rank {req.tp_rank} is not in [0, tp_size={req.tp_size})",
@@ -142,16 +167,19 @@ def build_memory(
     """Allocate (OWNED) or map (IMPORTED) every region; runs on a worker thread."""
     segments: list[ShmSegment] = []
     mappings: list[weakref.ref[object]] = []
+    forwarded: tuple[tuple[bytes, int], ...] = ()
     try:
         if req.mode is MemoryMode.OWNED:
             pool, exports = _build_owned(spec, att_id, segments, device, instance_id)
         else:
             pool = _build_imported(spec, req.imports, segments, mappings, device)
             exports = ()
+            if pool.memory_type is MemoryType.VRAM:
+                forwarded = tuple((h.cuda_ipc_handle, h.offset) for h in req.imports)
     except BaseException:
         drop_memory(segments, mappings, spec.regions[0].memory)
         raise
-    return Built(pool, exports, segments, mappings)
+    return Built(pool, exports, segments, mappings, forwarded)
 
 
 def _build_owned(
@@ -196,6 +224,7 @@ def _build_imported(
         )
     vram = spec.regions[0].memory is MemoryType.VRAM
     tensors: dict[str, torch.Tensor] = {}
+    opened: dict[bytes, IpcMapping] = {}  # regions in one engine allocation share its mapping
     for i, (r, h) in enumerate(zip(spec.regions, imports, strict=True)):
         where = f"imports[{i}] ({r.name})"
         if h.dtype is None or not h.shape:
@@ -205,7 +234,7 @@ def _build_imported(
                 fix="send MemoryHandle.shape, strides and dtype of the engine's tensor",
             )
         if vram:
-            raw = _map_cuda(h, where, r.nbytes, mappings, device)
+            raw = _map_cuda(h, where, r.nbytes, opened=opened, mappings=mappings, device=device)
         else:
             if not h.shm_name:
                 raise SpecError(
@@ -232,9 +261,12 @@ def _map_cuda(
     h: ImportHandle,
     where: str,
     nbytes: int,
+    *,
+    opened: dict[bytes, IpcMapping],
     mappings: list[weakref.ref[object]],
     device: str,
 ) -> torch.Tensor:
+    """The region's bytes in the engine's allocation, opened once per distinct handle."""
     from kvxferd.attach.cuda_ipc import IpcMapping
 
     if not h.cuda_ipc_handle:
@@ -249,8 +281,10 @@ def _map_cuda(
             fix="run the daemon on the engine's GPU (pool.device) with the same"
             " CUDA_VISIBLE_DEVICES numbering",
         )
-    mapping = IpcMapping(h.cuda_ipc_handle, h.device)
-    mappings.append(weakref.ref(mapping))
+    mapping = opened.get(h.cuda_ipc_handle)
+    if mapping is None:
+        mapping = opened[h.cuda_ipc_handle] = IpcMapping(h.cuda_ipc_handle, h.device)
+        mappings.append(weakref.ref(mapping))
     size = mapping.size or (h.offset + nbytes)
     if h.offset + nbytes > size:
         raise SpecError(
@@ -279,7 +313,6 @@ def drop_memory(
 
 
 __all__ = [
-    "IMPORTED_VRAM_REFUSED",
     "AttachRequest",
     "Attachment",
     "Built",

@@ -2,7 +2,8 @@
 
 Engine authors need no gRPC: :class:`EngineClient` attaches the KV cache (OWNED: the daemon
 allocates and the engine gets tensors mapped onto the daemon's memory; IMPORTED: the engine
-passes tensors from :func:`shared_tensors`), holds finished requests, delivers releases from
+passes its own tensors, DRAM from :func:`shared_tensors` or CUDA tensors, which the daemon serves
+with same-host KERNEL pulls only), holds finished requests, delivers releases from
 the session stream on a background thread, and detaches. See docs/attachment.md.
 
 Must not import: ``nixl``, ``kvxferd.daemon``, ``kvxferd.service`` servicers (only the

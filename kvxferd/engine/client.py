@@ -67,9 +67,13 @@ class EngineClient:
         """Attach the KV cache; returns once the pool is registered and the session is open.
 
         ``owned`` (the fast path): the daemon allocates; ``Attachment.tensors`` are mapped
-        onto its memory (DRAM: shared memory; ``cuda:N``: CUDA IPC). ``imported``: pass
-        ``tensors`` from :func:`shared_tensors` (DRAM only: the daemon refuses IMPORTED VRAM,
-        which reads at 0.5-0.6 GB/s once registered; see docs/attachment.md)."""
+        onto its memory (DRAM: shared memory; ``cuda:N``: CUDA IPC). ``imported``: pass the
+        engine's own ``tensors``, one per region: DRAM from :func:`shared_tensors`; VRAM any
+        CUDA tensors on ``device`` (e.g. the engine's KV cache), exported over CUDA IPC (the
+        handle names the allocation a tensor sits in, the offset is its distance from the
+        allocation's start). The daemon serves imported VRAM to same-host readers with KERNEL
+        pulls only (never through NIXL, which reads it at 0.5-0.6 GB/s); see
+        docs/attachment.md."""
         spec = preset_spec(spec_or_preset) if isinstance(spec_or_preset, str) else spec_or_preset
         memory = MemoryType.VRAM if device.startswith("cuda") else MemoryType.DRAM
         spec = spec.with_memory(memory)
@@ -107,6 +111,7 @@ class EngineClient:
                         field="tensors",
                         fix=f"pass one tensor per region: {[x.name for x in spec.regions]}",
                     )
+                _check_device(r.name, t, device)
                 req.imports.append(self._import_handle(r.name, t, imported_shm))
         else:
             raise InvalidRequest(f"unknown mode {mode!r}", field="mode", fix="owned or imported")
@@ -176,6 +181,20 @@ class EngineClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_device(region: str, t: torch.Tensor, device: str) -> None:
+    """An IMPORTED tensor lives where the attach says the pool lives."""
+    want = torch.device(device)
+    if want.type == "cuda" and want.index is None:
+        want = torch.device("cuda", 0)
+    if t.device != want:
+        raise InvalidRequest(
+            f"the tensor of region {region!r} is on {t.device}, but the attach is for {device}",
+            field="tensors",
+            fix="pass device= the device every tensor is on (cuda:N for VRAM, cpu for shared"
+            " memory)",
+        )
 
 
 def _map_exports(

@@ -26,7 +26,9 @@ def shared_tensors(spec: KVCacheSpec, device: str = "cpu") -> dict[str, torch.Te
     """Allocate ``spec``'s regions where the daemon can import them (IMPORTED mode).
 
     ``cpu``: one POSIX shared-memory segment per region (unlinked when detached, or at exit);
-    ``cuda:N``: ordinary torch allocations (the daemon refuses to import them: attach OWNED).
+    ``cuda:N``: ordinary torch allocations, laid out as the spec says (any CUDA tensors of that
+    layout will do: the daemon maps them over CUDA IPC and serves them with same-host KERNEL
+    pulls only; docs/attachment.md).
     """
     if device.startswith("cuda"):
         from kvxferd.layout.alloc import allocate_pool

@@ -14,7 +14,12 @@ Each distinct handle is opened once (regions that share an allocation share the 
 every region is checked against the mapped allocation's size before it is used: a region that
 runs past its mapping is refused here, so a copy can never leave the mapped memory. A failed
 open is remembered per key (:meth:`MappingCache.failure`), so the pulls of that peer generation
-go over NIXL without retrying.
+go over NIXL without retrying (or, from an owner served by KERNEL only, fail with the reason).
+
+The handles may be the owner's own exports or, for an engine-attached IMPORTED VRAM pool, the
+engine's handles the owner forwards (:meth:`kvxferd.ipc.publish.Publisher.forward`): the key
+carries the owner's registration generation either way, so a re-attached engine's new handles
+are a new key, and the old set is dropped as for any generation change.
 
 The opener is injected: the daemon opens with :class:`kvxferd.attach.cuda_ipc.IpcMapping`;
 CPU tests use host buffers. Event-loop only.
@@ -182,14 +187,18 @@ class MappingCache:
             self._drop(cur, f"peer is now instance {key[1]} generation {key[2]}")
         why = self._failed.get(key)
         if why is not None:
-            raise SpecError(why, fix="this peer generation is read over NIXL")
+            raise SpecError(
+                why,
+                fix="check that both daemons see the same GPUs; the peer's next generation"
+                " (it restarted or re-attached) is opened afresh",
+            )
         try:
             maps = self._open(key, ipc)
         except KvxferdError as err:
             self._failed[key] = str(err)
             self._failed = dict(list(self._failed.items())[-256:])  # bounded
             log.warning(
-                "cuda ipc open failed; reading this peer over NIXL",
+                "cuda ipc open failed; no KERNEL pulls from this peer generation",
                 extra=kv(peer=agent, instance=key[1], generation=key[2], error=str(err)),
             )
             raise

@@ -17,7 +17,9 @@ KV block is touched) and classifies the link (:func:`classify`):
 The name is *inferred* from the measured rate, the memory types and whether the peers share a
 host (NIXL does not expose UCX's lane choice); the rate itself is a measurement. For the exact
 UCX lanes, run the daemons with ``UCX_PROTO_INFO=y``. Without a staging ring on this side there
-is no scratch memory to probe into, and the transport is ``unknown``.
+is no scratch memory to probe into, and the transport is ``unknown``; so it is for a peer whose
+pool is served by KERNEL only (``HandshakePayload.kernel_only_reason``: its regions are not
+registered with NIXL, so there is nothing a READ could probe).
 """
 
 from __future__ import annotations
@@ -163,9 +165,11 @@ async def probe_peer(
     local_vram: bool,
     remote_vram: bool,
     same_host: bool,
+    kernel_only: str = "",
 ) -> TransportReport:
     """Probe READs from ``peer_agent`` (its region ``(addr, len, dev)``) into one slot of our
-    ring and classify the link; never raises (an unprobed link is ``unknown``, with why)."""
+    ring and classify the link; never raises (an unprobed link is ``unknown``, with why).
+    ``kernel_only``: the peer's reason for serving KERNEL only (nothing is probed then)."""
 
     def report(gbps: float, nbytes: int = PROBE_BYTES, why_not: str = "") -> TransportReport:
         return classify(
@@ -177,6 +181,11 @@ async def probe_peer(
             why_not=why_not,
         )
 
+    if kernel_only:
+        return report(
+            math.nan,
+            why_not=f"the peer serves KERNEL pulls only ({kernel_only}): no NIXL READ to probe",
+        )
     if ring is None:
         return report(
             math.nan,

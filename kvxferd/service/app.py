@@ -216,6 +216,7 @@ async def _build(
             local_vram=mem is MemType.VRAM,
             remote_vram=remote.info.spec.regions[0].memory is MemoryType.VRAM,
             same_host=bool(remote.host_id) and remote.host_id == host_id(),
+            kernel_only=remote.kernel_only,
         )
 
     def forget(agent_name: str, why: str) -> None:

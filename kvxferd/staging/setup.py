@@ -283,8 +283,11 @@ def _kernel_why(
         return "this daemon has no pool to copy into on a GPU"
     assert remote.ipc is not None
     failed = staging.kernel.prepare(remote.key, remote.ipc)
-    if failed is not None:
+    if failed is not None and not remote.kernel_only:
         return f"opening peer {peer}'s CUDA IPC handles failed: {failed}"
+    # A KERNEL-only owner has no other strategy, and its handles may be an earlier
+    # generation's (its engine re-attached): the lease confirmation handshakes again, the pull
+    # maps the current ones, and fails with the open error if they do not open either.
     return None
 
 

@@ -1,0 +1,118 @@
+"""A real decode daemon (in-process: NIXL agent, transfer engine, gRPC server) against an owner
+that serves its pool with KERNEL only (engine-attached IMPORTED VRAM, issue 13), on CPU.
+
+Such an owner cannot be made for real without a GPU, so its control plane is scripted
+(``tests/service/test_reader_fake_owner.py``'s FakeOwner: its NIXL metadata is a real agent's,
+in a separate process) and advertises ``kernel_only_reason`` with its CUDA IPC export. This
+daemon's pool is in host memory, so it cannot pull with KERNEL: StartPull must fail with
+FAILED_PRECONDITION naming the reason and the fix, before any transfer exists, leaving no lease
+share behind, and the connect-time transport probe must not READ the unregistered regions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import grpc
+import pytest
+from grpc import aio
+
+from kvxferd.daemon.handshake import SelfDescription
+from kvxferd.ipc.host import host_id
+from kvxferd.ipc.publish import KERNEL_ONLY, IpcPool, IpcRegion
+from kvxferd.layout import preset
+from kvxferd.layout.spec import MemoryType
+from kvxferd.peers import PeerInfo
+from kvxferd.scenario.owner import OwnerProcess
+from kvxferd.service.app import Running
+from kvxferd.v1 import peer_pb2, scheduler_pb2, scheduler_pb2_grpc, spec_pb2
+from kvxferd.wire.codec import group_ids_to_proto
+from tests.ipc.fakes import UUID, handle
+from tests.service.test_reader_fake_owner import (
+    ADDRESS,
+    REGION,
+    SPEC,
+    FakeOwner,
+    _decode,
+    owner,  # noqa: F401  (the fixture: the owner's memory, a real NIXL agent)
+)
+
+
+class KernelOnlyOwner(FakeOwner):
+    """A same-host owner whose VRAM pool is served by KERNEL only."""
+
+    def envelope(self) -> tuple[int, bytes, bytes]:
+        spec = preset(SPEC).with_memory(MemoryType.VRAM)
+        regs = tuple(
+            spec_pb2.RegionRegistration(
+                region_name=r.name,
+                base_address=int(self.memory.regions[i, 0]),
+                device_id=0,
+                nbytes=REGION,
+            )
+            for i, r in enumerate(spec.regions)
+        )
+        ipc = IpcPool(
+            tuple(IpcRegion(handle("engine"), i * REGION, REGION, UUID) for i in range(len(regs))),
+            kernel_only=KERNEL_ONLY,
+        )
+        return SelfDescription(
+            info=PeerInfo(spec=spec, tp_rank=0, tp_size=1, prefix_caching=False),
+            agent_name=self.memory.name,
+            agent_metadata=self.memory.metadata,
+            registrations=regs,
+            generation=1,
+            daemon_id="kernel-only-owner",
+            instance_id=self.instance,
+            address=ADDRESS,
+            host_id=host_id(),
+            ipc=ipc,
+        ).envelope()
+
+
+def test_a_reader_that_cannot_use_kernel_is_refused_at_start_pull(owner: OwnerProcess) -> None:  # noqa: F811
+    async def confirm(req: peer_pb2.ConfirmLeaseRequest, n: int) -> Any:
+        return fake.lease(req, [3, 9])
+
+    fake = KernelOnlyOwner(owner, confirm)
+
+    async def go() -> None:
+        running: Running = await _decode(fake)
+        try:
+            async with aio.insecure_channel(running.grpc_address) as ch:
+                stub = scheduler_pb2_grpc.SchedulerStub(ch)
+                with pytest.raises(aio.AioRpcError) as ei:
+                    await stub.StartPull(
+                        scheduler_pb2.StartPullRequest(
+                            transfer_id="kernel-only-1",
+                            request_id="held-by-the-engine",
+                            peer_address=ADDRESS,
+                            remote_block_ids=group_ids_to_proto([[3, 9]]),
+                            local_block_ids=group_ids_to_proto([[0, 5]]),
+                            deadline_ms=10_000,
+                        ),
+                        timeout=20,
+                    )
+                assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                text = ei.value.details() or ""
+                assert f"peer {ADDRESS} serves its pool with KERNEL pulls only" in text, text
+                assert "0.5-0.6 GB/s" in text
+                assert "this daemon's pool is in host memory" in text  # why not KERNEL here
+                assert "mode='owned'" in text and "on the owner's host" in text  # the fixes
+                # No transfer exists, and the probe did not READ the unregistered regions.
+                assert running.daemon.reader.pulls.find("kernel-only-1") is None
+                peers = await stub.ListPeers(scheduler_pb2.ListPeersRequest())
+                (p,) = peers.peers
+                assert p.read_transport == "unknown"
+                assert "serves KERNEL pulls only" in p.read_transport_detail
+            # The confirmation sent before planning is given back if the owner granted it.
+            for _ in range(50):
+                if "ConfirmLease" not in fake.calls or "ReleaseLease" in fake.calls:
+                    break
+                await asyncio.sleep(0.05)
+            assert "ConfirmLease" not in fake.calls or "ReleaseLease" in fake.calls, fake.calls
+        finally:
+            await running.stop()
+
+    asyncio.run(go())
