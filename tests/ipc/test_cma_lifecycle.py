@@ -7,15 +7,19 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
-from kvxferd.scenario.daemons import DaemonOptions, DaemonSet
+from kvxferd.scenario.daemons import READY_TIMEOUT_S, DaemonOptions, DaemonSet
+from kvxferd.scenario.daemons import Daemon as Proc
 from kvxferd.v1 import scheduler_pb2
-from tests.ipc.test_cma_daemons import CMA, DONE, Client, run
+from tests.ipc.test_cma_daemons import CMA, DIRECT, DONE, Client, run
 from tests.service.conftest import Daemon, launch
 
 SPEC = "dense:num_blocks=64"
@@ -151,3 +155,63 @@ def test_a_large_pull_cancelled_mid_copy_ends_cancelled_with_every_block_invalid
         run(go())
     finally:
         ds.stop()
+
+
+class Unshared(Proc):
+    """A daemon started in a PID namespace of its own (``unshare --pid --fork``): processes
+    outside it, the owner's included, are not visible there (SO_PEERCRED gives pid 0)."""
+
+    def command(self) -> list[str]:
+        cmd = super().command()
+        at = cmd.index("-m")  # python -c WRAPPER PARENT python -m kvxferd serve ...
+        unshare = shutil.which("unshare") or "unshare"
+        return [*cmd[: at - 1], unshare, "--pid", "--fork", "--kill-child=SIGTERM", *cmd[at - 1 :]]
+
+
+def _can_unshare_pid() -> bool:
+    tool = shutil.which("unshare")
+    if tool is None:
+        return False
+    done = subprocess.run([tool, "--pid", "--fork", "true"], capture_output=True, check=False)
+    return done.returncode == 0
+
+
+@pytest.mark.skipif(not _can_unshare_pid(), reason="needs unshare --pid (root or user namespaces)")
+def test_an_owner_in_a_pid_namespace_the_reader_cannot_see_is_read_direct_with_the_reason(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "o").mkdir()
+    owners = launch(tmp_path / "o", DaemonOptions("prefill", SPEC, fill_seed=8))
+    (tmp_path / "r").mkdir()
+    reader = Unshared(DaemonOptions("decode", SPEC), tmp_path / "r")
+    try:
+        reader.start()
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while reader.poll_ready() is None:
+            assert reader.alive(), reader.tail()
+            assert time.monotonic() < deadline, reader.tail()
+            time.sleep(0.05)
+        ready = reader.ready
+        assert ready is not None
+        me = Daemon(ready.grpc, ready.engine_socket, ready.metrics, reader.alive, reader.log_path)
+
+        async def go() -> None:
+            c = Client(owners["prefill"], me)
+            remote, local = [[4, 5, 6]], [[7, 8, 9]]
+            st = await c.pull("hidden", remote, local)
+            assert st.state == DONE, st.error.message
+            assert st.strategy == DIRECT, st.strategy_reason
+            assert "CMA not possible" in st.strategy_reason
+            assert "not visible in this daemon's PID namespace" in st.strategy_reason
+            assert await c.same(remote, local)
+
+        run(go())
+    finally:
+        if reader.proc is not None:
+            reader.proc.terminate()
+            try:
+                reader.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                reader.proc.kill()
+                reader.proc.wait()
+        owners.stop()
