@@ -224,7 +224,7 @@ async def serve_stage(
 
     async def send(a: Announce) -> None:
         await context.write(
-            peer_pb2.StageEvent(
+            peer_pb2.StageResponse(
                 chunk=a.chunk,
                 slot=a.slot,
                 offset=a.offset,

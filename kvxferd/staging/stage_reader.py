@@ -148,7 +148,7 @@ class StreamPull:
                 fix="see the peer's log ('staged stream ended'); retry the pull",
             )
 
-    def _check(self, ev: peer_pb2.StageEvent, n: int) -> Chunk:
+    def _check(self, ev: peer_pb2.StageResponse, n: int) -> Chunk:
         job, ring = self.job, self.job.remote_ring
         chunk = job.chunks[n] if n < len(job.chunks) else None
         if (
@@ -168,7 +168,7 @@ class StreamPull:
         self.owner_out.add(ev.slot)
         return chunk
 
-    def _post(self, chunk: Chunk, local: int, ev: peer_pb2.StageEvent) -> Transfer:
+    def _post(self, chunk: Chunk, local: int, ev: peer_pb2.StageResponse) -> Transfer:
         one = np.array([chunk.nbytes], dtype=np.int64)
         plan = TransferPlan(
             ranges=(
@@ -190,7 +190,7 @@ class StreamPull:
         chunk: Chunk,
         *,
         local: int,
-        ev: peer_pb2.StageEvent,
+        ev: peer_pb2.StageResponse,
         xfer: Transfer,
         posted: float,
         queue: Requests,

@@ -543,7 +543,7 @@ class StageOpen(google.protobuf.message.Message):
 Global___StageOpen: typing_extensions.TypeAlias = StageOpen
 
 @typing.final
-class StageEvent(google.protobuf.message.Message):
+class StageResponse(google.protobuf.message.Message):
     """One gathered chunk, announced once its bytes are in the owner's slot: READ nbytes at offset
     with one descriptor, then return slot in StageRequest.read_slots.
     """
@@ -589,7 +589,7 @@ class StageEvent(google.protobuf.message.Message):
     ) -> None: ...
     def ClearField(self, field_name: typing.Literal["chunk", b"chunk", "gather_us", b"gather_us", "nbytes", b"nbytes", "offset", b"offset", "slot", b"slot", "slot_wait_us", b"slot_wait_us", "start_us", b"start_us"]) -> None: ...
 
-Global___StageEvent: typing_extensions.TypeAlias = StageEvent
+Global___StageResponse: typing_extensions.TypeAlias = StageResponse
 
 @typing.final
 class PushRequest(google.protobuf.message.Message):

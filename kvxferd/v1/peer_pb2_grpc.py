@@ -73,7 +73,7 @@ class PeerStub(object):
         self.Stage = channel.stream_stream(
                 '/kvxferd.v1.Peer/Stage',
                 request_serializer=kvxferd_dot_v1_dot_peer__pb2.StageRequest.SerializeToString,
-                response_deserializer=kvxferd_dot_v1_dot_peer__pb2.StageEvent.FromString,
+                response_deserializer=kvxferd_dot_v1_dot_peer__pb2.StageResponse.FromString,
                 _registered_method=True)
         self.Push = channel.unary_unary(
                 '/kvxferd.v1.Peer/Push',
@@ -170,7 +170,7 @@ class PeerServicer(object):
         reader did (kvxferd.staging.chunks.split_chunks with StageOpen.chunk_bytes) and, chunk
         after chunk in order, while it holds a credit: takes a slot of its ring (the per-reader
         cap and fair order of Gather apply, across every stream and Gather of the same caller),
-        gathers the chunk into it and sends one StageEvent announcing it. One credit is one
+        gathers the chunk into it and sends one StageResponse announcing it. One credit is one
         announced slot not yet returned. Every later reader message returns slots it has read
         (StageRequest.read_slots): each goes back to the ring and gives one credit back.
 
@@ -248,7 +248,7 @@ def add_PeerServicer_to_server(servicer, server):
             'Stage': grpc.stream_stream_rpc_method_handler(
                     servicer.Stage,
                     request_deserializer=kvxferd_dot_v1_dot_peer__pb2.StageRequest.FromString,
-                    response_serializer=kvxferd_dot_v1_dot_peer__pb2.StageEvent.SerializeToString,
+                    response_serializer=kvxferd_dot_v1_dot_peer__pb2.StageResponse.SerializeToString,
             ),
             'Push': grpc.unary_unary_rpc_method_handler(
                     servicer.Push,
@@ -472,7 +472,7 @@ class Peer(object):
             target,
             '/kvxferd.v1.Peer/Stage',
             kvxferd_dot_v1_dot_peer__pb2.StageRequest.SerializeToString,
-            kvxferd_dot_v1_dot_peer__pb2.StageEvent.FromString,
+            kvxferd_dot_v1_dot_peer__pb2.StageResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -141,15 +141,15 @@ _PeerStageType = typing_extensions.TypeVar(
     '_PeerStageType',
     grpc.StreamStreamMultiCallable[
         kvxferd.v1.peer_pb2.StageRequest,
-        kvxferd.v1.peer_pb2.StageEvent,
+        kvxferd.v1.peer_pb2.StageResponse,
     ],
     grpc.aio.StreamStreamMultiCallable[
         kvxferd.v1.peer_pb2.StageRequest,
-        kvxferd.v1.peer_pb2.StageEvent,
+        kvxferd.v1.peer_pb2.StageResponse,
     ],
     default=grpc.StreamStreamMultiCallable[
         kvxferd.v1.peer_pb2.StageRequest,
-        kvxferd.v1.peer_pb2.StageEvent,
+        kvxferd.v1.peer_pb2.StageResponse,
     ],
 )
 
@@ -204,7 +204,7 @@ class PeerStub(typing.Generic[_PeerHandshakeType, _PeerConfirmLeaseType, _PeerEx
         ],
         grpc.StreamStreamMultiCallable[
             kvxferd.v1.peer_pb2.StageRequest,
-            kvxferd.v1.peer_pb2.StageEvent,
+            kvxferd.v1.peer_pb2.StageResponse,
         ],
         grpc.UnaryUnaryMultiCallable[
             kvxferd.v1.peer_pb2.PushRequest,
@@ -244,7 +244,7 @@ class PeerStub(typing.Generic[_PeerHandshakeType, _PeerConfirmLeaseType, _PeerEx
         ],
         grpc.aio.StreamStreamMultiCallable[
             kvxferd.v1.peer_pb2.StageRequest,
-            kvxferd.v1.peer_pb2.StageEvent,
+            kvxferd.v1.peer_pb2.StageResponse,
         ],
         grpc.aio.UnaryUnaryMultiCallable[
             kvxferd.v1.peer_pb2.PushRequest,
@@ -314,7 +314,7 @@ class PeerStub(typing.Generic[_PeerHandshakeType, _PeerConfirmLeaseType, _PeerEx
     reader did (kvxferd.staging.chunks.split_chunks with StageOpen.chunk_bytes) and, chunk
     after chunk in order, while it holds a credit: takes a slot of its ring (the per-reader
     cap and fair order of Gather apply, across every stream and Gather of the same caller),
-    gathers the chunk into it and sends one StageEvent announcing it. One credit is one
+    gathers the chunk into it and sends one StageResponse announcing it. One credit is one
     announced slot not yet returned. Every later reader message returns slots it has read
     (StageRequest.read_slots): each goes back to the ring and gives one credit back.
 
@@ -376,7 +376,7 @@ PeerAsyncStub: typing_extensions.TypeAlias = PeerStub[
     ],
     grpc.aio.StreamStreamMultiCallable[
         kvxferd.v1.peer_pb2.StageRequest,
-        kvxferd.v1.peer_pb2.StageEvent,
+        kvxferd.v1.peer_pb2.StageResponse,
     ],
     grpc.aio.UnaryUnaryMultiCallable[
         kvxferd.v1.peer_pb2.PushRequest,
@@ -474,7 +474,7 @@ class PeerServicer(metaclass=abc.ABCMeta):
         self,
         request_iterator: _MaybeAsyncIterator[kvxferd.v1.peer_pb2.StageRequest],
         context: _ServicerContext,
-    ) -> typing.Union[collections.abc.Iterator[kvxferd.v1.peer_pb2.StageEvent], collections.abc.AsyncIterator[kvxferd.v1.peer_pb2.StageEvent]]:
+    ) -> typing.Union[collections.abc.Iterator[kvxferd.v1.peer_pb2.StageResponse], collections.abc.AsyncIterator[kvxferd.v1.peer_pb2.StageResponse]]:
         """STAGED pulls without a round trip per chunk: one stream per pull. Served by an owner whose
         handshake says HandshakePayload.staging.stream; a reader reads an owner without it (an
         older build) with Gather and ReleaseStaging, which stay.
@@ -489,7 +489,7 @@ class PeerServicer(metaclass=abc.ABCMeta):
         reader did (kvxferd.staging.chunks.split_chunks with StageOpen.chunk_bytes) and, chunk
         after chunk in order, while it holds a credit: takes a slot of its ring (the per-reader
         cap and fair order of Gather apply, across every stream and Gather of the same caller),
-        gathers the chunk into it and sends one StageEvent announcing it. One credit is one
+        gathers the chunk into it and sends one StageResponse announcing it. One credit is one
         announced slot not yet returned. Every later reader message returns slots it has read
         (StageRequest.read_slots): each goes back to the ring and gives one credit back.
 

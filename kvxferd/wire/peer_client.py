@@ -29,7 +29,7 @@ LOCAL_METHODS = frozenset(
     {"ConfirmLease", "ExtendLease", "ReleaseLease", "Heartbeat", "Gather", "ReleaseStaging"}
 )
 Metadata = tuple[tuple[str, str], ...]
-StageCall = aio.StreamStreamCall[peer_pb2.StageRequest, peer_pb2.StageEvent]
+StageCall = aio.StreamStreamCall[peer_pb2.StageRequest, peer_pb2.StageResponse]
 Resp = TypeVar("Resp")
 
 
@@ -279,7 +279,7 @@ class PeerClient:
         )
         return call
 
-    async def events(self, call: StageCall, what: str) -> AsyncIterator[peer_pb2.StageEvent]:
+    async def events(self, call: StageCall, what: str) -> AsyncIterator[peer_pb2.StageResponse]:
         """``call``'s announcements; a failed stream raises the :mod:`kvxferd.errors` error."""
         try:
             async for event in call:

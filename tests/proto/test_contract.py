@@ -304,8 +304,9 @@ def test_services_and_streaming_shape() -> None:
                 "Gather",
                 "ReleaseStaging",
                 "Push",
+                "Stage",
             },
-            set(),
+            {"Stage"},
         ),
         scheduler_pb2: (
             "Scheduler",
@@ -329,7 +330,7 @@ def test_services_and_streaming_shape() -> None:
         service = mod.DESCRIPTOR.services_by_name[name]
         assert {m.name for m in service.methods} == methods
         for m in service.methods:
-            assert not m.client_streaming
+            assert m.client_streaming == (m.full_name == "kvxferd.v1.Peer.Stage"), m.name
             assert m.server_streaming == (m.name in streaming), m.name
             assert m.input_type.name == f"{m.name}Request"
             assert m.output_type.name == f"{m.name}Response"

@@ -173,8 +173,8 @@ class RawStage:
     def give_back(self, *slots: int) -> None:
         self.send(peer_pb2.StageRequest(read_slots=list(slots)))
 
-    async def next(self, timeout_s: float = 10.0) -> peer_pb2.StageEvent:
-        ev: peer_pb2.StageEvent = await asyncio.wait_for(self._events.__anext__(), timeout_s)
+    async def next(self, timeout_s: float = 10.0) -> peer_pb2.StageResponse:
+        ev: peer_pb2.StageResponse = await asyncio.wait_for(self._events.__anext__(), timeout_s)
         return ev
 
     def close(self) -> None:

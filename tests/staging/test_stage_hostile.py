@@ -163,7 +163,7 @@ def test_many_streams_of_one_reader_hold_at_most_its_cap(ds: Daemons) -> None:
             s = RawStage(greedy)
             s.open(rid, [ids], chunk_bytes=ROW, chunks=4, credits=2)
             streams.append(s)
-        got: list[peer_pb2.StageEvent] = []
+        got: list[peer_pb2.StageResponse] = []
 
         async def collect(s: RawStage) -> None:
             while True:
@@ -190,5 +190,5 @@ def test_many_streams_of_one_reader_hold_at_most_its_cap(ds: Daemons) -> None:
 
 
 def test_stage_events_carry_the_documented_fields() -> None:
-    fields = {f.name for f in peer_pb2.StageEvent.DESCRIPTOR.fields}
+    fields = {f.name for f in peer_pb2.StageResponse.DESCRIPTOR.fields}
     assert fields == {"chunk", "slot", "offset", "nbytes", "gather_us", "start_us", "slot_wait_us"}
