@@ -83,13 +83,18 @@ def _log(d: Daemon, msg: str) -> int:
     return len(_records(d, msg))
 
 
-def _wait_detached(d: Daemon, timeout_s: float = 30.0) -> engine_pb2.PoolInfo:
+def _eventually(check: Callable[[], bool], timeout_s: float = 30.0) -> bool:
     deadline = time.monotonic() + timeout_s
-    while True:
-        pool = _state(d)
-        if pool.state == engine_pb2.REGISTRATION_STATE_DETACHED or time.monotonic() > deadline:
-            return pool
+    while not check():
+        if time.monotonic() > deadline:
+            return False
         time.sleep(0.1)
+    return True
+
+
+def _dropped(d: Daemon, generation: int) -> bool:
+    """Has reader ``d`` dropped its mappings of the owner's ``generation``?"""
+    return any(r.get("generation") == generation for r in _records(d, "cuda ipc mappings dropped"))
 
 
 def _kernel_pull(owner: Daemon, reader: Daemon, name: str, seed: int, ids: Ids) -> None:
@@ -170,26 +175,30 @@ def test_detach_and_engine_death_drop_the_mappings_and_a_new_engine_is_served(
 ) -> None:
     att, decode = daemons["att"], daemons["decode-dense"]
     ids = PRESETS["dense"][1]
+
+    def closed() -> int:
+        return _log(att, "CUDA IPC memory closed")
+
     eng = Engine(att.engine_socket, *IMPORTED, "--preset", DENSE, "--seed", "31")
     try:
         first = eng.line(timeout_s=180)
         _kernel_pull(att, decode, "life-1", 1, ids)
-        closed = _log(att, "CUDA IPC memory closed")
+        before = closed()
         eng.detach()  # 1. detach: the daemon's mapping of the engine's memory is closed
-        assert _log(att, "CUDA IPC memory closed") > closed
+        assert closed() > before  # before Detach answered
         eng = Engine(att.engine_socket, *IMPORTED, "--preset", DENSE, "--seed", "32")
         second = eng.line(timeout_s=180)
         assert second["generation"] > first["generation"]
-        dropped = _log(decode, "cuda ipc mappings dropped")
         _kernel_pull(att, decode, "life-2", 2, ids)  # the reader maps the new handles ...
-        assert _log(decode, "cuda ipc mappings dropped") > dropped  # ... and drops the old
-        closed = _log(att, "CUDA IPC memory closed")
-        eng.kill()  # 2. engine death: the same, through the session's end
-        assert _wait_detached(att).state == engine_pb2.REGISTRATION_STATE_DETACHED
-        assert _log(att, "CUDA IPC memory closed") > closed
+        assert _dropped(decode, first["generation"])  # ... and no longer the old ones
+        before = closed()
+        eng.kill()  # 2. engine death: the same, through the end of its session
+        assert _eventually(lambda: closed() > before), "the daemon kept the dead engine mapped"
+        assert _state(att).state == engine_pb2.REGISTRATION_STATE_DETACHED
         eng = Engine(att.engine_socket, *IMPORTED, "--preset", DENSE, "--seed", "33")
         eng.line(timeout_s=180)
         _kernel_pull(att, decode, "life-3", 3, ids)
+        assert _dropped(decode, second["generation"])
         eng.detach()
     finally:
         eng.kill()
