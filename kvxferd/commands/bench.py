@@ -10,16 +10,18 @@ For each request size (tokens) and block-ID pattern, on the dense Llama-3-8B-sha
   processes with raw NIXL agents (:mod:`kvxferd.scenario.naive`);
 * **floor**: the descriptors a DIRECT pull posts (the naive ranges coalesced), posted as one
   READ by the same raw agents in a plain post/poll loop: what NIXL itself costs, no daemon;
-* **kvxferd**, one row per ``--strategy`` (``kernel``, ``direct``, ``staged``, ``auto``): a
-  prefill and a decode daemon (``kvxferd serve``); the time from ``StartPull`` to the terminal
-  status on ``WatchTransfers``, bytes from the status; the row names what ran;
+* **kvxferd**, one row per ``--strategy`` (``kernel``, ``direct``, ``staged``, ``auto``,
+  ``cma``: ``kernel`` with the row named for what it runs on host memory): a prefill and a
+  decode daemon (``kvxferd serve``); the time from ``StartPull`` to the terminal status on
+  ``WatchTransfers``, bytes from the status; the row names what ran;
 
 each with GB/s, x raw and x naive, and the transport it used (raw: the copy engine; naive and
 floor: inferred from the floor's rate like the daemons' probe; kvxferd: the decode daemon's
-``ListPeers`` ``read_transport``, or the SM kernel for KERNEL). Then the small-request latency
-(16 blocks) over many pulls through the daemons of the first strategy. On GPU the bench sets
-``UCX_CUDA_IPC_ENABLE_GET_ZCOPY`` as the daemons do (kvxferd.ipc.host) before its own agents
-start, so naive and floor run over what the daemons run over. Every NIXL row uses the same
+``ListPeers`` ``read_transport``, the SM kernel for KERNEL, process_vm_readv for CMA). Then
+the small-request latency (16 blocks) over many pulls through the daemons of the first
+strategy. On GPU the bench sets ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY`` as the daemons do
+(kvxferd.ipc.host) before its own agents start, so naive and floor run over what the daemons
+run over. Every NIXL row uses the same
 block IDs per (size, pattern, repeat) and is checked against the owner's bytes on a sample of
 blocks. Exit 0: measured and verified; 1: a transfer failed or a sampled block differs; 2:
 usage error.
@@ -63,9 +65,10 @@ examples:
   kvxferd bench --device cuda                     one GPU, or prefill cuda:0 -> decode cuda:1
   kvxferd bench --device cuda --sizes 256,8192 --strategy kernel,direct,staged,auto
                                                   one row per strategy beside raw, naive, floor
+  kvxferd bench --sizes 16384 --strategy cma,direct   host memory: CMA vs DIRECT vs raw, floor
 """
 
-STRATEGIES = ("auto", "direct", "staged", "kernel", "push")
+STRATEGIES = ("auto", "direct", "staged", "kernel", "cma", "push")
 
 
 def _sizes(text: str) -> list[int]:
@@ -153,9 +156,10 @@ def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
         metavar="S,S",
         help=(
             "transfer.strategy of the decode daemon, one kvxferd row per value: auto (KERNEL"
-            " where eligible, else the cost model picks), direct, staged, kernel; push runs both"
-            " daemons in transfer.mode = push (the prefill daemon WRITEs); default auto."
-            " Each row shows what ran."
+            " or CMA where eligible, else the cost model picks), direct, staged, kernel; cma"
+            " (kernel, named for host memory: process_vm_readv from a same-host owner); push"
+            " runs both daemons in transfer.mode = push (the prefill daemon WRITEs); default"
+            " auto. Each row shows what ran."
         ),
     )
     p.add_argument("--seed", type=int, default=0, metavar="S", help="block-ID seed (default 0)")

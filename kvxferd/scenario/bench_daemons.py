@@ -25,6 +25,10 @@ from kvxferd.v1 import scheduler_pb2
 
 PUSH = "push"
 """The bench's name for a row through two daemons in transfer.mode = push."""
+CMA = "cma"
+"""The bench's name for ``transfer.strategy = kernel`` on host memory: CMA pulls."""
+SAME_HOST = {"KERNEL": "cuda_ipc (SM kernel)", "CMA": "process_vm_readv (CMA)"}
+"""What serves a same-host copy (no NIXL READ)."""
 
 
 def _record_stages(cell: Cell, st: scheduler_pb2.TransferStatus) -> None:
@@ -63,9 +67,12 @@ def _record_transport(decode: DaemonClient, cells: list[Cell]) -> None:
             f" ({p.read_probe_gbps:.1f} GB/s probe)" if p.read_probe_gbps else ""
         )
     for cell in cells:
-        cell.kvxferd_transport = (
-            "cuda_ipc (SM kernel)" if cell.kvxferd_strategy == "KERNEL" else read or "?"
-        )
+        cell.kvxferd_transport = SAME_HOST.get(cell.kvxferd_strategy, read or "?")
+
+
+def _configured(strategy: str) -> str:
+    """The decode daemon's transfer.strategy for a bench strategy name."""
+    return {PUSH: "auto", CMA: "kernel"}.get(strategy, strategy)
 
 
 def measure_daemons(
@@ -101,7 +108,7 @@ def measure_daemons(
             "decode",
             pool,
             device=workload.dev_decode,
-            extra=("--set", f"transfer.strategy={'auto' if push else strategy}", *mode),
+            extra=("--set", f"transfer.strategy={_configured(strategy)}", *mode),
         ),
     ]
     latency: dict[str, Any] = {}
