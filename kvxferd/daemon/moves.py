@@ -142,6 +142,8 @@ class Mover:
                 local_blocks=local_blocks,
                 deadline=deadline,
             )
+            stages.at("post", result.posted_at)  # the ranges built and checked: copying starts
+            stages.at("transfer", result.completed_at)
         elif staged is not None:
             job = self._staged_job(
                 req,

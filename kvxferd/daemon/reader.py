@@ -280,7 +280,7 @@ class Reader:
                     " (peers.heartbeat_timeout_ms) and load",
                 )
             share.done = state is PullState.DONE
-            if staged is not None:
+            if staged is not None and not result.completed_at:  # CMA marked post/transfer
                 stages.mark("transfer")
             self.pulls.update(
                 tid,

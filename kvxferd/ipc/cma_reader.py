@@ -193,7 +193,7 @@ class CmaReader:
         t0 = time.monotonic()
         run = _Run(job.deadline, job.owner)
         times = self.last = CmaTimes()
-        runs = 0
+        runs, t1 = 0, 0.0
         self._active[job.transfer_id] = run
         try:
             with job.owner.use():
@@ -228,6 +228,8 @@ class CmaReader:
             nbytes=plan.nbytes,
             descriptors=runs,
             elapsed_s=time.monotonic() - t0,
+            posted_at=t1,  # monotonic: the ranges were built and checked, the copy started
+            completed_at=t1 and t1 + times.copy,
         )
 
     def _before(self, run: _Run, job: CmaJob) -> None:
