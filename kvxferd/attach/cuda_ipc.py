@@ -126,6 +126,9 @@ _FIXES = {
     " devices (CUDA_VISIBLE_DEVICES) and pass the device ordinal as this process numbers it",
     "CUDA_ERROR_MAP_FAILED": "the exporting process is gone or the handle is stale: export"
     " again from a live process",
+    "CUDA_ERROR_INVALID_HANDLE": "the handle is stale (the exporting process freed the memory"
+    " or exited): export again from a live process; a reader handshakes again and maps the"
+    " owner's current handles",
     "CUDA_ERROR_ALREADY_MAPPED": "this process already has that allocation mapped: close the"
     " earlier mapping first",
 }
