@@ -28,7 +28,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from kvxferd.errors import EngineDetached, InvalidRequest, LeaseRefused
 from kvxferd.logs import kv
@@ -37,6 +36,7 @@ from kvxferd.staging.chunks import span_offsets
 from kvxferd.staging.device import Int64Array, PoolCopier
 from kvxferd.staging.fair import FairQueue, Waiter, waited_in_vain
 from kvxferd.staging.gather_check import check_chunk_bytes, check_gather
+from kvxferd.staging.grant import Grant, Held
 from kvxferd.staging.ring import StagingRing, half_cap
 from kvxferd.staging.stats import Occupancy
 from kvxferd.transfer.leases import LeaseTable, Released
@@ -47,27 +47,6 @@ log = logging.getLogger(__name__)
 # the time, at most this), so the caller reads why (ResourceExhausted and its fix), not a bare
 # DEADLINE_EXCEEDED from its own side.
 REPLY_MARGIN_S = 0.2
-
-
-@dataclass(frozen=True)
-class Grant:
-    """A gathered chunk: where it lies in the ring and how long the gather took."""
-
-    slot: int
-    offset: int
-    nbytes: int
-    gather_s: float
-    wait_s: float = 0.0  # waiting for a slot (other readers', or this reader at its cap)
-    started_at: float = 0.0  # monotonic: when the gather thread started copying
-
-
-@dataclass
-class _Held:
-    request_id: str
-    reader: str
-    timer: asyncio.TimerHandle
-    busy: bool = True  # the gather thread is still writing the slot (or is about to)
-    revoked: str = ""  # taken back while busy (why): free it when the gather ends
 
 
 class StagingOwner:
@@ -99,7 +78,7 @@ class StagingOwner:
                 fix="use a cap between 1 and the ring's slot count (default: half the ring)",
             )
         self.copier = PoolCopier(pool)
-        self._grants: dict[int, _Held] = {}
+        self._grants: dict[int, Held] = {}
         self._count: dict[str, int] = {}  # reader -> slots granted to it (busy ones included)
         self._waiting = FairQueue(self.reader_cap, lambda reader: self._count.get(reader, 0))
         self._claim: asyncio.Future[int] | None = None  # our one wait on the ring
@@ -216,6 +195,15 @@ class StagingOwner:
         except BaseException:
             self._drop(slot)
             raise
+        at = started[0] if started else t0
+        return self.answer(request_id, slot, total, seconds=seconds, waited=waited, at=at)
+
+    def answer(
+        self, request_id: str, slot: int, total: int, *, seconds: float, waited: float, at: float
+    ) -> Grant:
+        """The gather into granted ``slot`` (started at monotonic ``at``) has ended: the grant,
+        or, if the slot was taken back meanwhile, the slot freed and LeaseRefused saying why."""
+        held = self._grants[slot]
         held.busy = False
         ended = self._lease_blocks(request_id) is None
         if held.revoked or ended:
@@ -232,8 +220,11 @@ class StagingOwner:
         # gather (a busy GPU) never eats the reader's time to read it.
         held.timer.cancel()
         held.timer = asyncio.get_running_loop().call_later(self.grant_timeout_s, self._expire, slot)
-        offset = self.ring.info.slot_offset(slot)
-        return Grant(slot, offset, total, seconds, waited, started[0] if started else t0)
+        return Grant(slot, self.ring.info.slot_offset(slot), total, seconds, waited, at)
+
+    def abandon(self, slot: int) -> None:
+        """Free granted ``slot`` unanswered, once nothing writes it any more."""
+        self._drop(slot)
 
     def release(self, request_id: str, reader: str, slots: Sequence[int]) -> int:
         """Free ``slots`` granted to ``reader`` for ``request_id``; others are ignored."""
@@ -272,11 +263,9 @@ class StagingOwner:
                 "this staging owner was stopped (the engine's pool went away)",
                 fix="hold the request again once the engine is attached, and retry",
             )
-        if self._count.get(reader, 0) < self.reader_cap and self._waiting.eligible() is None:
-            slot = self.ring.try_take()
-            if slot is not None:
-                self._grant(slot, request_id, reader)
-                return slot
+        slot = self.try_grant(request_id, reader)
+        if slot is not None:
+            return slot
         loop = asyncio.get_running_loop()
         w = Waiter(request_id, reader, loop.create_future())
         self._waiting.push(w)
@@ -297,9 +286,21 @@ class StagingOwner:
             if timer is not None:
                 timer.cancel()
 
+    def try_grant(self, request_id: str, reader: str) -> int | None:
+        """A slot granted to ``reader`` now (busy until :meth:`answer`), or None where a
+        gather would wait: none free, the reader at its cap, or another reader's turn."""
+        if self._stopped or self._count.get(reader, 0) >= self.reader_cap:
+            return None
+        if self._waiting.eligible() is not None:
+            return None
+        slot = self.ring.try_take()
+        if slot is not None:
+            self._grant(slot, request_id, reader)
+        return slot
+
     def _grant(self, slot: int, request_id: str, reader: str) -> None:
         timer = asyncio.get_running_loop().call_later(self.grant_timeout_s, self._expire, slot)
-        self._grants[slot] = _Held(request_id, reader, timer)
+        self._grants[slot] = Held(request_id, reader, timer)
         self._count[reader] = self._count.get(reader, 0) + 1
 
     def _unqueue(self, w: Waiter) -> None:

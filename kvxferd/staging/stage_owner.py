@@ -9,13 +9,17 @@ exactly as the reader did. Then two tasks run until the stream ends:
 * **work**: for each chunk in order, wait for a credit, take a slot through the owner (per-reader
   cap and fair order, shared with Gathers: :class:`~kvxferd.staging.owner.StagingOwner`),
   gather, announce (:class:`Announce`). One credit is one announced slot not yet returned.
+  A small chunk with a slot free at once is gathered on the loop (:mod:`.inline`), a larger
+  one (or one that waits for a slot) in the owner's worker thread.
 * **returns**: each later reader message returns slots it has read; each goes back to the ring
   and gives a credit back. A slot that is not one of this stream's announced, unreturned slots
-  fails the stream. The reader half-closing stops the stream.
+  fails the stream. The reader half-closing stops the stream. When the work waits for that
+  credit, the next chunk's inline gather starts right there, without a turn of the loop.
 
 Stopping (half-close, the call cancelled or broken, an error) cancels the work task: a gather
-in progress ends in its worker thread and its slot returns to the ring; no other chunk starts.
-Every slot the stream still holds returns to the ring when it ends. Event-loop only.
+in progress ends (in its worker thread, or its CUDA event) and its slot returns to the ring; no
+other chunk starts. Every slot the stream still holds returns to the ring when it ends.
+Event-loop only.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from dataclasses import dataclass
 
 from kvxferd.errors import InvalidRequest, LeaseRefused
 from kvxferd.logs import kv
+from kvxferd.staging import inline
 from kvxferd.staging.chunks import Chunk, split_chunks
 from kvxferd.staging.device import Int64Array
 from kvxferd.staging.owner import StagingOwner
@@ -90,6 +95,8 @@ class StageStream:
         self.returned = 0
         self.ready_at = time.monotonic()  # when the next chunk could start, credits allowing
         self._wake = asyncio.Event()
+        self._idle = False  # the work waits for a credit
+        self._early: inline.Launched | None = None  # the next chunk, gathered, not yet landed
 
     @classmethod
     def open(
@@ -159,6 +166,9 @@ class StageStream:
                 stopped_at = (self.started, self.gathered)
             for t in (work, recv):
                 await self._stop(t)
+            if self._early is not None:  # gathered as a credit arrived, never announced
+                got, self._early = self._early, None
+                await inline.discard(self.owner, got)
             self.owner.release(self.request_id, self.reader, sorted(self.out))
             self.out.clear()
             at = stopped_at or (self.started, self.gathered)
@@ -186,15 +196,23 @@ class StageStream:
 
     async def _work(self, send: Send) -> None:
         for chunk in self.chunks:
-            while self.credits <= 0:
+            while self._early is None and self.credits <= 0:
+                self._idle = True  # _returns starts the next gather as the credit arrives
                 self._wake.clear()
                 await self._wake.wait()
-            self.credits -= 1
-            ids = self._ids(chunk)
+            self._idle = False
             ready = self.ready_at
-            left = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
-            self.started += 1
-            grant = await self.owner.fill(self.request_id, self.reader, ids, chunk.nbytes, left)
+            if self._early is None:
+                self._early = self._launch(chunk)
+            if self._early is not None:
+                got, self._early = self._early, None
+                grant = await inline.land(self.owner, got)
+            else:
+                self.credits -= 1
+                self.started += 1
+                left = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+                ids = self._ids(chunk)
+                grant = await self.owner.fill(self.request_id, self.reader, ids, chunk.nbytes, left)
             self.gathered += 1
             self.out.add(grant.slot)
             start = max(0.0, grant.started_at - ready - grant.wait_s)
@@ -214,6 +232,17 @@ class StageStream:
         while self.out:  # every chunk announced: wait for the reader to return them
             self._wake.clear()
             await self._wake.wait()
+
+    def _launch(self, chunk: Chunk) -> inline.Launched | None:
+        """Gather ``chunk`` on the loop now, taking a credit, when it is small and a slot is
+        free for this reader at once (:mod:`kvxferd.staging.inline`); else None."""
+        got = inline.launch(
+            self.owner, self.request_id, self.reader, self._ids(chunk), chunk.nbytes
+        )
+        if got is not None:
+            self.credits -= 1
+            self.started += 1
+        return got
 
     def _ids(self, chunk: Chunk) -> list[Int64Array]:
         part = [a[:0] for a in self.ids]
@@ -247,6 +276,8 @@ class StageStream:
                 self.credits += 1
             if blocked and self.credits > 0:
                 self.ready_at = now  # the next chunk could start only now
+                if self._idle and self._early is None and self.started < len(self.chunks):
+                    self._early = self._launch(self.chunks[self.started])  # no loop turn
             self._wake.set()
 
 

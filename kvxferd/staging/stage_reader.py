@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvxferd.blocks.ranges import RegionRanges, TransferPlan
 from kvxferd.errors import InvalidRequest, PeerUnavailable
 from kvxferd.staging.chunks import Chunk
 from kvxferd.staging.device import PoolCopier
 from kvxferd.staging.ring import StagingRing, half_cap
+from kvxferd.staging.slot_reads import SlotReads
 from kvxferd.transfer import Transfer, TransferEngine, TransferStatus
 from kvxferd.v1 import common_pb2, peer_pb2
 from kvxferd.wire.peer_client import StageCall
@@ -44,13 +44,13 @@ class StreamPull:
         ring: StagingRing,
         copier: PoolCopier,
         engine: TransferEngine,
-        staging_region: int,
+        reads: SlotReads,
     ) -> None:
         self.job = job
         self.ring = ring
         self.copier = copier
         self.engine = engine
-        self.staging_region = staging_region
+        self.reads = reads
         self.free: deque[int] = deque()  # local slots not reading or scattering
         self.freed = asyncio.Event()
         self.credit_at: list[float] = []  # when credit i was given (chunk i may start)
@@ -169,21 +169,15 @@ class StreamPull:
         return chunk
 
     def _post(self, chunk: Chunk, local: int, ev: peer_pb2.StageResponse) -> Transfer:
-        one = np.array([chunk.nbytes], dtype=np.int64)
-        plan = TransferPlan(
-            ranges=(
-                RegionRanges(
-                    self.staging_region,
-                    "staging",
-                    np.array([self.ring.info.slot_offset(local)], dtype=np.int64),
-                    np.array([ev.offset], dtype=np.int64),
-                    one,
-                ),
-            )
-        )
         job = self.job
-        xid = f"{job.transfer_id}#{chunk.index}"
-        return self.engine.submit(xid, job.peer_agent, plan, timeout_s=max(1e-3, job.remaining()))
+        return self.reads.post(
+            f"{job.transfer_id}#{chunk.index}",
+            job.peer_agent,
+            local * self.ring.info.chunk_bytes,  # a free local slot: inside the ring
+            ev.offset,  # checked: a slot of the owner's ring
+            chunk.nbytes,  # checked: fits both slots
+            timeout_s=max(1e-3, job.deadline - time.monotonic()),
+        )
 
     async def _finish(
         self,

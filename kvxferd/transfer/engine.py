@@ -74,6 +74,7 @@ class Prepared:
     remote: Int64Array
     state: _Peer = field(repr=False)
     table: RegionTable = field(repr=False)
+    nbytes: int = 0  # the descriptors' total length
 
 
 @dataclass(frozen=True)
@@ -234,7 +235,14 @@ class TransferEngine:
             merge=self._opts.coalesce,
             max_desc_bytes=self._opts.max_desc_bytes,
         )
-        return Prepared(transfer_id, peer, op, plan, local, remote, p, local_table)
+        nbytes = int(local[:, 1].sum())
+        return Prepared(transfer_id, peer, op, plan, local, remote, p, local_table, nbytes)
+
+    def is_current(self, prep: Prepared) -> bool:
+        """Whether ``prep`` was built against the current peer and local regions (else
+        :meth:`submit_prepared` prepares it again first)."""
+        with self._lock:
+            return self._peers.get(prep.peer) is prep.state and self._local is prep.table
 
     def submit(
         self,
@@ -252,18 +260,24 @@ class TransferEngine:
         )
 
     def submit_prepared(
-        self, prep: Prepared, *, notif: bytes = b"", timeout_s: float | None = None
+        self,
+        prep: Prepared,
+        *,
+        notif: bytes = b"",
+        timeout_s: float | None = None,
+        transfer_id: str | None = None,
     ) -> Transfer:
-        """Admit and post what :meth:`prepare` built. If the peer or the local pool changed
-        since, it is prepared again against the current ones."""
+        """Admit and post what :meth:`prepare` built, as ``transfer_id`` if given (one prepared
+        plan may be posted many times, each under its own ID, never two at once under one).
+        If the peer or the local pool changed since, it is prepared again against the current
+        ones."""
         timeout = self._opts.default_timeout_s if timeout_s is None else timeout_s
         if timeout <= 0:
             raise InvalidRequest(f"timeout must be positive, got {timeout}", field="timeout_s")
-        with self._lock:
-            stale = self._peers.get(prep.peer) is not prep.state or self._local is not prep.table
-        if stale:
+        if not self.is_current(prep):
             prep = self.prepare(prep.transfer_id, prep.peer, prep.plan, op=prep.op)
-        transfer_id, peer, plan, p = prep.transfer_id, prep.peer, prep.plan, prep.state
+        peer, plan, p = prep.peer, prep.plan, prep.state
+        transfer_id = prep.transfer_id if transfer_id is None else transfer_id
         local, remote = prep.local, prep.remote
         now = self._clock()
         xfer = Transfer(
@@ -271,7 +285,7 @@ class TransferEngine:
             peer,
             prep.op,
             plan,
-            int(local[:, 1].sum()),
+            prep.nbytes,
             int(local.shape[0]),
             now,
             now + timeout,
@@ -299,18 +313,19 @@ class TransferEngine:
             p.inflight_bytes += xfer.nbytes
             p.inflight += 1
             self._transfers[transfer_id] = xfer
-        log.debug(
-            "transfer submitted",
-            extra=kv(
-                transfer_id=transfer_id,
-                peer=peer,
-                op=prep.op.value,
-                bytes=xfer.nbytes,
-                descriptors=xfer.descriptors,
-                naive=plan.naive_descriptors,
-                timeout_s=round(timeout, 3),
-            ),
-        )
+        if log.isEnabledFor(logging.DEBUG):  # kv() is built only when it is logged
+            log.debug(
+                "transfer submitted",
+                extra=kv(
+                    transfer_id=transfer_id,
+                    peer=peer,
+                    op=prep.op.value,
+                    bytes=xfer.nbytes,
+                    descriptors=xfer.descriptors,
+                    naive=plan.naive_descriptors,
+                    timeout_s=round(timeout, 3),
+                ),
+            )
         fut = self._agent.submit(self._flight.post, xfer)
         fut.add_done_callback(lambda f: self._flight.post_failed(xfer, f))
         return xfer
