@@ -25,7 +25,7 @@ class Held:
 
     request_id: str
     reader: str
-    timer: asyncio.TimerHandle
+    timer: asyncio.TimerHandle | None = None  # the grant timeout, from the answer on
     busy: bool = True  # the gather thread is still writing the slot (or is about to)
     revoked: str = ""  # taken back while busy (why): free it when the gather ends
 

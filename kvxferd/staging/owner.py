@@ -218,7 +218,6 @@ class StagingOwner:
             )
         # The grant timeout counts from now, when the reader can start reading the slot: a slow
         # gather (a busy GPU) never eats the reader's time to read it.
-        held.timer.cancel()
         held.timer = asyncio.get_running_loop().call_later(self.grant_timeout_s, self._expire, slot)
         return Grant(slot, self.ring.info.slot_offset(slot), total, seconds, waited, at)
 
@@ -299,8 +298,7 @@ class StagingOwner:
         return slot
 
     def _grant(self, slot: int, request_id: str, reader: str) -> None:
-        timer = asyncio.get_running_loop().call_later(self.grant_timeout_s, self._expire, slot)
-        self._grants[slot] = Held(request_id, reader, timer)
+        self._grants[slot] = Held(request_id, reader)  # its grant timeout starts at the answer
         self._count[reader] = self._count.get(reader, 0) + 1
 
     def _unqueue(self, w: Waiter) -> None:
@@ -356,7 +354,8 @@ class StagingOwner:
     def _drop(self, slot: int) -> None:
         h = self._grants.pop(slot, None)
         if h is not None:
-            h.timer.cancel()
+            if h.timer is not None:
+                h.timer.cancel()
             n = self._count.get(h.reader, 0) - 1
             if n > 0:
                 self._count[h.reader] = n

@@ -95,6 +95,7 @@ class StageStream:
         self.returned = 0
         self.ready_at = time.monotonic()  # when the next chunk could start, credits allowing
         self._wake = asyncio.Event()
+        self._none = [a[:0] for a in ids]  # per group, no ID: a chunk's groups it skips
         self._idle = False  # the work waits for a credit
         self._early: inline.Launched | None = None  # the next chunk, gathered, not yet landed
 
@@ -245,7 +246,7 @@ class StageStream:
         return got
 
     def _ids(self, chunk: Chunk) -> list[Int64Array]:
-        part = [a[:0] for a in self.ids]
+        part = list(self._none)
         for s in chunk.spans:
             part[s.group] = self.ids[s.group][s.start : s.stop]
         return part

@@ -32,7 +32,9 @@ from kvxferd.wire.peer_client import StageCall
 if TYPE_CHECKING:
     from kvxferd.staging.reader import StagedJob
 
-Requests = asyncio.Queue[peer_pb2.StageRequest | None]
+# The open, then owner slots read (credits back, batched into one message while the previous
+# one is being sent), then None (half-close).
+Requests = asyncio.Queue[peer_pb2.StageRequest | int | None]
 
 
 class StreamPull:
@@ -72,8 +74,19 @@ class StreamPull:
         queue: Requests = asyncio.Queue()
 
         async def requests() -> AsyncIterator[peer_pb2.StageRequest]:
-            while (msg := await queue.get()) is not None:
-                yield msg
+            while (item := await queue.get()) is not None:
+                if not isinstance(item, int):
+                    yield item  # the open
+                    continue
+                slots, end = [item], False  # credits back: those queued meanwhile go along
+                while not end and not queue.empty():
+                    more = queue.get_nowait()
+                    end = more is None
+                    if isinstance(more, int):
+                        slots.append(more)
+                yield peer_pb2.StageRequest(read_slots=slots)
+                if end:
+                    return
 
         slot_bytes = min(self.ring.info.chunk_bytes, job.remote_ring.chunk_bytes)
         groups = [common_pb2.BlockIds(ids=a.tolist()) for a in job.remote_ids]
@@ -204,7 +217,7 @@ class StreamPull:
                     f"reading staging chunk {chunk.index}: {result.reason}"
                 )
             self.owner_out.discard(ev.slot)
-            queue.put_nowait(peer_pb2.StageRequest(read_slots=[ev.slot]))  # a credit back
+            queue.put_nowait(ev.slot)  # a credit back
             self.credit_at.append(time.monotonic())
             await self._scatter(chunk, local)
             job.times.scatter_s += time.monotonic() - read
