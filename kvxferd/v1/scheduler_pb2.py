@@ -25,21 +25,21 @@ _sym_db = _symbol_database.Default()
 from kvxferd.v1 import common_pb2 as kvxferd_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvxferd/v1/scheduler.proto\x12\nkvxferd.v1\x1a\x17kvxferd/v1/common.proto\"K\n\x0bPullOptions\x12\x13\n\x0bskip_notify\x18\x01 \x01(\x08J\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04R\x08priorityR\x11prefix_hit_tokens\"\xf9\x01\n\x10StartPullRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x14\n\x0cpeer_address\x18\x03 \x01(\t\x12\x33\n\x10remote_block_ids\x18\x04 \x01(\x0b\x32\x19.kvxferd.v1.GroupBlockIds\x12\x32\n\x0flocal_block_ids\x18\x05 \x01(\x0b\x32\x19.kvxferd.v1.GroupBlockIds\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x06 \x01(\r\x12(\n\x07options\x18\x07 \x01(\x0b\x32\x17.kvxferd.v1.PullOptions\"P\n\x11StartPullResponse\x12*\n\x06status\x18\x01 \x01(\x0b\x32\x1a.kvxferd.v1.TransferStatus\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\"\xcf\x04\n\x0eTransferStatus\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x14\n\x0cpeer_address\x18\x03 \x01(\t\x12(\n\x05state\x18\x04 \x01(\x0e\x32\x19.kvxferd.v1.TransferState\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\x12%\n\x1d\x64\x65scriptors_before_coalescing\x18\x06 \x01(\r\x12$\n\x1c\x64\x65scriptors_after_coalescing\x18\x07 \x01(\r\x12.\n\x08strategy\x18\x08 \x01(\x0e\x32\x1c.kvxferd.v1.TransferStrategy\x12&\n\x05\x65rror\x18\t \x01(\x0b\x32\x17.kvxferd.v1.ErrorDetail\x12:\n\x17invalid_local_block_ids\x18\n \x01(\x0b\x32\x19.kvxferd.v1.GroupBlockIds\x12\x17\n\x0f\x63reated_unix_ns\x18\x0b \x01(\x03\x12\x17\n\x0fstarted_unix_ns\x18\x0c \x01(\x03\x12\x18\n\x10\x66inished_unix_ns\x18\r \x01(\x03\x12\x18\n\x10\x64\x65\x61\x64line_unix_ns\x18\x0e \x01(\x03\x12\x10\n\x08revision\x18\x0f \x01(\x04\x12\x17\n\x0fstrategy_reason\x18\x10 \x01(\t\x12+\n\x0bstage_times\x18\x11 \x01(\x0b\x32\x16.kvxferd.v1.StageTimes\x12%\n\x06stages\x18\x12 \x03(\x0b\x32\x15.kvxferd.v1.PullStage\"*\n\tPullStage\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\"\x9a\x01\n\nStageTimes\x12\x0e\n\x06\x63hunks\x18\x01 \x01(\r\x12\x16\n\x0egather_seconds\x18\x02 \x01(\x01\x12\x1a\n\x12gather_rpc_seconds\x18\x03 \x01(\x01\x12\x14\n\x0cread_seconds\x18\x04 \x01(\x01\x12\x17\n\x0fscatter_seconds\x18\x05 \x01(\x01\x12\x19\n\x11slot_wait_seconds\x18\x06 \x01(\x01\"-\n\x15WatchTransfersRequest\x12\x14\n\x0ctransfer_ids\x18\x01 \x03(\t\"D\n\x16WatchTransfersResponse\x12*\n\x06status\x18\x01 \x01(\x0b\x32\x1a.kvxferd.v1.TransferStatus\")\n\x12GetTransferRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\"A\n\x13GetTransferResponse\x12*\n\x06status\x18\x01 \x01(\x0b\x32\x1a.kvxferd.v1.TransferStatus\",\n\x15\x43\x61ncelTransferRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\"D\n\x16\x43\x61ncelTransferResponse\x12*\n\x06status\x18\x01 \x01(\x0b\x32\x1a.kvxferd.v1.TransferStatus\"\x12\n\x10ListPeersRequest\"8\n\x11ListPeersResponse\x12#\n\x05peers\x18\x01 \x03(\x0b\x32\x14.kvxferd.v1.PeerInfo\"\x9c\x03\n\x08PeerInfo\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x17\n\x0fnixl_agent_name\x18\x02 \x01(\t\x12\x33\n\x0fhandshake_state\x18\x03 \x01(\x0e\x32\x1a.kvxferd.v1.HandshakeState\x12\x1f\n\x17registration_generation\x18\x04 \x01(\x04\x12\x11\n\tdaemon_id\x18\x05 \x01(\t\x12\x13\n\x0binstance_id\x18\x06 \x01(\t\x12+\n\nlast_error\x18\x07 \x01(\x0b\x32\x17.kvxferd.v1.ErrorDetail\x12\x1e\n\x16last_heartbeat_unix_ns\x18\x08 \x01(\x03\x12\x1e\n\x16last_handshake_unix_ns\x18\t \x01(\x03\x12\x18\n\x10\x61\x63tive_transfers\x18\n \x01(\r\x12\x16\n\x0eread_transport\x18\x0b \x01(\t\x12\x17\n\x0fread_probe_gbps\x18\x0c \x01(\x01\x12\x1d\n\x15read_transport_detail\x18\r \x01(\t\x12\x11\n\tsame_host\x18\x0e \x01(\x08\"\x85\x01\n\x0f\x43hecksumRequest\x12\x13\n\x0bgroup_index\x18\x01 \x01(\r\x12\x11\n\tblock_ids\x18\x02 \x03(\x03\x12\x30\n\talgorithm\x18\x03 \x01(\x0e\x32\x1d.kvxferd.v1.ChecksumAlgorithm\x12\x18\n\x10kernel_block_ids\x18\x04 \x01(\x08\"U\n\x10\x43hecksumResponse\x12\x30\n\talgorithm\x18\x01 \x01(\x0e\x32\x1d.kvxferd.v1.ChecksumAlgorithm\x12\x0f\n\x07\x64igests\x18\x02 \x03(\x0c*\x99\x02\n\rTransferState\x12\x1e\n\x1aTRANSFER_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16TRANSFER_STATE_PENDING\x10\x01\x12\x1e\n\x1aTRANSFER_STATE_HANDSHAKING\x10\x02\x12\x1d\n\x19TRANSFER_STATE_CONFIRMING\x10\x03\x12\x1f\n\x1bTRANSFER_STATE_TRANSFERRING\x10\x04\x12\x17\n\x13TRANSFER_STATE_DONE\x10\x05\x12\x19\n\x15TRANSFER_STATE_FAILED\x10\x06\x12\x1c\n\x18TRANSFER_STATE_CANCELLED\x10\x07\x12\x1a\n\x16TRANSFER_STATE_EXPIRED\x10\x08*\xaa\x01\n\x10TransferStrategy\x12!\n\x1dTRANSFER_STRATEGY_UNSPECIFIED\x10\x00\x12\x1c\n\x18TRANSFER_STRATEGY_DIRECT\x10\x01\x12\x1c\n\x18TRANSFER_STRATEGY_STAGED\x10\x02\x12\x1c\n\x18TRANSFER_STRATEGY_KERNEL\x10\x03\x12\x19\n\x15TRANSFER_STRATEGY_CMA\x10\x04*\xc5\x01\n\x0eHandshakeState\x12\x1f\n\x1bHANDSHAKE_STATE_UNSPECIFIED\x10\x00\x12\x1e\n\x1aHANDSHAKE_STATE_CONNECTING\x10\x01\x12\x19\n\x15HANDSHAKE_STATE_READY\x10\x02\x12\x1b\n\x17HANDSHAKE_STATE_REFUSED\x10\x03\x12\x1f\n\x1bHANDSHAKE_STATE_UNREACHABLE\x10\x04\x12\x19\n\x15HANDSHAKE_STATE_STALE\x10\x05*\x97\x01\n\x11\x43hecksumAlgorithm\x12\"\n\x1e\x43HECKSUM_ALGORITHM_UNSPECIFIED\x10\x00\x12!\n\x1d\x43HECKSUM_ALGORITHM_BLAKE2B_64\x10\x01\x12\x1c\n\x18\x43HECKSUM_ALGORITHM_XXH64\x10\x02\x12\x1d\n\x19\x43HECKSUM_ALGORITHM_SHA256\x10\x03\x32\xea\x03\n\tScheduler\x12H\n\tStartPull\x12\x1c.kvxferd.v1.StartPullRequest\x1a\x1d.kvxferd.v1.StartPullResponse\x12Y\n\x0eWatchTransfers\x12!.kvxferd.v1.WatchTransfersRequest\x1a\".kvxferd.v1.WatchTransfersResponse0\x01\x12N\n\x0bGetTransfer\x12\x1e.kvxferd.v1.GetTransferRequest\x1a\x1f.kvxferd.v1.GetTransferResponse\x12W\n\x0e\x43\x61ncelTransfer\x12!.kvxferd.v1.CancelTransferRequest\x1a\".kvxferd.v1.CancelTransferResponse\x12H\n\tListPeers\x12\x1c.kvxferd.v1.ListPeersRequest\x1a\x1d.kvxferd.v1.ListPeersResponse\x12\x45\n\x08\x43hecksum\x12\x1b.kvxferd.v1.ChecksumRequest\x1a\x1c.kvxferd.v1.ChecksumResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvxferd/v1/scheduler.proto\x12\nkvxferd.v1\x1a\x17kvxferd/v1/common.proto\"K\n\x0bPullOptions\x12\x13\n\x0bskip_notify\x18\x01 \x01(\x08J\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04R\x08priorityR\x11prefix_hit_tokens\"\xf9\x01\n\x10StartPullRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x14\n\x0cpeer_address\x18\x03 \x01(\t\x12\x33\n\x10remote_block_ids\x18\x04 \x01(\x0b\x32\x19.kvxferd.v1.GroupBlockIds\x12\x32\n\x0flocal_block_ids\x18\x05 \x01(\x0b\x32\x19.kvxferd.v1.GroupBlockIds\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x06 \x01(\r\x12(\n\x07options\x18\x07 \x01(\x0b\x32\x17.kvxferd.v1.PullOptions\"P\n\x11StartPullResponse\x12*\n\x06status\x18\x01 \x01(\x0b\x32\x1a.kvxferd.v1.TransferStatus\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\"\xcf\x04\n\x0eTransferStatus\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x14\n\x0cpeer_address\x18\x03 \x01(\t\x12(\n\x05state\x18\x04 \x01(\x0e\x32\x19.kvxferd.v1.TransferState\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\x12%\n\x1d\x64\x65scriptors_before_coalescing\x18\x06 \x01(\r\x12$\n\x1c\x64\x65scriptors_after_coalescing\x18\x07 \x01(\r\x12.\n\x08strategy\x18\x08 \x01(\x0e\x32\x1c.kvxferd.v1.TransferStrategy\x12&\n\x05\x65rror\x18\t \x01(\x0b\x32\x17.kvxferd.v1.ErrorDetail\x12:\n\x17invalid_local_block_ids\x18\n \x01(\x0b\x32\x19.kvxferd.v1.GroupBlockIds\x12\x17\n\x0f\x63reated_unix_ns\x18\x0b \x01(\x03\x12\x17\n\x0fstarted_unix_ns\x18\x0c \x01(\x03\x12\x18\n\x10\x66inished_unix_ns\x18\r \x01(\x03\x12\x18\n\x10\x64\x65\x61\x64line_unix_ns\x18\x0e \x01(\x03\x12\x10\n\x08revision\x18\x0f \x01(\x04\x12\x17\n\x0fstrategy_reason\x18\x10 \x01(\t\x12+\n\x0bstage_times\x18\x11 \x01(\x0b\x32\x16.kvxferd.v1.StageTimes\x12%\n\x06stages\x18\x12 \x03(\x0b\x32\x15.kvxferd.v1.PullStage\"*\n\tPullStage\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\"\x81\x02\n\nStageTimes\x12\x0e\n\x06\x63hunks\x18\x01 \x01(\r\x12\x16\n\x0egather_seconds\x18\x02 \x01(\x01\x12\x1a\n\x12gather_rpc_seconds\x18\x03 \x01(\x01\x12\x14\n\x0cread_seconds\x18\x04 \x01(\x01\x12\x17\n\x0fscatter_seconds\x18\x05 \x01(\x01\x12\x19\n\x11slot_wait_seconds\x18\x06 \x01(\x01\x12\x0e\n\x06stream\x18\x07 \x01(\x08\x12\x17\n\x0f\x63ontrol_seconds\x18\x08 \x01(\x01\x12\x1b\n\x13owner_start_seconds\x18\t \x01(\x01\x12\x1f\n\x17owner_slot_wait_seconds\x18\n \x01(\x01\"-\n\x15WatchTransfersRequest\x12\x14\n\x0ctransfer_ids\x18\x01 \x03(\t\"D\n\x16WatchTransfersResponse\x12*\n\x06status\x18\x01 \x01(\x0b\x32\x1a.kvxferd.v1.TransferStatus\")\n\x12GetTransferRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\"A\n\x13GetTransferResponse\x12*\n\x06status\x18\x01 \x01(\x0b\x32\x1a.kvxferd.v1.TransferStatus\",\n\x15\x43\x61ncelTransferRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\"D\n\x16\x43\x61ncelTransferResponse\x12*\n\x06status\x18\x01 \x01(\x0b\x32\x1a.kvxferd.v1.TransferStatus\"\x12\n\x10ListPeersRequest\"8\n\x11ListPeersResponse\x12#\n\x05peers\x18\x01 \x03(\x0b\x32\x14.kvxferd.v1.PeerInfo\"\x9c\x03\n\x08PeerInfo\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x17\n\x0fnixl_agent_name\x18\x02 \x01(\t\x12\x33\n\x0fhandshake_state\x18\x03 \x01(\x0e\x32\x1a.kvxferd.v1.HandshakeState\x12\x1f\n\x17registration_generation\x18\x04 \x01(\x04\x12\x11\n\tdaemon_id\x18\x05 \x01(\t\x12\x13\n\x0binstance_id\x18\x06 \x01(\t\x12+\n\nlast_error\x18\x07 \x01(\x0b\x32\x17.kvxferd.v1.ErrorDetail\x12\x1e\n\x16last_heartbeat_unix_ns\x18\x08 \x01(\x03\x12\x1e\n\x16last_handshake_unix_ns\x18\t \x01(\x03\x12\x18\n\x10\x61\x63tive_transfers\x18\n \x01(\r\x12\x16\n\x0eread_transport\x18\x0b \x01(\t\x12\x17\n\x0fread_probe_gbps\x18\x0c \x01(\x01\x12\x1d\n\x15read_transport_detail\x18\r \x01(\t\x12\x11\n\tsame_host\x18\x0e \x01(\x08\"\x85\x01\n\x0f\x43hecksumRequest\x12\x13\n\x0bgroup_index\x18\x01 \x01(\r\x12\x11\n\tblock_ids\x18\x02 \x03(\x03\x12\x30\n\talgorithm\x18\x03 \x01(\x0e\x32\x1d.kvxferd.v1.ChecksumAlgorithm\x12\x18\n\x10kernel_block_ids\x18\x04 \x01(\x08\"U\n\x10\x43hecksumResponse\x12\x30\n\talgorithm\x18\x01 \x01(\x0e\x32\x1d.kvxferd.v1.ChecksumAlgorithm\x12\x0f\n\x07\x64igests\x18\x02 \x03(\x0c*\x99\x02\n\rTransferState\x12\x1e\n\x1aTRANSFER_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16TRANSFER_STATE_PENDING\x10\x01\x12\x1e\n\x1aTRANSFER_STATE_HANDSHAKING\x10\x02\x12\x1d\n\x19TRANSFER_STATE_CONFIRMING\x10\x03\x12\x1f\n\x1bTRANSFER_STATE_TRANSFERRING\x10\x04\x12\x17\n\x13TRANSFER_STATE_DONE\x10\x05\x12\x19\n\x15TRANSFER_STATE_FAILED\x10\x06\x12\x1c\n\x18TRANSFER_STATE_CANCELLED\x10\x07\x12\x1a\n\x16TRANSFER_STATE_EXPIRED\x10\x08*\xaa\x01\n\x10TransferStrategy\x12!\n\x1dTRANSFER_STRATEGY_UNSPECIFIED\x10\x00\x12\x1c\n\x18TRANSFER_STRATEGY_DIRECT\x10\x01\x12\x1c\n\x18TRANSFER_STRATEGY_STAGED\x10\x02\x12\x1c\n\x18TRANSFER_STRATEGY_KERNEL\x10\x03\x12\x19\n\x15TRANSFER_STRATEGY_CMA\x10\x04*\xc5\x01\n\x0eHandshakeState\x12\x1f\n\x1bHANDSHAKE_STATE_UNSPECIFIED\x10\x00\x12\x1e\n\x1aHANDSHAKE_STATE_CONNECTING\x10\x01\x12\x19\n\x15HANDSHAKE_STATE_READY\x10\x02\x12\x1b\n\x17HANDSHAKE_STATE_REFUSED\x10\x03\x12\x1f\n\x1bHANDSHAKE_STATE_UNREACHABLE\x10\x04\x12\x19\n\x15HANDSHAKE_STATE_STALE\x10\x05*\x97\x01\n\x11\x43hecksumAlgorithm\x12\"\n\x1e\x43HECKSUM_ALGORITHM_UNSPECIFIED\x10\x00\x12!\n\x1d\x43HECKSUM_ALGORITHM_BLAKE2B_64\x10\x01\x12\x1c\n\x18\x43HECKSUM_ALGORITHM_XXH64\x10\x02\x12\x1d\n\x19\x43HECKSUM_ALGORITHM_SHA256\x10\x03\x32\xea\x03\n\tScheduler\x12H\n\tStartPull\x12\x1c.kvxferd.v1.StartPullRequest\x1a\x1d.kvxferd.v1.StartPullResponse\x12Y\n\x0eWatchTransfers\x12!.kvxferd.v1.WatchTransfersRequest\x1a\".kvxferd.v1.WatchTransfersResponse0\x01\x12N\n\x0bGetTransfer\x12\x1e.kvxferd.v1.GetTransferRequest\x1a\x1f.kvxferd.v1.GetTransferResponse\x12W\n\x0e\x43\x61ncelTransfer\x12!.kvxferd.v1.CancelTransferRequest\x1a\".kvxferd.v1.CancelTransferResponse\x12H\n\tListPeers\x12\x1c.kvxferd.v1.ListPeersRequest\x1a\x1d.kvxferd.v1.ListPeersResponse\x12\x45\n\x08\x43hecksum\x12\x1b.kvxferd.v1.ChecksumRequest\x1a\x1c.kvxferd.v1.ChecksumResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvxferd.v1.scheduler_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRANSFERSTATE']._serialized_start=2333
-  _globals['_TRANSFERSTATE']._serialized_end=2614
-  _globals['_TRANSFERSTRATEGY']._serialized_start=2617
-  _globals['_TRANSFERSTRATEGY']._serialized_end=2787
-  _globals['_HANDSHAKESTATE']._serialized_start=2790
-  _globals['_HANDSHAKESTATE']._serialized_end=2987
-  _globals['_CHECKSUMALGORITHM']._serialized_start=2990
-  _globals['_CHECKSUMALGORITHM']._serialized_end=3141
+  _globals['_TRANSFERSTATE']._serialized_start=2436
+  _globals['_TRANSFERSTATE']._serialized_end=2717
+  _globals['_TRANSFERSTRATEGY']._serialized_start=2720
+  _globals['_TRANSFERSTRATEGY']._serialized_end=2890
+  _globals['_HANDSHAKESTATE']._serialized_start=2893
+  _globals['_HANDSHAKESTATE']._serialized_end=3090
+  _globals['_CHECKSUMALGORITHM']._serialized_start=3093
+  _globals['_CHECKSUMALGORITHM']._serialized_end=3244
   _globals['_PULLOPTIONS']._serialized_start=67
   _globals['_PULLOPTIONS']._serialized_end=142
   _globals['_STARTPULLREQUEST']._serialized_start=145
@@ -51,29 +51,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PULLSTAGE']._serialized_start=1072
   _globals['_PULLSTAGE']._serialized_end=1114
   _globals['_STAGETIMES']._serialized_start=1117
-  _globals['_STAGETIMES']._serialized_end=1271
-  _globals['_WATCHTRANSFERSREQUEST']._serialized_start=1273
-  _globals['_WATCHTRANSFERSREQUEST']._serialized_end=1318
-  _globals['_WATCHTRANSFERSRESPONSE']._serialized_start=1320
-  _globals['_WATCHTRANSFERSRESPONSE']._serialized_end=1388
-  _globals['_GETTRANSFERREQUEST']._serialized_start=1390
-  _globals['_GETTRANSFERREQUEST']._serialized_end=1431
-  _globals['_GETTRANSFERRESPONSE']._serialized_start=1433
-  _globals['_GETTRANSFERRESPONSE']._serialized_end=1498
-  _globals['_CANCELTRANSFERREQUEST']._serialized_start=1500
-  _globals['_CANCELTRANSFERREQUEST']._serialized_end=1544
-  _globals['_CANCELTRANSFERRESPONSE']._serialized_start=1546
-  _globals['_CANCELTRANSFERRESPONSE']._serialized_end=1614
-  _globals['_LISTPEERSREQUEST']._serialized_start=1616
-  _globals['_LISTPEERSREQUEST']._serialized_end=1634
-  _globals['_LISTPEERSRESPONSE']._serialized_start=1636
-  _globals['_LISTPEERSRESPONSE']._serialized_end=1692
-  _globals['_PEERINFO']._serialized_start=1695
-  _globals['_PEERINFO']._serialized_end=2107
-  _globals['_CHECKSUMREQUEST']._serialized_start=2110
-  _globals['_CHECKSUMREQUEST']._serialized_end=2243
-  _globals['_CHECKSUMRESPONSE']._serialized_start=2245
-  _globals['_CHECKSUMRESPONSE']._serialized_end=2330
-  _globals['_SCHEDULER']._serialized_start=3144
-  _globals['_SCHEDULER']._serialized_end=3634
+  _globals['_STAGETIMES']._serialized_end=1374
+  _globals['_WATCHTRANSFERSREQUEST']._serialized_start=1376
+  _globals['_WATCHTRANSFERSREQUEST']._serialized_end=1421
+  _globals['_WATCHTRANSFERSRESPONSE']._serialized_start=1423
+  _globals['_WATCHTRANSFERSRESPONSE']._serialized_end=1491
+  _globals['_GETTRANSFERREQUEST']._serialized_start=1493
+  _globals['_GETTRANSFERREQUEST']._serialized_end=1534
+  _globals['_GETTRANSFERRESPONSE']._serialized_start=1536
+  _globals['_GETTRANSFERRESPONSE']._serialized_end=1601
+  _globals['_CANCELTRANSFERREQUEST']._serialized_start=1603
+  _globals['_CANCELTRANSFERREQUEST']._serialized_end=1647
+  _globals['_CANCELTRANSFERRESPONSE']._serialized_start=1649
+  _globals['_CANCELTRANSFERRESPONSE']._serialized_end=1717
+  _globals['_LISTPEERSREQUEST']._serialized_start=1719
+  _globals['_LISTPEERSREQUEST']._serialized_end=1737
+  _globals['_LISTPEERSRESPONSE']._serialized_start=1739
+  _globals['_LISTPEERSRESPONSE']._serialized_end=1795
+  _globals['_PEERINFO']._serialized_start=1798
+  _globals['_PEERINFO']._serialized_end=2210
+  _globals['_CHECKSUMREQUEST']._serialized_start=2213
+  _globals['_CHECKSUMREQUEST']._serialized_end=2346
+  _globals['_CHECKSUMRESPONSE']._serialized_start=2348
+  _globals['_CHECKSUMRESPONSE']._serialized_end=2433
+  _globals['_SCHEDULER']._serialized_start=3247
+  _globals['_SCHEDULER']._serialized_end=3737
 # @@protoc_insertion_point(module_scope)

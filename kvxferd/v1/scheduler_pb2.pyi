@@ -411,6 +411,10 @@ class StageTimes(google.protobuf.message.Message):
     READ_SECONDS_FIELD_NUMBER: builtins.int
     SCATTER_SECONDS_FIELD_NUMBER: builtins.int
     SLOT_WAIT_SECONDS_FIELD_NUMBER: builtins.int
+    STREAM_FIELD_NUMBER: builtins.int
+    CONTROL_SECONDS_FIELD_NUMBER: builtins.int
+    OWNER_START_SECONDS_FIELD_NUMBER: builtins.int
+    OWNER_SLOT_WAIT_SECONDS_FIELD_NUMBER: builtins.int
     chunks: builtins.int
     """Chunks the pull was cut into."""
     gather_seconds: builtins.float
@@ -423,6 +427,26 @@ class StageTimes(google.protobuf.message.Message):
     """Local scatters of slots into the pool, seconds."""
     slot_wait_seconds: builtins.float
     """Time spent waiting for a free local slot, seconds."""
+    stream: builtins.bool
+    """True when the pull ran over one Peer.Stage stream (the owner announces each chunk), false
+    for one Gather per chunk. The three fields below are set only when true; over a stream,
+    gather_rpc_seconds is per chunk from the credit allowing it (or the previous
+    announcement, whichever came later) to its announcement. The control cost per chunk is
+    (control_seconds + owner_start_seconds) / chunks.
+    """
+    control_seconds: builtins.float
+    """Reader side: from each announcement arriving to its READ posted, less waiting for a free
+    local slot, summed over chunks, seconds.
+    """
+    owner_start_seconds: builtins.float
+    """Owner side, as the owner announced it: from each chunk being able to start (its credit
+    back, or the previous chunk announced) to its gather starting, less
+    owner_slot_wait_seconds, summed over chunks, seconds.
+    """
+    owner_slot_wait_seconds: builtins.float
+    """Owner side: waiting for a free staging slot of the owner's ring (other readers' turns, or
+    this reader at its per-reader cap), summed over chunks, seconds.
+    """
     def __init__(
         self,
         *,
@@ -432,8 +456,12 @@ class StageTimes(google.protobuf.message.Message):
         read_seconds: builtins.float = ...,
         scatter_seconds: builtins.float = ...,
         slot_wait_seconds: builtins.float = ...,
+        stream: builtins.bool = ...,
+        control_seconds: builtins.float = ...,
+        owner_start_seconds: builtins.float = ...,
+        owner_slot_wait_seconds: builtins.float = ...,
     ) -> None: ...
-    def ClearField(self, field_name: typing.Literal["chunks", b"chunks", "gather_rpc_seconds", b"gather_rpc_seconds", "gather_seconds", b"gather_seconds", "read_seconds", b"read_seconds", "scatter_seconds", b"scatter_seconds", "slot_wait_seconds", b"slot_wait_seconds"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["chunks", b"chunks", "control_seconds", b"control_seconds", "gather_rpc_seconds", b"gather_rpc_seconds", "gather_seconds", b"gather_seconds", "owner_slot_wait_seconds", b"owner_slot_wait_seconds", "owner_start_seconds", b"owner_start_seconds", "read_seconds", b"read_seconds", "scatter_seconds", b"scatter_seconds", "slot_wait_seconds", b"slot_wait_seconds", "stream", b"stream"]) -> None: ...
 
 Global___StageTimes: typing_extensions.TypeAlias = StageTimes
 
