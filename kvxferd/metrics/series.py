@@ -81,6 +81,13 @@ class Metrics:
             ("slot_wait", times.slot_wait_s),
         ):
             self.stage_seconds.labels(stage).observe(seconds)
+        if times.stream:  # a Gather per chunk has no stream control stages
+            for stage, seconds in (
+                ("control", times.control_s),
+                ("owner_start", times.owner_start_s),
+                ("owner_slot_wait", times.owner_slot_wait_s),
+            ):
+                self.stage_seconds.labels(stage).observe(seconds)
 
     def observe_pull_end(self, peer: str, state: str, seconds: float) -> None:
         """A pull reached ``state`` (terminal) after ``seconds``: the per-peer series."""

@@ -49,7 +49,18 @@ PULL_STAGES = (
 )
 """A pull's stages in order (TransferStatus.stages; ``notify``, from the terminal status to its
 WatchTransfers message, is only in the metric: the status is sent before it ends)."""
-STAGED_STAGES = ("gather", "gather_rpc", "read", "scatter", "slot_wait")
+STAGED_STAGES = (
+    "gather",
+    "gather_rpc",
+    "read",
+    "scatter",
+    "slot_wait",
+    "control",
+    "owner_start",
+    "owner_slot_wait",
+)
+"""A STAGED pull's stages (StageTimes); the last three are observed only for pulls over a
+Peer.Stage stream (StageTimes.stream)."""
 RELEASE_REASONS = ("DONE", "EXPIRED", "CANCELLED", "ENGINE_DETACHED")
 NOTIFICATION_RESULTS = ("counted", "stray", "undecodable")
 DETACH_CAUSES = ("detach", "session", "no_session", "shutdown")

@@ -67,4 +67,8 @@ def stage_times_to_proto(t: StageTimes) -> scheduler_pb2.StageTimes:
         read_seconds=t.read_s,
         scatter_seconds=t.scatter_s,
         slot_wait_seconds=t.slot_wait_s,
+        stream=t.stream,
+        control_seconds=t.control_s,
+        owner_start_seconds=t.owner_start_s,
+        owner_slot_wait_seconds=t.owner_slot_wait_s,
     )

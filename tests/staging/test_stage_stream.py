@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import random
+import urllib.request
 from collections.abc import Iterator
 
 import pytest
 
 from kvxferd.scenario.daemons import DaemonOptions
 from kvxferd.v1 import scheduler_pb2
-from tests.service.conftest import Daemons, launch
+from tests.service.conftest import Daemon, Daemons, launch
 from tests.staging.stage_rig import Client, granted_slots, log_lines, staging, wait_log
 
 TINY = "dense:num_blocks=256,num_layers=2,num_kv_heads=1,head_size=8"
@@ -58,8 +59,26 @@ def test_more_chunks_than_credits_stream_byte_exact(tiny: Daemons) -> None:
         pulled = log_lines(tiny["d1"].log, "pull finished", request_id="more-chunks")
         assert pulled and pulled[0]["stream"] == 1 and pulled[0]["control_ms"] > 0, pulled
         assert granted_slots(tiny["prefill"]) == 0
+        # The stream's stage times in the status (scheduler.proto StageTimes 7-10) ...
+        t = st.stage_times
+        assert t.stream and t.control_seconds > 0 and t.owner_start_seconds > 0, t
+        assert t.owner_slot_wait_seconds >= 0
+        assert abs(t.control_seconds * 1e3 - pulled[0]["control_ms"]) < 1e-3
+        # ... and in kvxferd_staged_stage_seconds (observed for stream pulls only).
+        for stage in ("control", "owner_start", "owner_slot_wait"):
+            assert stage_count(tiny["d1"], stage) >= 1, stage
+        assert stage_count(tiny["prefill"], "control") == 0  # it pulled nothing
 
     run(go())
+
+
+def stage_count(daemon: Daemon, stage: str) -> float:
+    url = f"http://{daemon.metrics}/metrics"
+    want = f'kvxferd_staged_stage_seconds_count{{stage="{stage}"}}'
+    for line in urllib.request.urlopen(url, timeout=5).read().decode().splitlines():
+        if line.startswith(want):
+            return float(line.split()[-1])
+    raise AssertionError(f"no {want} series")
 
 
 def test_two_readers_share_the_ring_within_their_caps(tiny: Daemons) -> None:
