@@ -85,6 +85,7 @@ class StagingOwner:
         self._stopped = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ended: Callable[[Released], None] | None = None
+        self.streams: dict[str, int] = {}  # reader -> its open Stage streams (.stage_owner)
 
     def start(self) -> None:
         """Reclaim slots when leases end (callbacks arrive on any thread)."""
@@ -221,8 +222,7 @@ class StagingOwner:
         held.timer = asyncio.get_running_loop().call_later(self.grant_timeout_s, self._expire, slot)
         return Grant(slot, self.ring.info.slot_offset(slot), total, seconds, waited, at)
 
-    def abandon(self, slot: int) -> None:
-        """Free granted ``slot`` unanswered, once nothing writes it any more."""
+    def abandon(self, slot: int) -> None:  # free granted ``slot`` unanswered, once unwritten
         self._drop(slot)
 
     def release(self, request_id: str, reader: str, slots: Sequence[int]) -> int:

@@ -37,7 +37,7 @@ from kvxferd.staging.chunks import Chunk, RingInfo
 from kvxferd.staging.device import Int64Array, PoolCopier
 from kvxferd.staging.ring import StagingRing
 from kvxferd.staging.slot_reads import SlotReads
-from kvxferd.staging.stage_reader import StreamPull
+from kvxferd.staging.stage_reader import StreamGates, StreamPull
 from kvxferd.staging.stats import StageTimes
 from kvxferd.transfer import TransferEngine, TransferResult, TransferStatus
 from kvxferd.v1 import common_pb2, peer_pb2
@@ -87,6 +87,7 @@ class StagedReader:
         self.engine = engine
         self.staging_region = staging_region
         self.reads = SlotReads(engine, staging_region)  # Stage streams' READs, kept across pulls
+        self.gates = StreamGates()
         self._running: dict[str, asyncio.Task[None]] = {}
         self._cancelled: set[str] = set()
 
@@ -158,7 +159,8 @@ class StagedReader:
 
     async def _drive(self, job: StagedJob) -> None:
         if job.remote_ring.stream and job.client.can_stream:  # one Stage stream for the pull
-            await StreamPull(job, self.ring, self.copier, self.engine, self.reads).run()
+            async with self.gates.turn(job):  # at most the owner's cap of streams to it
+                await StreamPull(job, self.ring, self.copier, self.engine, self.reads).run()
         else:  # an owner without Stage: one Gather per chunk
             await self._drive_gathers(job)
         if job.notif:

@@ -30,7 +30,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from kvxferd.errors import InvalidRequest, LeaseRefused
+from kvxferd.errors import InvalidRequest, LeaseRefused, ResourceExhausted
 from kvxferd.logs import kv
 from kvxferd.staging import inline
 from kvxferd.staging.chunks import Chunk, split_chunks
@@ -143,7 +143,29 @@ class StageStream:
 
     async def run(self, returns: AsyncIterator[Sequence[int]], send: Send) -> None:
         """Serve the pull until every chunk was announced and returned, or the reader stops
-        (``returns`` ends: OK), or something fails (raised). Cancelling it stops it too."""
+        (``returns`` ends: OK), or something fails (raised). Cancelling it stops it too. A
+        reader with its per-reader cap of streams open already is refused (ResourceExhausted)."""
+        streams = self.owner.streams
+        n = streams.get(self.reader, 0)
+        if n >= self.owner.reader_cap:
+            raise ResourceExhausted(
+                f"this reader has {n} Stage streams open on this owner already, its limit (the"
+                f" per-reader cap: {self.owner.reader_cap} slots of this ring's"
+                f" {self.owner.ring.info.chunks}, so a stream more could only wait)",
+                field="open",
+                fix=f"keep at most {self.owner.reader_cap} Stage streams open to this owner"
+                " (half its advertised ring) and queue further pulls until one ends",
+            )
+        streams[self.reader] = n + 1
+        try:
+            await self._serve(returns, send)
+        finally:
+            if streams[self.reader] > 1:
+                streams[self.reader] -= 1
+            else:
+                del streams[self.reader]
+
+    async def _serve(self, returns: AsyncIterator[Sequence[int]], send: Send) -> None:
         work = asyncio.ensure_future(self._work(send))
         recv = asyncio.ensure_future(self._returns(returns))
         stopped_at: tuple[int, int] | None = None

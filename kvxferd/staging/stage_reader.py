@@ -16,6 +16,7 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -35,6 +36,32 @@ if TYPE_CHECKING:
 # The open, then owner slots read (credits back, batched into one message while the previous
 # one is being sent), then None (half-close).
 Requests = asyncio.Queue[peer_pb2.StageRequest | int | None]
+
+
+class StreamGates:
+    """At most the owner's per-reader cap of Stage streams open to one owner at once: the owner
+    refuses more (RESOURCE_EXHAUSTED), and a stream more could only wait for its slots there.
+    A pull beyond it waits here, before it takes local slots, until a stream to that owner
+    ends (counted as ``slot_wait``). Per owner (agent name and cap); an entry lives while a
+    pull uses or awaits it."""
+
+    def __init__(self) -> None:
+        self._gates: dict[tuple[str, int], tuple[asyncio.Semaphore, list[int]]] = {}
+
+    @asynccontextmanager
+    async def turn(self, job: StagedJob) -> AsyncIterator[None]:
+        key = (job.peer_agent, half_cap(job.remote_ring.chunks))
+        sem, users = self._gates.setdefault(key, (asyncio.Semaphore(key[1]), [0]))
+        users[0] += 1
+        try:
+            t0 = time.monotonic()
+            async with sem:
+                job.times.slot_wait_s += time.monotonic() - t0
+                yield
+        finally:
+            users[0] -= 1
+            if users[0] == 0:
+                del self._gates[key]
 
 
 class StreamPull:
@@ -244,4 +271,4 @@ class StreamPull:
             raise
 
 
-__all__ = ["StreamPull"]
+__all__ = ["StreamGates", "StreamPull"]

@@ -1,7 +1,8 @@
 """A hostile or confused reader on ``Peer.Stage`` against a real owner daemon: every bad open
 is refused with what was wrong and a fix, a bad return fails only its stream, an owner waits
 for credits, a broken stream's slots come back, and many streams never take more than the
-reader's cap of slots. The owner keeps serving throughout."""
+reader's cap of slots (nor more streams than that cap: one more is refused). The owner keeps
+serving throughout."""
 
 from __future__ import annotations
 
@@ -24,11 +25,12 @@ ROW = 1024
 
 @pytest.fixture(scope="module")
 def ds(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemons]:
-    """An owner with a 4-slot ring of 4 rows (cap 2 per reader) and a decode daemon."""
+    """An owner with a 4-slot ring of 4 rows (cap 2 per reader) and a decode daemon whose
+    ring of 8 lets it run 4 staged pulls at once."""
     d = launch(
         tmp_path_factory.mktemp("stage-hostile"),
         DaemonOptions("prefill", TINY, fill_seed=4, extra=staging("auto", 4 * ROW, 4)),
-        DaemonOptions("decode", TINY, extra=staging("staged", ROW, 4)),
+        DaemonOptions("decode", TINY, extra=staging("staged", ROW, 8)),
     )
     yield d
     d.stop()
@@ -149,20 +151,24 @@ def test_a_broken_stream_frees_its_slots(ds: Daemons) -> None:
     run(go())
 
 
-def test_many_streams_of_one_reader_hold_at_most_its_cap(ds: Daemons) -> None:
+def test_streams_of_one_reader_hold_at_most_its_cap_and_one_more_is_refused(
+    ds: Daemons,
+) -> None:
     async def go() -> None:
         owner, decode = ds["prefill"], ds["decode"]
         c = Client(owner, decode)
         greedy = await reader(owner, "greedy")
-        streams = []
-        for i in range(5):
+
+        async def stream(i: int) -> RawStage:
             rid = f"greedy-{i}"
             ids = [100 + 4 * i + k for k in range(4)]
             await c.hold(rid, [ids])
             await greedy.confirm(rid)
             s = RawStage(greedy)
             s.open(rid, [ids], chunk_bytes=ROW, chunks=4, credits=2)
-            streams.append(s)
+            return s
+
+        streams = [await stream(0), await stream(1)]  # its cap (2) of streams
         got: list[peer_pb2.StageResponse] = []
 
         async def collect(s: RawStage) -> None:
@@ -171,13 +177,24 @@ def test_many_streams_of_one_reader_hold_at_most_its_cap(ds: Daemons) -> None:
 
         reads = [asyncio.ensure_future(collect(s)) for s in streams]
         await asyncio.sleep(0.5)
-        assert len(got) == 2  # its cap over all its streams, never returned
+        assert len(got) == 2  # its cap of slots over all its streams, never returned
         assert granted_slots(owner) == 2
+        # A third stream of the same reader: refused, with its limit and the fix.
+        code, text = await refused(await stream(2))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, text
+        assert "2 Stage streams open on this owner already" in text, text
+        assert "keep at most 2 Stage streams open" in text, text
         # Another reader's STAGED pull still gets the other half of the ring.
         st = await c.pull(await c.hold("beside-greedy", [[200, 201, 202]]), [[3, 4, 5]])
         assert st.state == 5, st.error.message  # TRANSFER_STATE_DONE
         assert await c.same([[200, 201, 202]], [[3, 4, 5]])
-        for s in streams:
+        # A stream that ended makes room for the next one.
+        streams[0].call.cancel()
+        await wait_log(owner.log, "staged stream ended", request_id="greedy-0")
+        again = await stream(3)
+        first = await again.next(timeout_s=30)  # once a slot of the greedy's cap is free
+        assert first.chunk == 0
+        for s in (streams[1], again):
             s.call.cancel()
         await asyncio.gather(*reads, return_exceptions=True)
         for _ in range(250):
@@ -185,6 +202,27 @@ def test_many_streams_of_one_reader_hold_at_most_its_cap(ds: Daemons) -> None:
                 break
             await asyncio.sleep(0.02)
         assert granted_slots(owner) == 0
+
+    run(go())
+
+
+def test_a_reader_daemon_keeps_to_the_owner_stream_cap_and_every_pull_completes(
+    ds: Daemons,
+) -> None:
+    """The decode daemon may run 4 staged pulls at once (its ring of 8), the owner takes 2
+    streams per reader: the others wait for a stream on the reader's side, none is refused."""
+
+    async def go() -> None:
+        c = Client(ds["prefill"], ds["decode"])
+        remote = [[40 + 6 * i + k for k in range(6)] for i in range(6)]
+        local = [[60 + 6 * i + k for k in range(6)] for i in range(6)]
+        holds = [await c.hold(f"many-{i}", [r]) for i, r in enumerate(remote)]
+        done = await asyncio.gather(*(c.pull(h, [lo]) for h, lo in zip(holds, local, strict=True)))
+        for st in done:
+            assert st.state == 5, st.error.message  # TRANSFER_STATE_DONE
+            assert st.stage_times.stream and st.stage_times.chunks == 6
+        for r, lo in zip(remote, local, strict=True):
+            assert await c.same([r], [lo])
 
     run(go())
 
