@@ -22,6 +22,7 @@ from kvxferd.daemon.parts import Parts
 from kvxferd.daemon.peers import PeerLink, RemoteDescription
 from kvxferd.daemon.pulls import PullBook, PullRecord, PullRequest, PullState, Stages
 from kvxferd.daemon.receiver import PushReceiver
+from kvxferd.ipc.eligibility import kernel_only_refusal
 from kvxferd.logs import kv
 from kvxferd.metrics import Metrics
 from kvxferd.staging.reader import StagedJob
@@ -107,6 +108,7 @@ class Mover:
     ) -> TransferResult:
         # The READ carries no notification: the owner hears DONE only once the reader saw its
         # READ complete, so a READ that a cancel cuts short is never counted as read.
+        self._check_nixl_pools(req, link, plan, staged)
         if self.receiver is not None:  # the owner WRITEs; DONE when its notification lands
             result = await self.receiver.receive(
                 req.transfer_id,
@@ -178,6 +180,29 @@ class Mover:
         if s.reader is not None and s.reader.cancel(transfer_id):
             return True
         return s.cma is not None and s.cma.cancel(transfer_id)
+
+    def _check_nixl_pools(
+        self, req: PullRequest, link: PeerLink, plan: TransferPlan, staged: Decision | None
+    ) -> None:
+        """Refuse a NIXL pull (DIRECT or STAGED) whose owner turned KERNEL-only after the pull
+        was planned: the lease confirmation re-handshakes with an owner whose engine
+        re-attached meanwhile, and an IMPORTED VRAM pool is not registered with NIXL."""
+        strategy = staged.choice.strategy if staged is not None else Strategy.DIRECT
+        remote = link.remote
+        if strategy not in (Strategy.DIRECT, Strategy.STAGED) or remote is None:
+            return
+        local_only = self.p.staging.ipc.publisher.kernel_only if self.p.staging else ""
+        refused = kernel_only_refusal(
+            strategy=strategy.value,
+            why_not_kernel="the pull was planned as "
+            f"{strategy.value} before the owner's engine re-attached",
+            nbytes=plan.nbytes,
+            remote_kernel_only=remote.kernel_only,
+            local_kernel_only=local_only,
+            peer=req.peer_address,
+        )
+        if refused is not None:
+            raise refused
 
     def _staged_job(
         self,

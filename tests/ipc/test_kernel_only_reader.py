@@ -15,10 +15,12 @@ import asyncio
 from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 from grpc import aio
 
 from kvxferd.daemon.handshake import SelfDescription
+from kvxferd.daemon.pulls import PullRequest, PullState
 from kvxferd.ipc.host import host_id
 from kvxferd.ipc.publish import KERNEL_ONLY, IpcPool, IpcRegion
 from kvxferd.layout import preset
@@ -112,6 +114,66 @@ def test_a_reader_that_cannot_use_kernel_is_refused_at_start_pull(owner: OwnerPr
                     break
                 await asyncio.sleep(0.05)
             assert "ConfirmLease" not in fake.calls or "ReleaseLease" in fake.calls, fake.calls
+        finally:
+            await running.stop()
+
+    asyncio.run(go())
+
+
+class ReattachingOwner(KernelOnlyOwner):
+    """An ordinary owner (host memory, registered with NIXL) whose engine re-attaches IMPORTED
+    VRAM between the reader's handshake and its lease confirmation: the confirmation reports
+    generation 2, and the handshake that follows describes a KERNEL-only pool."""
+
+    def __init__(self, memory: OwnerProcess, confirm: Any) -> None:
+        super().__init__(memory, confirm)
+        self.reattached = False
+
+    def envelope(self) -> tuple[int, bytes, bytes]:
+        if not self.reattached:
+            return FakeOwner.envelope(self)
+        version, digest, payload = super().envelope()
+        msg = peer_pb2.HandshakePayload.FromString(payload)
+        msg.registration_generation = 2
+        return version, digest, msg.SerializeToString()
+
+
+def test_an_owner_turned_kernel_only_after_planning_fails_the_pull_without_a_read(
+    owner: OwnerProcess,  # noqa: F811
+) -> None:
+    """The pull was planned DIRECT against a NIXL-served pool; the lease confirmation finds the
+    owner re-attached as KERNEL-only. The READ must not be posted against the unregistered
+    memory: the pull fails with the refusal's reason and fix."""
+
+    async def confirm(req: peer_pb2.ConfirmLeaseRequest, n: int) -> Any:
+        await asyncio.sleep(0.3)  # the reader plans DIRECT meanwhile
+        fake.reattached = True
+        resp = fake.lease(req, [3, 9])
+        resp.lease.registration_generation = 2
+        return resp
+
+    fake = ReattachingOwner(owner, confirm)
+
+    async def go() -> None:
+        running: Running = await _decode(fake)
+        try:
+            req = PullRequest(
+                transfer_id="reattached-1",
+                request_id="held-by-the-engine",
+                peer_address=ADDRESS,
+                remote_ids=(np.array([3, 9], dtype=np.int64),),
+                local_ids=(np.array([0, 5], dtype=np.int64),),
+                deadline_s=10.0,
+            )
+            await running.daemon.reader.start_pull(req)
+            rec = await asyncio.wait_for(
+                running.daemon.reader.pulls.wait_terminal("reattached-1"), 20
+            )
+            assert rec.state is PullState.FAILED, rec
+            text = str(rec.error)
+            assert "serves its pool with KERNEL pulls only" in text, text
+            assert "mode='owned'" in text  # the fix
+            assert running.daemon.parts.engine.unreleased_handles == 0
         finally:
             await running.stop()
 
