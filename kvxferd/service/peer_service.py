@@ -174,8 +174,12 @@ class PeerService(peer_pb2_grpc.PeerServicer):
         the stream with their status like every other call."""
 
         async def call() -> None:
+            # The opening is read first, so an undecodable one is INVALID_ARGUMENT before the
+            # session is checked, as a unary call's body is decoded before its handler runs.
+            requests = aiter(request_iterator)
+            first = await anext(requests, None)
             reader = self._session(context).reader
-            await serve_stage(self.d, reader, request_iterator, context)
+            await serve_stage(self.d, reader, first, requests, context)
 
         await rpc(self.d, "Stage", context, call)
 
@@ -187,12 +191,16 @@ class PeerService(peer_pb2_grpc.PeerServicer):
 
 
 async def serve_stage(
-    daemon: Daemon, reader: str, requests: AsyncIterator[peer_pb2.StageRequest], context: Ctx
+    daemon: Daemon,
+    reader: str,
+    first: peer_pb2.StageRequest | None,
+    requests: AsyncIterator[peer_pb2.StageRequest],
+    context: Ctx,
 ) -> None:
-    """One Stage stream for ``reader`` (the caller's session): check its opening message as a
-    Gather is checked, then announce chunk after chunk as credits come back (peer.proto)."""
+    """One Stage stream for ``reader`` (the caller's session): check its opening message
+    (``first``; None when the stream closed before it) as a Gather is checked, then announce
+    chunk after chunk as credits come back on ``requests`` (peer.proto)."""
     owner = _owner(daemon)
-    first = await anext(aiter(requests), None)
     if first is None:
         return  # closed before opening: nothing to serve
     if not first.HasField("open") or first.read_slots:

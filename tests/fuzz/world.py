@@ -481,6 +481,19 @@ class World:
                         request_id="fz-0", reader_id="r-0", kernel_block_ids=g([[1, 2]])
                     )
                 ],
+                "Peer.Stage": [
+                    peer_pb2.StageRequest(
+                        open=peer_pb2.StageOpen(
+                            request_id="fz-0",
+                            reader_id="r-0",
+                            kernel_block_ids=g([[1, 2]]),
+                            chunk_bytes=1 << 20,
+                            chunks=1,
+                            credits=1,
+                        )
+                    ),
+                    peer_pb2.StageRequest(read_slots=[0]),
+                ],
                 "Peer.ReleaseStaging": [
                     peer_pb2.ReleaseStagingRequest(request_id="fz-0", reader_id="r-0", slots=[0])
                 ],
