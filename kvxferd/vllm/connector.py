@@ -8,13 +8,15 @@ Load it with::
 
 This is the only module of kvxferd that imports vLLM; vLLM imports it. What each side does:
 
-* **worker**: ``get_mem_pool_context`` makes vLLM allocate its KV cache in shared memory
-  (:mod:`kvxferd.vllm.memory`); ``register_kv_caches`` translates the KV cache config into a
-  kvxferd spec (:mod:`kvxferd.vllm.spec`) and attaches that memory to the daemon (IMPORTED),
-  keeping the engine session open; ``start_load_kv`` starts the pulls the scheduler side
-  planned; ``get_finished`` reports finished pulls and the prefills whose lease the daemon
-  released; ``get_block_ids_with_load_errors`` reports the blocks of failed pulls, so vLLM's
-  ``kv_load_failure_policy`` (recompute or fail) applies.
+* **worker**: on the CPU backend ``get_mem_pool_context`` makes vLLM allocate its KV cache in
+  shared memory (:mod:`kvxferd.vllm.memory`) and ``register_kv_caches`` translates the KV cache
+  config into a kvxferd spec (:mod:`kvxferd.vllm.spec`) and attaches that memory to the daemon
+  (IMPORTED host memory); on a GPU vLLM allocates its CUDA KV cache itself and
+  ``register_kv_caches`` attaches it IMPORTED VRAM, served to same-host readers with KERNEL
+  pulls (:mod:`kvxferd.vllm.gpu`); the engine session stays open; ``start_load_kv`` starts the
+  pulls the scheduler side planned; ``get_finished`` reports finished pulls and the prefills
+  whose lease the daemon released; ``get_block_ids_with_load_errors`` reports the blocks of
+  failed pulls, so vLLM's ``kv_load_failure_policy`` (recompute or fail) applies.
 * **scheduler**: a finished prefill (``kv_transfer_params`` with ``do_remote_decode``) is held
   on the daemon under a lease and its ticket returned as the request's ``kv_transfer_params``
   (:mod:`kvxferd.vllm.params`); a decode request carrying a ticket reports the prompt's missing
@@ -42,6 +44,7 @@ from vllm.logger import init_logger
 
 from kvxferd.errors import KvxferdError
 from kvxferd.vllm.daemon import EngineLink, PullLink, PullResult, Release
+from kvxferd.vllm.gpu import attach_cuda
 from kvxferd.vllm.memory import SharedKvAllocation
 from kvxferd.vllm.params import (
     LocalBlock,
@@ -51,8 +54,14 @@ from kvxferd.vllm.params import (
     plan_pull,
     ticket_from_params,
 )
-from kvxferd.vllm.settings import DOC, ConnectorSettings, config_error
-from kvxferd.vllm.spec import check_views, region_strides, transfer_groups, translate
+from kvxferd.vllm.settings import DOC, ConnectorSettings, attn_backend
+from kvxferd.vllm.spec import (
+    check_views,
+    kernel_block_sizes,
+    region_strides,
+    transfer_groups,
+    translate,
+)
 
 # A child of the "vllm" logger: our lines go through vLLM's handler, format and level.
 log = init_logger("vllm.kvxferd")
@@ -109,19 +118,11 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         from vllm.platforms import current_platform
 
         if not current_platform.is_cpu():
-            raise config_error(
-                "this version attaches host-memory KV caches only (vLLM's CPU backend)",
-                "serve GPU engines with vLLM's NixlConnector until the VRAM path lands",
-            )
+            self._register_cuda(kv_caches)
+            return
         seg, buf = self._alloc.require()
         kcfg = self._kv_cache_config
-        kernel = []
-        for g in kcfg.kv_cache_groups:
-            size = int(g.kv_cache_spec.block_size)
-            t = next((kv_caches[n] for n in g.layer_names if n in kv_caches), None)
-            if t is not None and t.dim() == 4 and int(t.shape[0]) > kcfg.num_blocks > 0:
-                size //= int(t.shape[0]) // int(kcfg.num_blocks)
-            kernel.append(size)
+        kernel = kernel_block_sizes(kcfg, kv_caches)
         layout = kcfg.kv_cache_layout
         if layout is None:
             layout = self._vllm_config.cache_config.get_resolved_kv_cache_layout()
@@ -130,7 +131,7 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             model=self._fingerprint,
             layout=layout,
             kernel_block_sizes=kernel,
-            backend=self._backend_name(kv_caches),
+            backend=attn_backend(self._vllm_config, kv_caches)[1],
             tp_size=self._tp_size,
         )
         check_views(
@@ -176,16 +177,26 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             pool.attachment_id,
         )
 
-    def _backend_name(self, kv_caches: dict[str, Any]) -> str:
-        ctx = getattr(self._vllm_config.compilation_config, "static_forward_context", {}) or {}
-        for name in kv_caches:
-            backend = getattr(ctx.get(name), "attn_backend", None)
-            if backend is not None:
-                try:
-                    return str(backend.get_name())
-                except Exception:  # pragma: no cover - a backend without a name
-                    return type(backend).__name__
-        return ""
+    def _register_cuda(self, kv_caches: dict[str, Any]) -> None:
+        """GPU: vLLM's own CUDA KV cache, attached IMPORTED VRAM (served by same-host KERNEL
+        pulls; :mod:`kvxferd.vllm.gpu`)."""
+        kcfg = self._kv_cache_config
+        backend, name = attn_backend(self._vllm_config, kv_caches)
+        done = attach_cuda(
+            self._engine,
+            kcfg,
+            kv_caches,
+            model=self._fingerprint,
+            layout=kcfg.kv_cache_layout
+            or self._vllm_config.cache_config.get_resolved_kv_cache_layout(),
+            backend=name,
+            backend_cls=backend,
+            prefix_caching=bool(self._vllm_config.cache_config.enable_prefix_caching),
+            wait_s=self._daemon_wait_s,
+            on_release=self._on_release,
+        )
+        self._pull = PullLink(done.pool.peer_address, token=self._token)
+        self.attached_bytes = done.described.spec.nbytes
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._connector_metadata

@@ -1,8 +1,9 @@
 """The connector's calls to its local daemon (no vLLM import).
 
 :class:`EngineLink` speaks the Engine service on the daemon's Unix socket: it attaches the
-engine's KV memory (IMPORTED host memory: vLLM's backing buffer lives in a POSIX shared-memory
-segment the connector created, see :mod:`kvxferd.vllm.memory`), keeps the ``Session`` open and
+engine's KV memory IMPORTED (host memory: vLLM's backing buffer lives in a POSIX shared-memory
+segment the connector created, see :mod:`kvxferd.vllm.memory`; VRAM: CUDA IPC handles of the
+allocation vLLM made on its GPU, see :mod:`kvxferd.vllm.gpu`), keeps the ``Session`` open and
 delivers its release events, and holds finished prompts. :class:`PullLink` speaks the
 Scheduler service of the same daemon: it starts pulls and follows each one with
 ``WatchTransfers`` on a background thread until it is terminal.
@@ -103,7 +104,9 @@ class Release:
 
 @dataclass(frozen=True)
 class Import:
-    """One region of an IMPORTED attach: where its bytes are in the shared memory."""
+    """One region of an IMPORTED attach: where its bytes are in the shared memory (DRAM:
+    ``shm_name``) or in the engine's CUDA allocation (VRAM: ``cuda_ipc_handle`` of the
+    allocation on ``device_id``, ``offset`` bytes in)."""
 
     region: str
     shm_name: str
@@ -111,6 +114,8 @@ class Import:
     nbytes: int
     shape: tuple[int, ...]
     strides: tuple[int, ...]
+    cuda_ipc_handle: bytes = b""
+    device_id: int = 0
 
 
 class EngineLink:
@@ -156,28 +161,33 @@ class EngineLink:
         prefix_caching: bool,
         on_release: Callable[[Release], None],
     ) -> engine_pb2.PoolInfo:
-        """Attach IMPORTED host memory and open the session; releases go to ``on_release``
-        (on the session thread)."""
+        """Attach IMPORTED memory and open the session; releases go to ``on_release`` (on the
+        session thread). Host memory when the imports name shared memory; VRAM (served by
+        same-host KERNEL pulls only, docs/attachment.md) when they carry CUDA IPC handles."""
+        vram = any(imp.cuda_ipc_handle for imp in imports)
         req = engine_pb2.AttachRequest(
             spec=spec_to_proto(spec),
             memory_mode=engine_pb2.MEMORY_MODE_IMPORTED,
-            memory=spec_pb2.MEMORY_TYPE_DRAM,
+            memory=spec_pb2.MEMORY_TYPE_VRAM if vram else spec_pb2.MEMORY_TYPE_DRAM,
             tp_rank=tp_rank,
             tp_size=tp_size,
             prefix_caching=prefix_caching,
         )
         for r, imp in zip(spec.regions, imports, strict=True):
-            req.imports.append(
-                engine_pb2.MemoryHandle(
-                    region_name=imp.region,
-                    shm_name=imp.shm_name,
-                    offset=imp.offset,
-                    nbytes=imp.nbytes,
-                    shape=list(imp.shape),
-                    strides=list(imp.strides),
-                    dtype=_DTYPE[r.dtype],
-                )
+            h = engine_pb2.MemoryHandle(
+                region_name=imp.region,
+                offset=imp.offset,
+                nbytes=imp.nbytes,
+                shape=list(imp.shape),
+                strides=list(imp.strides),
+                dtype=_DTYPE[r.dtype],
             )
+            if vram:
+                h.cuda_ipc_handle = imp.cuda_ipc_handle
+                h.device_id = imp.device_id
+            else:
+                h.shm_name = imp.shm_name
+            req.imports.append(h)
         pool = self._call("Attach", req).pool
         self.attachment_id = pool.attachment_id
         self.peer_address = pool.peer_address

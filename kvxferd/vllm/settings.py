@@ -65,4 +65,18 @@ class ConnectorSettings:
         )
 
 
-__all__ = ["DOC", "ConnectorSettings", "config_error"]
+def attn_backend(vllm_config: Any, layer_names: Any) -> tuple[Any, str]:
+    """The attention backend (class) of the first of ``layer_names`` that has one in vLLM's
+    forward context, and its name; ``(None, "")`` if none does."""
+    ctx = getattr(vllm_config.compilation_config, "static_forward_context", {}) or {}
+    for name in layer_names:
+        backend = getattr(ctx.get(name), "attn_backend", None)
+        if backend is not None:
+            try:
+                return backend, str(backend.get_name())
+            except Exception:  # a backend without a name
+                return backend, type(backend).__name__
+    return None, ""
+
+
+__all__ = ["DOC", "ConnectorSettings", "attn_backend", "config_error"]

@@ -135,6 +135,52 @@ def _region(
     return region, region.block_len
 
 
+LayerGroups = dict[str, tuple[int, int, _Group]]  # layer -> (kvxferd gi, vLLM gid, group)
+
+
+def groups_of(
+    kv_cache_config: Any, kernel_block_sizes: Sequence[int] | None
+) -> tuple[list[int], list[KVGroup], LayerGroups]:
+    """vLLM's transferable groups (their indices), as kvxferd groups, and each layer's group."""
+    groups = list(kv_cache_config.kv_cache_groups)
+    transfer = [i for i, g in enumerate(groups) if getattr(g, "enable_kv_transfer", True)]
+    if not transfer:
+        raise SpecError(
+            "vLLM's KV cache config has no transferable KV cache group",
+            fix=f"check the model: kvxferd moves attention, MLA and Mamba caches (see {DOC})",
+        )
+    kbs = list(kernel_block_sizes) if kernel_block_sizes is not None else [None] * len(groups)
+    if len(kbs) < len(groups):
+        raise SpecError(
+            f"{len(kbs)} kernel block sizes for {len(groups)} vLLM KV cache groups",
+            fix="pass one kernel block size per KV cache group",
+        )
+    kv_groups: list[KVGroup] = []
+    by_layer: LayerGroups = {}
+    for gi, vgid in enumerate(transfer):
+        g = _group(groups[vgid], vgid, kbs[vgid])
+        name = f"{vgid}.{g.kind.value}"
+        kv_groups.append(KVGroup(name, g.kind, g.logical, g.kernel))
+        for layer in groups[vgid].layer_names:
+            by_layer[layer] = (gi, vgid, g)
+    return transfer, kv_groups, by_layer
+
+
+def kernel_block_sizes(kv_cache_config: Any, kv_caches: Mapping[str, Any]) -> list[int]:
+    """The kernel block size of each vLLM KV cache group, read off the layer tensors vLLM
+    registered: a ``[B, H, N, C]`` view with more blocks than the config's ``num_blocks``
+    splits each manager block into ``B // num_blocks`` kernel blocks."""
+    out = []
+    for g in kv_cache_config.kv_cache_groups:
+        size = int(g.kv_cache_spec.block_size)
+        t = next((kv_caches[n] for n in g.layer_names if n in kv_caches), None)
+        nb = int(kv_cache_config.num_blocks)
+        if t is not None and t.dim() == 4 and int(t.shape[0]) > nb > 0:
+            size //= int(t.shape[0]) // nb
+        out.append(size)
+    return out
+
+
 def translate(
     kv_cache_config: Any,
     *,
@@ -154,26 +200,7 @@ def translate(
     lay = layout_name(layout if layout is not None else kv_cache_config.kv_cache_layout)
     page, _ = page_layout(lay)
     groups = list(kv_cache_config.kv_cache_groups)
-    transfer = [i for i, g in enumerate(groups) if getattr(g, "enable_kv_transfer", True)]
-    if not transfer:
-        raise SpecError(
-            "vLLM's KV cache config has no transferable KV cache group",
-            fix=f"check the model: kvxferd moves attention, MLA and Mamba caches (see {DOC})",
-        )
-    kbs = list(kernel_block_sizes) if kernel_block_sizes is not None else [None] * len(groups)
-    if len(kbs) < len(groups):
-        raise SpecError(
-            f"{len(kbs)} kernel block sizes for {len(groups)} vLLM KV cache groups",
-            fix="pass one kernel block size per KV cache group",
-        )
-    kv_groups: list[KVGroup] = []
-    by_layer: dict[str, tuple[int, int, _Group]] = {}  # layer -> (kvxferd gi, vllm gid, group)
-    for gi, vgid in enumerate(transfer):
-        g = _group(groups[vgid], vgid, kbs[vgid])
-        name = f"{vgid}.{g.kind.value}"
-        kv_groups.append(KVGroup(name, g.kind, g.logical, g.kernel))
-        for layer in groups[vgid].layer_names:
-            by_layer[layer] = (gi, vgid, g)
+    transfer, kv_groups, by_layer = groups_of(kv_cache_config, kernel_block_sizes)
     num_blocks = int(kv_cache_config.num_blocks)
     regions: list[Region] = []
     placements: list[RegionPlacement] = []
