@@ -159,22 +159,23 @@ class StreamPull:
         async for ev in job.client.events(call, "the staging stream"):
             arrived = time.monotonic()
             chunk = self._check(ev, n)
-            job.times.gather_s += ev.gather_us / 1e6
-            job.times.owner_start_s += ev.start_us / 1e6
-            job.times.owner_slot_wait_s += ev.slot_wait_us / 1e6
-            job.times.gather_rpc_s += arrived - max(self.credit_at[n], last)
-            last = arrived
             waited = 0.0
             if not self.free:
                 while not self.free:
                     self.freed.clear()
                     await self.freed.wait()
                 waited = time.monotonic() - arrived
-                job.times.slot_wait_s += waited
             local = self.free.popleft()
-            xfer = self._post(chunk, local, ev)
+            xfer = self._post(chunk, local, ev)  # the READ first, the bookkeeping after
             posted = time.monotonic()
-            job.times.control_s += posted - arrived - waited
+            t = job.times
+            t.control_s += posted - arrived - waited
+            t.slot_wait_s += waited
+            t.gather_s += ev.gather_us / 1e6
+            t.owner_start_s += ev.start_us / 1e6
+            t.owner_slot_wait_s += ev.slot_wait_us / 1e6
+            t.gather_rpc_s += arrived - max(self.credit_at[n], last)
+            last = arrived
             tasks.append(
                 asyncio.ensure_future(
                     self._finish(chunk, local=local, ev=ev, xfer=xfer, posted=posted, queue=queue)
