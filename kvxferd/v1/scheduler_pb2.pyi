@@ -426,7 +426,9 @@ class StageTimes(google.protobuf.message.Message):
     scatter_seconds: builtins.float
     """Local scatters of slots into the pool, seconds."""
     slot_wait_seconds: builtins.float
-    """Time spent waiting for a free local slot, seconds."""
+    """Time spent waiting for a free local slot (and, over Stage streams, for a stream to the
+    owner: a reader keeps at most the owner's per-reader cap of streams open to it), seconds.
+    """
     stream: builtins.bool
     """True when the pull ran over one Peer.Stage stream (the owner announces each chunk), false
     for one Gather per chunk. The three fields below are set only when true; over a stream,
