@@ -4,7 +4,8 @@ A reader's ``Gather`` (or each chunk of its ``Stage`` stream, :mod:`kvxferd.stag
 names a held request and kernel block IDs per group. Every ID is checked against the pool's
 kernel block counts and must be held under that request's lease: nothing outside the pool,
 and nothing not leased, is ever copied. The gather runs in a worker thread (on CUDA, on a side
-stream with an event wait), and the slot is answered only once the bytes are there. A granted
+stream with an event wait; a Stage stream's small chunks on the loop, :mod:`.inline`), and the
+slot is answered (:meth:`StagingOwner.answer`) only once the bytes are there. A granted
 slot returns to the ring when the reader releases it, when the request's lease ends (released
 or expired: the reader is done or gone), or after the grant timeout.
 
@@ -45,7 +46,7 @@ log = logging.getLogger(__name__)
 
 # A Gather that cannot get a slot gives up this much before its caller's deadline (a tenth of
 # the time, at most this), so the caller reads why (ResourceExhausted and its fix), not a bare
-# DEADLINE_EXCEEDED from its own side.
+# DEADLINE_EXCEEDED.
 REPLY_MARGIN_S = 0.2
 
 

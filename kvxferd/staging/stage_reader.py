@@ -4,10 +4,12 @@ The pull takes up to ``credits`` local slots (the smaller of this ring's reader 
 per-reader cap and the chunk count; the first awaited, the rest only if free now), opens one
 stream naming the request, every remote kernel block ID and the chunking, and grants that many
 credits. The owner gathers chunk after chunk and announces each; on each announcement the
-reader posts the chunk's one-descriptor READ at once into a free local slot. When a READ
-completes, its owner slot goes back on the stream (a credit back), and the local slot is
-scattered into the pool and freed. Anything failing, a cancel or the deadline cancels the
-stream (the owner stops after the chunk in progress) and every READ still in flight.
+reader posts the chunk's one-descriptor READ at once into a free local slot (prepared once per
+slot pair: :mod:`kvxferd.staging.slot_reads`). When a READ completes, its owner slot goes back
+on the stream (a credit back), and the local slot is scattered into the pool and freed.
+Anything failing, a cancel or the deadline cancels the stream (the owner stops after the chunk
+in progress) and every READ still in flight. At most the owner's per-reader cap of streams is
+open to one owner at once (:class:`StreamGates`).
 """
 
 from __future__ import annotations
