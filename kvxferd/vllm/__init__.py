@@ -7,7 +7,9 @@ parts work without it:
 * :mod:`kvxferd.vllm.spec`: vLLM's ``KVCacheConfig`` -> a kvxferd spec and where each region
   sits in vLLM's backing buffer;
 * :mod:`kvxferd.vllm.params`: the ``kv_transfer_params`` ticket and block pairing;
-* :mod:`kvxferd.vllm.memory`: the KV allocation in shared memory the daemon imports;
+* :mod:`kvxferd.vllm.memory`: the KV allocation in shared memory the daemon imports (CPU);
+* :mod:`kvxferd.vllm.tensors` and :mod:`kvxferd.vllm.gpu`: on a GPU, vLLM's own CUDA KV tensors
+  described as a spec, exported over CUDA IPC and attached IMPORTED VRAM (KERNEL pulls);
 * :mod:`kvxferd.vllm.daemon`: the Engine and Scheduler calls to the local daemon;
 * :mod:`kvxferd.vllm.engine_proc` and :mod:`kvxferd.vllm.tiny_model`: what
   ``kvxferd demo --engine vllm`` runs.
