@@ -90,6 +90,7 @@ class StageStream:
         self.deadline = deadline  # monotonic, None: no deadline
         self.out: set[int] = set()  # announced slots not yet returned
         self.started = 0  # gathers begun
+        self.inline = 0  # of which on the loop (.inline), the rest in the worker thread
         self.gathered = 0  # gathers ended into their slot
         self.announced = 0
         self.returned = 0
@@ -203,6 +204,7 @@ class StageStream:
                     reason=why,
                     chunks=len(self.chunks),
                     started=self.started,
+                    inline=self.inline,
                     gathered=self.gathered,
                     announced=self.announced,
                     returned=self.returned,
@@ -265,6 +267,7 @@ class StageStream:
         if got is not None:
             self.credits -= 1
             self.started += 1
+            self.inline += 1
         return got
 
     def _ids(self, chunk: Chunk) -> list[Int64Array]:

@@ -56,6 +56,7 @@ def test_more_chunks_than_credits_stream_byte_exact(tiny: Daemons) -> None:
         end = await wait_log(tiny["prefill"].log, "staged stream ended", request_id="more-chunks")
         assert end["reason"] == "done", end
         assert end["chunks"] == end["gathered"] == end["announced"] == end["returned"] == 40
+        assert end["inline"] == 40  # 1 KiB chunks, a slot free at once: gathered on the loop
         pulled = log_lines(tiny["d1"].log, "pull finished", request_id="more-chunks")
         assert pulled and pulled[0]["stream"] == 1 and pulled[0]["control_ms"] > 0, pulled
         assert granted_slots(tiny["prefill"]) == 0
@@ -187,5 +188,7 @@ def test_hybrid_and_mla_pulls_stream_byte_exact(
         assert await c.same(remote, local)
         end = await wait_log(mixed[f"{pair}-prefill"].log, "staged stream ended", request_id=rid)
         assert end["reason"] == "done" and end["returned"] == st.stage_times.chunks, end
+        # Every chunk holds a row of over 256 KiB (hybrid's Mamba rows, MLA's): the worker thread.
+        assert end["inline"] == 0, end
 
     run(go())
