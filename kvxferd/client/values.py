@@ -41,6 +41,7 @@ class TransferStrategy(enum.Enum):
     DIRECT = 1
     STAGED = 2
     KERNEL = 3
+    CMA = 4
 
     @classmethod
     def of(cls, value: int) -> TransferStrategy:

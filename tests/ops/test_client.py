@@ -84,7 +84,8 @@ def test_sync_client_pulls_and_verifies(pair: Daemons) -> None:
         assert not again.created
         status = decode.wait(started.status.transfer_id, timeout_s=30)
         assert status.state is TransferState.DONE, status.error
-        assert status.strategy is TransferStrategy.DIRECT
+        # Both daemons on this host with host-memory pools: auto reads CMA (docs/strategies.md).
+        assert status.strategy is TransferStrategy.CMA, status.strategy_reason
         assert status.nbytes > 0 and status.terminal and status.error is None
         assert decode.get_transfer(status.transfer_id).state is TransferState.DONE
         assert decode.checksum(0, [40, 41, 42, 43]) == prefill.checksum(0, [4, 5, 6, 30])
@@ -240,3 +241,10 @@ def test_protos_ship_in_the_package_and_the_wheel(tmp_path: Path) -> None:
     for path in source:
         assert f"kvxferd/proto/{path}" in names, path
     assert "kvxferd/client/__init__.py" in names
+
+
+def test_the_client_names_every_strategy_the_proto_has() -> None:
+    """A status from a newer daemon must not read as UNSPECIFIED for a strategy the proto
+    names (TransferStatus.strategy)."""
+    for name, number in scheduler_pb2.TransferStrategy.items():
+        assert TransferStrategy.of(number).value == number, name
