@@ -221,11 +221,13 @@ class StageStream:
 
     async def _work(self, send: Send) -> None:
         for chunk in self.chunks:
-            while self._early is None and self.credits <= 0:
-                self._idle = True  # _returns starts the next gather as the credit arrives
-                self._wake.clear()
-                await self._wake.wait()
-            self._idle = False
+            try:
+                while self._early is None and self.credits <= 0:
+                    self._idle = True  # _returns starts the next gather as the credit arrives
+                    self._wake.clear()
+                    await self._wake.wait()
+            finally:
+                self._idle = False  # stopped meanwhile: no chunk starts any more
             ready = self.ready_at
             if self._early is None:
                 self._early = self._launch(chunk)

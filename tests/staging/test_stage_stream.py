@@ -121,7 +121,12 @@ def test_cancel_mid_pull_stops_the_owner_within_one_chunk(tiny: Daemons) -> None
         for attempt in range(5):  # a pull that ends before the cancel lands is tried again
             rid = f"cancel-{attempt}"
             tid = (await c.start(await c.hold(rid, [remote]), [local])).transfer_id
-            await asyncio.sleep(0.05)
+            # Cancel once the owner serves the stream (a cancel that lands before the stream
+            # opens, as it may on a loaded machine, leaves the owner nothing to stop).
+            for _ in range(500):
+                if granted_slots(tiny["prefill"]) > 0:
+                    break
+                await asyncio.sleep(0.01)
             got = await c.decode.CancelTransfer(
                 scheduler_pb2.CancelTransferRequest(transfer_id=tid)
             )
