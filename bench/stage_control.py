@@ -8,7 +8,9 @@ stage times. Prints per-chunk figures (median over pulls) and the pull's end-to-
 * over a Peer.Stage stream: control = reader (announcement -> READ posted) + owner (credit ->
   gather started), and the announcement latency (gather_rpc);
 * over Gather (an owner without Stage, or the tree before it): the Gather round trip less the
-  owner's gather time.
+  owner's gather time;
+* the 1-min load average at start and end (``load_1min``): on a shared machine other jobs set
+  the tail of the per-chunk means, so compare runs only alternately and at similar load.
 
     python bench/stage_control.py --pulls 20 --blocks 64 --json out.json
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -82,6 +85,7 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=64)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    load_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         ds = DaemonSet(
             Path(tmp),
@@ -119,6 +123,7 @@ def main() -> None:
     out["pull_ms_p50"] = statistics.median(e2e[1:]) * 1e3
     out["pull_us_per_chunk_p50"] = out["pull_ms_p50"] * 1e3 / out["chunks"]
     out["pulls"] = len(e2e) - 1
+    out["load_1min"] = [round(load_start, 2), round(os.getloadavg()[0], 2)]  # start, end
     print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in out.items()}))
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))

@@ -27,9 +27,10 @@ from kvxferd.staging.strategy import group_row_bytes
 Int64Array = npt.NDArray[np.int64]
 
 # Chunks up to this size are gathered on the event loop (a Stage stream's chunks): on CPU the
-# twin's copy of 256 KiB takes tens of microseconds, less than the hop into a worker thread and
-# back (~75-100 us on a loaded 2-core VM, GIL hand-offs included); on CUDA only the launch runs
-# on the loop. Larger chunks keep the worker thread, so one chunk never holds the loop long.
+# twin gathers 1 KiB in ~45 us and 256 KiB in ~65 us (2-core VM, mostly its per-call checks and
+# torch dispatch), work the worker thread does too, after a hop there of ~75 us p50 on that VM;
+# on CUDA only the launch runs on the loop. Larger chunks keep the worker thread, so one chunk
+# never holds the loop for long.
 INLINE_GATHER_BYTES = 256 << 10
 
 
