@@ -26,7 +26,7 @@ class Held:
     request_id: str
     reader: str
     timer: asyncio.TimerHandle | None = None  # the grant timeout, from the answer on
-    busy: bool = True  # the gather thread is still writing the slot (or is about to)
+    busy: bool = True  # its gather (thread or CUDA event) still writes it, or is about to
     revoked: str = ""  # taken back while busy (why): free it when the gather ends
 
 
