@@ -222,6 +222,15 @@ class PeerDirectory:
             link.last_error = reason
             self._forget_remote(link, reason)
 
+    def stale_all(self, reason: str) -> None:
+        """This daemon's own pool changed (an engine attached or detached): every handshake
+        was checked against the old one, so each link handshakes again at its next pull."""
+        for address in list(self._links):
+            link = self._links[address]
+            if link.remote is not None and link.state is not LinkState.HANDSHAKING:
+                link.state, link.last_error = LinkState.STALE, reason
+                self._forget_remote(link, reason)
+
     def _forget_remote(self, link: PeerLink, why: str) -> None:
         _drop_owner(link, why)
         if self._forget is not None and link.remote is not None:

@@ -260,6 +260,7 @@ async def _build(
             session_grace_s=cfg.pool.session_grace_ms / 1000,
         )
         attacher.on_change(lambda: health_changed(daemon, health_servicer))
+        attacher.on_change(lambda: peers.stale_all("this daemon's pool was attached or detached"))
         undo.push_async_callback(attacher.close)
 
     health_servicer = health_aio.HealthServicer()

@@ -272,3 +272,37 @@ def test_staged_pulls_follow_each_attached_pool(tmp_path: Path) -> None:
                 eng.kill()
     finally:
         ds.stop()
+
+
+def test_both_engines_reattached_with_a_new_layout_are_pulled_from(tmp_path: Path) -> None:
+    """Both daemons serve engines; both engines restart with another KV layout. The decode
+    daemon's handshake with the prefill daemon was checked against its old pool, so its own
+    re-attach makes the next pull handshake again (docs/attachment.md, Liveness and detach): the
+    pull is planned against the new layouts on both sides and reads the new bytes."""
+    attached = ("--set", "pool.mode=attached")
+    ds = launch(
+        tmp_path,
+        DaemonOptions("att", PRESET, extra=attached),
+        DaemonOptions("decode", PRESET, extra=attached),
+    )
+    try:
+        att, decode = ds["att"], ds["decode"]
+        layouts = ("dense:num_blocks=64", "dense:num_blocks=64,num_kv_heads=4")
+        for i, layout in enumerate(layouts):
+            owner = Engine(att.engine_socket, "--preset", layout, "--request", f"owner-{i}")
+            reader = Engine(
+                decode.engine_socket, "--preset", layout, "--request", f"reader-{i}",
+                "--blocks", "60", "--seed", str(20 + i),
+            )  # fmt: skip
+            try:
+                ticket = owner.line()["ticket"]
+                reader.line()
+                local = [30 + i, 7, 41, 2]
+                _pull_and_verify(att, decode, ticket, local)
+                owner.detach()
+                reader.detach()
+            finally:
+                owner.kill()
+                reader.kill()
+    finally:
+        ds.stop()
