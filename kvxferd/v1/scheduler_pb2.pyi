@@ -345,7 +345,8 @@ class TransferStatus(google.protobuf.message.Message):
     @property
     def stages(self) -> google.protobuf.internal.containers.RepeatedCompositeFieldContainer[Global___PullStage]:
         """Where the pull's time went, in order, once it is terminal (DONE pulls always; others as
-        far as they got): handshake, plan, build, confirm, post, transfer, publish.
+        far as they got): decode (the StartPull handler's entry to the request checked), handshake,
+        plan, build, confirm, post, transfer, publish.
         """
 
     def __init__(

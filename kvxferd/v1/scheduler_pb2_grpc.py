@@ -89,7 +89,9 @@ class SchedulerServicer(object):
 
     def WatchTransfers(self, request, context):
         """Stream status changes: first the current status of every matching transfer, then one
-        message per change. With transfer_ids given, the stream ends once all are terminal.
+        message per change. With transfer_ids given, the stream ends once all are terminal. The
+        server sends its initial metadata once the watch is registered: a caller that waits for it
+        before StartPull misses no change of that pull.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

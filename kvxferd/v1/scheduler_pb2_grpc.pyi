@@ -193,7 +193,9 @@ class SchedulerStub(typing.Generic[_SchedulerStartPullType, _SchedulerWatchTrans
 
     WatchTransfers: _SchedulerWatchTransfersType
     """Stream status changes: first the current status of every matching transfer, then one
-    message per change. With transfer_ids given, the stream ends once all are terminal.
+    message per change. With transfer_ids given, the stream ends once all are terminal. The
+    server sends its initial metadata once the watch is registered: a caller that waits for it
+    before StartPull misses no change of that pull.
     """
 
     GetTransfer: _SchedulerGetTransferType
@@ -261,7 +263,9 @@ class SchedulerServicer(metaclass=abc.ABCMeta):
         context: _ServicerContext,
     ) -> typing.Union[collections.abc.Iterator[kvxferd.v1.scheduler_pb2.WatchTransfersResponse], collections.abc.AsyncIterator[kvxferd.v1.scheduler_pb2.WatchTransfersResponse]]:
         """Stream status changes: first the current status of every matching transfer, then one
-        message per change. With transfer_ids given, the stream ends once all are terminal.
+        message per change. With transfer_ids given, the stream ends once all are terminal. The
+        server sends its initial metadata once the watch is registered: a caller that waits for it
+        before StartPull misses no change of that pull.
         """
 
     @abc.abstractmethod
