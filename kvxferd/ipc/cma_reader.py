@@ -218,13 +218,12 @@ class CmaReader:
                 f"the CMA copy of {plan.nbytes} bytes ended after the pull's deadline",
                 fix="raise deadline_ms",
             )
-        return TransferResult(
+        return TransferResult.ended(
             job.transfer_id,
             job.peer_agent,
             status,
-            reason=str(err) if err else "",
-            error=err,
-            invalid_blocks=() if status is TransferStatus.DONE else local_blocks,
+            err,
+            local_blocks,
             nbytes=plan.nbytes,
             descriptors=runs,
             elapsed_s=time.monotonic() - t0,

@@ -253,13 +253,12 @@ class KernelReader:
                 f"kernel pull failed: {type(exc).__name__}: {exc}",
                 fix="see the daemon log; retry with transfer.strategy = direct",
             )
-        return TransferResult(
+        return TransferResult.ended(
             job.transfer_id,
             job.peer_agent,
             status,
-            reason=str(err) if err else "",
-            error=err,
-            invalid_blocks=() if status is TransferStatus.DONE else local_blocks,
+            err,
+            local_blocks,
             nbytes=plan.nbytes,
             descriptors=runs,
             elapsed_s=time.monotonic() - t0,

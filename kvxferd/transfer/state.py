@@ -46,6 +46,36 @@ class TransferResult:
     posted_at: float = 0.0  # engine clock (monotonic) when NIXL accepted the post; 0 if never
     completed_at: float = 0.0  # engine clock when the end was seen
 
+    @classmethod
+    def ended(
+        cls,
+        transfer_id: str,
+        peer: str,
+        status: TransferStatus,
+        error: KvxferdError | None,
+        local_blocks: tuple[Int64Array, ...],
+        *,
+        nbytes: int,
+        descriptors: int,
+        elapsed_s: float,
+        posted_at: float = 0.0,
+        completed_at: float = 0.0,
+    ) -> TransferResult:
+        """A copy that ran outside NIXL (KERNEL, CMA): every local block invalid unless DONE."""
+        return cls(
+            transfer_id,
+            peer,
+            status,
+            reason=str(error) if error else "",
+            error=error,
+            invalid_blocks=() if status is TransferStatus.DONE else local_blocks,
+            nbytes=nbytes,
+            descriptors=descriptors,
+            elapsed_s=elapsed_s,
+            posted_at=posted_at,
+            completed_at=completed_at,
+        )
+
     @property
     def gbps(self) -> float:
         return self.nbytes / self.elapsed_s / 1e9 if self.elapsed_s > 0 else 0.0
