@@ -36,6 +36,7 @@ from kvxferd.staging import inline
 from kvxferd.staging.chunks import Chunk, split_chunks
 from kvxferd.staging.device import Int64Array
 from kvxferd.staging.owner import StagingOwner
+from kvxferd.transfer.leases import Released
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ class Announce:
 
 
 Send = Callable[[Announce], Awaitable[None]]
+STOP_WAIT_S = 1.0  # how long a stopping stream waits for its gather/announce/return task
 
 
 class StageStream:
@@ -169,23 +171,45 @@ class StageStream:
     async def _serve(self, returns: AsyncIterator[Sequence[int]], send: Send) -> None:
         work = asyncio.ensure_future(self._work(send))
         recv = asyncio.ensure_future(self._returns(returns))
+        loop = asyncio.get_running_loop()
+        gone: asyncio.Future[None] = loop.create_future()
+
+        def lease_gone() -> None:
+            if not gone.done():
+                gone.set_result(None)
+
+        def ended(rel: Released) -> None:  # any thread: the request's lease ended
+            if rel.request_id == self.request_id:
+                loop.call_soon_threadsafe(lease_gone)
+
+        self.owner.leases.subscribe(ended)
         stopped_at: tuple[int, int] | None = None
         why = "done"
         try:
-            await asyncio.wait((work, recv), return_when=asyncio.FIRST_COMPLETED)
-            if not work.done():
+            await asyncio.wait((work, recv, gone), return_when=asyncio.FIRST_COMPLETED)
+            if work.done():
+                work.result()
+            elif gone.done():  # the slots went back with the lease: no chunk starts any more
+                stopped_at, why = (self.started, self.gathered), "lease ended"
+                await self._stop(work)
+                raise LeaseRefused(
+                    f"the lease of {self.request_id!r} ended while its Stage stream was open",
+                    field="open.request_id",
+                    fix="hold the request again and pull it again",
+                )
+            else:
                 stopped_at, why = (self.started, self.gathered), "reader closed"
                 await self._stop(work)
                 recv.result()  # a bad message fails the stream
-            else:
-                work.result()
         except asyncio.CancelledError:
             why = "cancelled"
             raise
         except BaseException as exc:
-            why = f"failed: {exc}"
+            why = why if why == "lease ended" else f"failed: {exc}"
             raise
         finally:
+            self.owner.leases.unsubscribe(ended)
+            gone.cancel()
             if stopped_at is None and not work.done():
                 stopped_at = (self.started, self.gathered)
             for t in (work, recv):
@@ -215,9 +239,15 @@ class StageStream:
 
     @staticmethod
     async def _stop(task: asyncio.Future[None]) -> None:
+        """Cancel ``task`` and wait (boundedly) for it to end: a write to a call the reader
+        already cancelled must not keep the stream from giving its slots back."""
         if not task.done():
             task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        done, _ = await asyncio.wait({task}, timeout=STOP_WAIT_S)
+        if not done:
+            log.warning("a Stage stream task did not stop in time", extra=kv(wait_s=STOP_WAIT_S))
+        elif not task.cancelled():
+            task.exception()  # retrieved: the stream's outcome is decided by _serve
 
     async def _work(self, send: Send) -> None:
         for chunk in self.chunks:

@@ -131,6 +131,32 @@ def test_owner_waits_for_credits_and_a_foreign_slot_fails_the_stream(ds: Daemons
     run(go())
 
 
+def test_a_stream_ends_when_its_lease_ends(ds: Daemons) -> None:
+    """A reader that lets its lease go but leaves its stream open (it holds an announced slot,
+    so the owner waits for a credit): the owner ends the stream with the reason, its slots are
+    back, and the reader's stream count with them."""
+
+    async def go() -> None:
+        owner = ds["prefill"]
+        c = Client(owner, ds["decode"])
+        await c.hold("lapsed", [[30, 31, 32]])
+        rp = await reader(owner, "lapsing-reader")
+        await rp.confirm("lapsed")
+        s = RawStage(rp)
+        s.open("lapsed", [[30, 31, 32]], chunk_bytes=ROW, chunks=3, credits=1)
+        await s.next()
+        assert granted_slots(owner) == 1
+        await rp.release("lapsed", done=False)  # the only reader gave up: the lease ends
+        code, text = await refused(s)
+        assert code == grpc.StatusCode.FAILED_PRECONDITION, text
+        assert "lease of 'lapsed' ended while its Stage stream was open" in text, text
+        end = await wait_log(owner.log, "staged stream ended", request_id="lapsed")
+        assert end["reason"] == "lease ended" and end["started"] == 1, end
+        assert granted_slots(owner) == 0
+
+    run(go())
+
+
 def test_a_broken_stream_frees_its_slots(ds: Daemons) -> None:
     async def go() -> None:
         owner = ds["prefill"]

@@ -136,7 +136,9 @@ def test_cancel_mid_pull_stops_the_owner_within_one_chunk(tiny: Daemons) -> None
             assert st.state == scheduler_pb2.TRANSFER_STATE_CANCELLED, st.error.message
             assert sorted(st.invalid_local_block_ids.groups[0].ids) == sorted(local)
             end = await wait_log(tiny["prefill"].log, "staged stream ended", request_id=rid)
-            assert end["reason"] in ("cancelled", "reader closed"), end
+            # The reader closes its stream and gives its lease share up: whichever reaches the
+            # owner first stops the stream.
+            assert end["reason"] in ("cancelled", "reader closed", "lease ended"), end
             assert end["gathered_at_stop"] < 250, end  # stopped mid-pull
             assert end["started"] <= end["gathered_at_stop"] + 1, end  # within one chunk
             assert end["gathered"] <= end["started"]
