@@ -5,15 +5,6 @@ ENGINE_DETACHED, refuses pulls, and takes a restarted engine's attach."""
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import queue
-import signal
-import subprocess
-import sys
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,9 +24,9 @@ from kvxferd.v1 import (
     scheduler_pb2_grpc,
 )
 from kvxferd.wire.codec import group_ids_to_proto
+from tests.lineproc import LineProcess
 from tests.service.conftest import Daemon, launch
 
-ROOT = Path(__file__).resolve().parents[2]
 PRESET = "dense:num_blocks=64"
 TERMINAL = {
     scheduler_pb2.TRANSFER_STATE_DONE,
@@ -57,55 +48,18 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, Dae
     ds.stop()
 
 
-class Engine:
+class Engine(LineProcess):
     """A test engine process (tests/attach/engine_proc.py)."""
 
     def __init__(self, socket: str, *args: str) -> None:
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        self.err = Path(socket).with_suffix(f".engine-{time.monotonic_ns()}.err")
-        with open(self.err, "w") as err:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tests.attach.engine_proc", "--socket", socket, *args],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=err,
-                env=env,
-                cwd=ROOT,
-                text=True,
-            )
-        self._lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self._lines.put(line)
-
-    def line(self, timeout_s: float = 60.0) -> dict[str, Any]:
-        try:
-            return dict(json.loads(self._lines.get(timeout=timeout_s)))
-        except queue.Empty:
-            self.kill()
-            err = self.err.read_text()[-3000:]
-            raise AssertionError(f"engine printed nothing; stderr:\n{err}") from None
+        super().__init__("tests.attach.engine_proc", socket, *args)
 
     def detach(self) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write("detach\n")
-        self.proc.stdin.flush()
+        self.send("detach")
         out = self.line()
         assert self.proc.wait(30) == 0, self.err.read_text()[-3000:]
         self.kill()
         return out
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(30)
-        for f in (self.proc.stdin, self.proc.stdout):
-            if f is not None and not f.closed:
-                with contextlib.suppress(OSError):
-                    f.close()
 
 
 def _sched(addr: str) -> scheduler_pb2_grpc.SchedulerStub:

@@ -12,14 +12,10 @@ on the CPU, and PyTorch's expandable segments, each at start with the fix and do
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import queue
-import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +26,7 @@ import torch
 
 from kvxferd.scenario.daemons import DaemonOptions
 from kvxferd.v1 import scheduler_pb2, scheduler_pb2_grpc
+from tests.lineproc import LineProcess
 from tests.service.conftest import Daemon, Daemons, launch
 
 pytestmark = [
@@ -54,51 +51,17 @@ def daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemons]:
     ds.stop()
 
 
-class GpuEngine:
+class GpuEngine(LineProcess):
     """One tests/vllm/gpu_engine.py process and its JSON lines."""
 
+    LINE_TIMEOUT_S = 120.0
+
     def __init__(self, socket: str, *args: str, env: dict[str, str] | None = None) -> None:
-        self.err = Path(socket).with_suffix(f".gpu-engine-{os.getpid()}-{id(self)}.err")
-        with open(self.err, "w") as err:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tests.vllm.gpu_engine", "--socket", socket, *args],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=err,
-                env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
-                cwd=ROOT,
-                text=True,
-            )
-        self._lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self._lines.put(line)
-
-    def line(self, timeout_s: float = 120.0) -> dict[str, Any]:
-        try:
-            return dict(json.loads(self._lines.get(timeout=timeout_s)))
-        except queue.Empty:
-            self.kill()
-            tail = self.err.read_text()[-3000:]
-            raise AssertionError(f"engine said nothing; stderr:\n{tail}") from None
+        super().__init__("tests.vllm.gpu_engine", socket, *args, env=env)
 
     def ask(self, **cmd: Any) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
+        self.send(json.dumps(cmd))
         return self.line()
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(30)
-        for f in (self.proc.stdin, self.proc.stdout):
-            if f is not None and not f.closed:
-                with contextlib.suppress(OSError):
-                    f.close()
 
 
 def _sched(d: Daemon) -> scheduler_pb2_grpc.SchedulerStub:
