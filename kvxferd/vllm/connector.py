@@ -45,6 +45,7 @@ from vllm.logger import init_logger
 from kvxferd.errors import KvxferdError
 from kvxferd.vllm.daemon import EngineLink, PullLink, PullResult, Release
 from kvxferd.vllm.gpu import attach_cuda
+from kvxferd.vllm.kinds import resolved_layout
 from kvxferd.vllm.memory import SharedKvAllocation
 from kvxferd.vllm.params import (
     LocalBlock,
@@ -123,16 +124,14 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         seg, buf = self._alloc.require()
         kcfg = self._kv_cache_config
         kernel = kernel_block_sizes(kcfg, kv_caches)
-        layout = kcfg.kv_cache_layout
-        if layout is None:
-            layout = self._vllm_config.cache_config.get_resolved_kv_cache_layout()
         translated = translate(
             kcfg,
             model=self._fingerprint,
-            layout=layout,
+            layout=resolved_layout(self._vllm_config, kcfg),
             kernel_block_sizes=kernel,
             backend=attn_backend(self._vllm_config, kv_caches)[1],
             tp_size=self._tp_size,
+            cache_dtype=str(self._vllm_config.cache_config.cache_dtype),
         )
         check_views(
             translated, int(buf.data_ptr()), {n: int(t.data_ptr()) for n, t in kv_caches.items()}
@@ -187,10 +186,10 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             kcfg,
             kv_caches,
             model=self._fingerprint,
-            layout=kcfg.kv_cache_layout
-            or self._vllm_config.cache_config.get_resolved_kv_cache_layout(),
+            layout=resolved_layout(self._vllm_config, kcfg),
             backend=name,
             backend_cls=backend,
+            cache_dtype=str(self._vllm_config.cache_config.cache_dtype),
             prefix_caching=bool(self._vllm_config.cache_config.enable_prefix_caching),
             wait_s=self._daemon_wait_s,
             on_release=self._on_release,

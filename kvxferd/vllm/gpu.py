@@ -98,6 +98,7 @@ def attach_cuda(
     layout: Any = None,
     backend: str = "",
     backend_cls: Any = None,
+    cache_dtype: str = "auto",
     prefix_caching: bool,
     wait_s: float,
     on_release: Callable[[Release], None],
@@ -116,6 +117,7 @@ def attach_cuda(
             backend=backend,
             backend_cls=backend_cls,
             tp_size=1,
+            cache_dtype=cache_dtype,
         )
         if described.device.type != "cuda":
             raise SpecError(

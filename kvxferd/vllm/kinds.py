@@ -50,6 +50,15 @@ def layout_name(layout: Any) -> str:
     return name
 
 
+def resolved_layout(vllm_config: Any, kv_cache_config: Any) -> Any:
+    """The KV cache layout vLLM lays this cache out in: ``kv_cache_config``'s, else the one
+    ``cache_config`` resolves."""
+    layout = kv_cache_config.kv_cache_layout
+    if layout is None:
+        layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
+    return layout
+
+
 def page_layout(layout: str) -> tuple[Layout, bool]:
     """kvxferd attention layout for a vLLM layout, and whether blocks are layer-outermost."""
     pos = {c: i for i, c in enumerate(layout)}
@@ -89,7 +98,30 @@ def group_kind(spec: Any, where: str) -> GroupKind:
     )
 
 
-def kv_dtype(dtype: Any, where: str) -> KVDType:
+# vLLM stores fp8 KV caches as torch.uint8 and keeps the element format in
+# cache_config.cache_dtype ("fp8" is e4m3 on CUDA). Other uint8 cache dtypes (fp8_ds_mla:
+# fp8 values packed with their scales) are not plain elements and stay refused.
+_FP8_CACHE_DTYPES = {
+    "fp8": KVDType.FP8_E4M3,
+    "fp8_e4m3": KVDType.FP8_E4M3,
+    "fp8_e5m2": KVDType.FP8_E5M2,
+}
+
+
+def kv_dtype(dtype: Any, where: str, cache_dtype: str = "auto") -> KVDType:
+    """The kvxferd dtype of a vLLM spec's ``dtype``; ``cache_dtype`` is vLLM's
+    ``cache_config.cache_dtype``, which says what a ``torch.uint8`` cache holds."""
+    if str(dtype).removeprefix("torch.") == "uint8":
+        found = _FP8_CACHE_DTYPES.get(str(cache_dtype).strip().lower())
+        if found is None:
+            raise SpecError(
+                f"{where}: vLLM's KV cache holds torch.uint8 with cache_dtype {cache_dtype!r};"
+                " kvxferd reads uint8 only as an fp8 cache (cache_dtype fp8, fp8_e4m3 or"
+                " fp8_e5m2)",
+                fix="run vLLM with --kv-cache-dtype auto, bfloat16, float16, fp8, fp8_e4m3 or"
+                f" fp8_e5m2 (see {DOC})",
+            )
+        return found
     try:
         return KVDType.from_torch_name(str(dtype))
     except ValueError as exc:
@@ -136,4 +168,5 @@ __all__ = [
     "layer_spec",
     "layout_name",
     "page_layout",
+    "resolved_layout",
 ]

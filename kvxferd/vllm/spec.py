@@ -105,8 +105,10 @@ def _region(
     layout: Layout,
     kernel: int,
     nblocks: int,
+    cache_dtype: str = "auto",
 ) -> tuple[Region, int]:
-    """The region of one layer and its kernel block's byte length."""
+    """The region of one layer and its kernel block's byte length (``cache_dtype``: vLLM's
+    ``cache_config.cache_dtype``, naming the fp8 format of a ``torch.uint8`` cache)."""
     where = f"vLLM layer {name!r}"
     if kind is GroupKind.MAMBA:
         dtypes = [kv_dtype(d, where) for d in spec.dtypes]
@@ -121,7 +123,7 @@ def _region(
         shape: tuple[int, ...] = (nblocks, content // dtype.itemsize)
         return Region(name, gi, dtype, Layout.STATE, shape), content
     check_plain_attention(spec, where, mla=kind is GroupKind.MLA)
-    dtype = kv_dtype(spec.dtype, where)
+    dtype = kv_dtype(spec.dtype, where, cache_dtype)
     if kind is GroupKind.MLA:
         latent = int(spec.head_size) * int(getattr(spec, "num_kv_heads", 1) or 1)
         shape = (nblocks, kernel, latent)
@@ -190,13 +192,16 @@ def translate(
     backend: str = "",
     tp_size: int = 1,
     memory: MemoryType = MemoryType.DRAM,
+    cache_dtype: str = "auto",
 ) -> VllmKvSpec:
     """Translate vLLM's ``kv_cache_config`` (read by attribute) into a kvxferd spec.
 
     ``layout``: the resolved ``KVCacheLayout`` (or its name; default ``kv_cache_config.
     kv_cache_layout``); ``kernel_block_sizes``: one per vLLM KV cache group, as the model
     runner chose them (default: the groups' block sizes); ``backend``: the attention backend's
-    name, part of the page format in the fingerprint."""
+    name, part of the page format in the fingerprint; ``cache_dtype``: vLLM's
+    ``cache_config.cache_dtype`` (``fp8``, ``fp8_e4m3`` and ``fp8_e5m2`` caches are
+    ``torch.uint8`` in the spec; this names their element format)."""
     lay = layout_name(layout if layout is not None else kv_cache_config.kv_cache_layout)
     page, _ = page_layout(lay)
     groups = list(kv_cache_config.kv_cache_groups)
@@ -221,6 +226,7 @@ def translate(
                 layout=page,
                 kernel=g.kernel,
                 nblocks=num_blocks * ratio,
+                cache_dtype=cache_dtype,
             )
             stride = int(t.block_stride)
             if ratio > 1:

@@ -55,11 +55,13 @@ def describe(
     backend_cls: Any = None,
     tp_size: int = 1,
     memory: MemoryType = MemoryType.VRAM,
+    cache_dtype: str = "auto",
 ) -> DescribedKv:
     """Describe ``kv_caches`` (vLLM's ``register_kv_caches`` argument) as a kvxferd spec.
 
     ``backend_cls``: the attention backend class, when known: its ``get_kv_cache_shape`` and
-    ``get_kv_cache_stride_order`` confirm which dim of a backend tensor is which."""
+    ``get_kv_cache_stride_order`` confirm which dim of a backend tensor is which;
+    ``cache_dtype``: vLLM's ``cache_config.cache_dtype`` (the fp8 format of a uint8 cache)."""
     _, _, by_layer = groups_of(kv_cache_config, kernel_block_sizes)
     layers = list(by_layer)
     missing = [n for n in by_layer if n not in kv_caches]
@@ -74,7 +76,7 @@ def describe(
             f"vLLM's KV cache tensors sit on {len(devices)} devices: {sorted(map(str, devices))}",
             fix=f"one connector attaches one worker's cache on one device (see {DOC})",
         )
-    o = _Opts(model, layout, kernel_block_sizes, backend, backend_cls, tp_size, memory)
+    o = _Opts(model, layout, kernel_block_sizes, backend, backend_cls, tp_size, memory, cache_dtype)
     if {kv_caches[n].dim() for n in layers} == {4}:
         out = _from_views(kv_cache_config, kv_caches, o)
     else:
@@ -91,6 +93,7 @@ class _Opts:
     backend_cls: Any
     tp_size: int
     memory: MemoryType
+    cache_dtype: str  # vLLM's cache_config.cache_dtype: the fp8 format of a uint8 cache
 
 
 def over(base: torch.Tensor, region: Region, offset: int) -> torch.Tensor:
@@ -141,6 +144,7 @@ def _from_views(
         backend=o.backend,
         tp_size=o.tp_size,
         memory=o.memory,
+        cache_dtype=o.cache_dtype,
     )
     first = views[tr.placements[0].region]
     base = first.untyped_storage().data_ptr()
@@ -200,6 +204,7 @@ def _from_backend(
             layout=Layout.NHD,
             kernel=g.kernel,
             nblocks=num_blocks * (g.logical // g.kernel),
+            cache_dtype=o.cache_dtype,
         )
         t = kv[layer]
         if t.element_size() != canon.dtype.itemsize:

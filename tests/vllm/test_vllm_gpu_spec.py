@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from kvxferd.errors import SpecError
+from kvxferd.layout.dtypes import KVDType
 from kvxferd.layout.spec import Layout, MemoryType
 from kvxferd.pool import KVPool
 from kvxferd.vllm.gpu import check_exportable
@@ -126,6 +127,35 @@ def test_kernel_blocks_smaller_than_the_manager_block_come_from_the_views() -> N
         2 * NB,
     )
     KVPool.from_tensors(d.spec, d.tensors)
+
+
+def _fp8_views() -> tuple[KVCacheConfig, dict[str, torch.Tensor]]:
+    """An fp8 cache as vLLM hands it over: a uint8 spec and uint8 ``[B, H, N, C]`` views."""
+    spec = FullAttentionSpec(N, H, D, torch.uint8)
+    page = spec.page_size_bytes
+    tensor = KVCacheTensor(page * NB * len(LAYERS), LAYERS, page * NB, page)
+    raw = torch.randint(0, 255, (tensor.size,), dtype=torch.uint8)
+    views = {
+        name: raw[i * page * NB : (i + 1) * page * NB].view(NB, H, N, 2 * D)
+        for i, name in enumerate(LAYERS)
+    }
+    return _config("LBHNC", tensor, spec), views
+
+
+def test_fp8_layer_views_are_described_in_the_configured_fp8_format() -> None:
+    cfg, views = _fp8_views()
+    d = describe(cfg, views, model="m", cache_dtype="fp8_e5m2")
+    assert {(r.dtype, r.block_len) for r in d.spec.regions} == {(KVDType.FP8_E5M2, PAGE // 2)}
+    assert {t.dtype for t in d.tensors.values()} == {torch.float8_e5m2}
+    KVPool.from_tensors(d.spec, d.tensors)
+    for name, v in views.items():
+        _aliases(d, name, v[3], 3)
+
+
+def test_fp8_layer_views_without_an_fp8_cache_dtype_are_refused() -> None:
+    cfg, views = _fp8_views()
+    with pytest.raises(SpecError, match=r"torch\.uint8 with cache_dtype 'auto'"):
+        describe(cfg, views, model="m")
 
 
 def test_a_view_that_contradicts_the_layout_is_refused() -> None:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kvxferd.errors import SpecError
+from kvxferd.layout.dtypes import KVDType
 from kvxferd.layout.spec import GroupKind, Layout
 from kvxferd.pool import KVPool
 from kvxferd.vllm.spec import check_views, region_strides, transfer_groups, translate
@@ -266,6 +267,41 @@ def test_refusals_say_what_and_point_at_the_docs(cfg: KVCacheConfig, match: str)
     with pytest.raises(SpecError, match=match) as ei:
         translate(cfg, model="m")
     assert "docs/vllm.md" in str(ei.value)
+
+
+# ---- fp8: vLLM's spec says torch.uint8, cache_config.cache_dtype says which fp8 ------------
+
+
+@pytest.mark.parametrize(
+    ("cache_dtype", "want"),
+    [("fp8", KVDType.FP8_E4M3), ("fp8_e4m3", KVDType.FP8_E4M3), ("fp8_e5m2", KVDType.FP8_E5M2)],
+)
+def test_an_fp8_cache_held_as_uint8_is_translated_to_its_fp8_dtype(
+    cache_dtype: str, want: KVDType
+) -> None:
+    spec = FullAttentionSpec(32, 2, 32, torch.uint8)
+    out = translate(_one(spec), model="m", cache_dtype=cache_dtype)
+    r = out.spec.regions[0]
+    assert r.dtype is want and r.block_len == spec.page_size_bytes == 4096
+    buf = torch.zeros(out.buffer_size, dtype=torch.uint8)  # vLLM's uint8 allocation
+    typed = buf.view(getattr(torch, want.torch_name))
+    KVPool.from_tensors(out.spec, {r.name: typed.as_strided(r.shape, region_strides(r))})
+
+
+def test_the_two_fp8_formats_give_specs_peers_cannot_pair() -> None:
+    cfg = _one(FullAttentionSpec(32, 2, 32, torch.uint8))
+    e4m3 = translate(cfg, model="m", cache_dtype="fp8_e4m3").spec
+    assert e4m3 == translate(cfg, model="m", cache_dtype="fp8").spec
+    assert e4m3 != translate(cfg, model="m", cache_dtype="fp8_e5m2").spec
+
+
+@pytest.mark.parametrize("cache_dtype", ["auto", "fp8_ds_mla", "int8"])
+def test_uint8_without_an_fp8_cache_dtype_is_refused(cache_dtype: str) -> None:
+    with pytest.raises(SpecError, match=rf"torch\.uint8 with cache_dtype '{cache_dtype}'") as ei:
+        translate(
+            _one(FullAttentionSpec(32, 2, 32, torch.uint8)), model="m", cache_dtype=cache_dtype
+        )
+    assert "fp8_e5m2" in str(ei.value) and str(ei.value).count("docs/vllm.md") == 1
 
 
 def test_kernel_block_size_must_divide() -> None:
