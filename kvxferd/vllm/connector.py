@@ -45,7 +45,7 @@ from vllm.logger import init_logger
 from kvxferd.errors import KvxferdError
 from kvxferd.vllm.daemon import EngineLink, PullLink, PullResult, Release
 from kvxferd.vllm.gpu import attach_cuda
-from kvxferd.vllm.kinds import resolved_layout
+from kvxferd.vllm.kinds import resolved_layout, see_doc
 from kvxferd.vllm.memory import SharedKvAllocation
 from kvxferd.vllm.params import (
     LocalBlock,
@@ -55,7 +55,7 @@ from kvxferd.vllm.params import (
     plan_pull,
     ticket_from_params,
 )
-from kvxferd.vllm.settings import DOC, ConnectorSettings, attn_backend
+from kvxferd.vllm.settings import ConnectorSettings, attn_backend
 from kvxferd.vllm.spec import (
     check_views,
     kernel_block_sizes,
@@ -160,10 +160,8 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 on_release=self._on_release,
             )
         except KvxferdError as err:
-            raise RuntimeError(
-                f"KvxferdConnector: attaching the KV cache to the daemon at"
-                f" unix:{self._engine.socket_path} failed: {err} (see {DOC})"
-            ) from None
+            msg = f"attaching the KV cache to the daemon at unix:{self._engine.socket_path}"
+            raise RuntimeError(see_doc(f"KvxferdConnector: {msg} failed: {err}")) from None
         finally:
             self._alloc.unlink()
         self._pull = PullLink(pool.peer_address, token=self._token)

@@ -28,7 +28,7 @@ import torch
 from kvxferd.errors import KvxferdError, SpecError
 from kvxferd.v1 import engine_pb2
 from kvxferd.vllm.daemon import EngineLink, Import, Release
-from kvxferd.vllm.kinds import DOC
+from kvxferd.vllm.kinds import DOC, see_doc
 from kvxferd.vllm.spec import kernel_block_sizes, region_strides
 from kvxferd.vllm.tensors import DescribedKv, describe
 
@@ -127,7 +127,7 @@ def attach_cuda(
         imports = cuda_imports(described)
     except KvxferdError as err:
         raise RuntimeError(
-            f"KvxferdConnector: vLLM's GPU KV cache cannot be attached: {err} (see {DOC})"
+            see_doc(f"KvxferdConnector: vLLM's GPU KV cache cannot be attached: {err}")
         ) from None
     try:
         link.wait_ready(wait_s)
@@ -141,11 +141,13 @@ def attach_cuda(
         )
     except KvxferdError as err:
         raise RuntimeError(
-            f"KvxferdConnector: attaching the GPU KV cache (IMPORTED VRAM on"
-            f" {described.device}) to the daemon at unix:{link.socket_path} failed: {err}."
-            " The daemon must run on this engine's host and GPU (pool.device ="
-            f" {described.device}, the same CUDA_VISIBLE_DEVICES numbering) with"
-            f" pool.mode = attached, transfer.cuda_ipc = true and transfer.mode = pull (see {DOC})"
+            see_doc(
+                f"KvxferdConnector: attaching the GPU KV cache (IMPORTED VRAM on"
+                f" {described.device}) to the daemon at unix:{link.socket_path} failed: {err}."
+                " The daemon must run on this engine's host and GPU (pool.device ="
+                f" {described.device}, the same CUDA_VISIBLE_DEVICES numbering) with"
+                " pool.mode = attached, transfer.cuda_ipc = true and transfer.mode = pull"
+            )
         ) from None
     log.info(
         "kvxferd: attached %d bytes of GPU KV cache (%s; IMPORTED VRAM on %s, served to"

@@ -37,6 +37,12 @@ _REFUSED = {
 _LAYOUT_LETTERS = frozenset("LBHNC")
 
 
+def see_doc(text: str) -> str:
+    """``text`` pointing at docs/vllm.md once: the pointer is appended only when ``text`` (say a
+    wrapped error whose fix names it already) does not carry it."""
+    return text if DOC in text else f"{text} (see {DOC})"
+
+
 def layout_name(layout: Any) -> str:
     """``KVCacheLayout.LBHNC`` / ``"LBHNC"`` / ``None`` -> ``"LBHNC"`` (vLLM's default)."""
     if layout is None:
@@ -169,4 +175,5 @@ __all__ = [
     "layout_name",
     "page_layout",
     "resolved_layout",
+    "see_doc",
 ]
