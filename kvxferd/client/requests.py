@@ -83,6 +83,7 @@ def start_request(
     transfer_id: str,
     deadline_ms: int,
     skip_notify: bool,
+    wait: bool = False,
 ) -> scheduler_pb2.StartPullRequest:
     return scheduler_pb2.StartPullRequest(
         transfer_id=transfer_id or uuid.uuid4().hex,
@@ -92,6 +93,7 @@ def start_request(
         local_block_ids=block_ids(local_block_ids, "local_block_ids"),
         deadline_ms=deadline_ms,
         options=scheduler_pb2.PullOptions(skip_notify=skip_notify),
+        wait=wait,
     )
 
 

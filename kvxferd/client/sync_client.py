@@ -90,6 +90,40 @@ class SchedulerClient:
             raise KvxferdRpcError.wrap("StartPull", exc) from exc
         return StartedPull(TransferStatus.from_proto(resp.status), resp.created)
 
+    def pull(
+        self,
+        *,
+        request_id: str,
+        peer_address: str,
+        remote_block_ids: BlockIds,
+        local_block_ids: BlockIds,
+        transfer_id: str = "",
+        deadline_ms: int = 0,
+        skip_notify: bool = False,
+        timeout_s: float = 60.0,
+    ) -> TransferStatus:
+        """Start a pull and return its terminal status, in one call (StartPull with ``wait``:
+        no WatchTransfers). A failed pull is returned, not raised: check ``state`` and
+        ``error``. TimeoutError if it is not terminal in ``timeout_s`` (it goes on running; find
+        it with :meth:`get_transfer` by the ``transfer_id`` you passed)."""
+        req = start_request(
+            request_id=request_id,
+            peer_address=peer_address,
+            remote_block_ids=remote_block_ids,
+            local_block_ids=local_block_ids,
+            transfer_id=transfer_id,
+            deadline_ms=deadline_ms,
+            skip_notify=skip_notify,
+            wait=True,
+        )
+        try:
+            resp = self._stub.StartPull(req, timeout=timeout_s, metadata=self._md)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise TimeoutError(f"{req.transfer_id} not terminal after {timeout_s} s") from exc
+            raise KvxferdRpcError.wrap("StartPull", exc) from exc
+        return TransferStatus.from_proto(resp.status)
+
     def get_transfer(self, transfer_id: str) -> TransferStatus:
         try:
             resp = self._stub.GetTransfer(

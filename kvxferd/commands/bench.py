@@ -50,7 +50,7 @@ from kvxferd.scenario.bench_cells import (
     results_table,
     share_baselines,
 )
-from kvxferd.scenario.bench_daemons import measure_daemons
+from kvxferd.scenario.bench_daemons import floor_ms, latency_line, measure_daemons
 from kvxferd.scenario.bench_local import measure_limit, measure_naive, nixl_transport
 from kvxferd.scenario.client import RpcFailure
 from kvxferd.scenario.daemons import DaemonError
@@ -295,7 +295,8 @@ def run(args: argparse.Namespace) -> int:
         "\nraw copy: torch copy_ of the same bytes (the faster of one copy and one per layer);"
         " naive: one NIXL descriptor per (layer, block); floor: the descriptors DIRECT posts,"
         " one READ by a bare NIXL agent in a post/poll loop; kvxferd <strategy>: <what ran>:"
-        " StartPull to terminal status on WatchTransfers through two daemons; x raw / x naive:"
+        " StartPull with wait to its answer (the terminal status) through two daemons, after"
+        " one untimed pull of the size; x raw / x naive:"
         " the row's median over theirs; transport: what served the row (for NIXL rows inferred"
         " from a READ's rate: kvxferd.ipc.transport)"
     )
@@ -310,17 +311,24 @@ def run(args: argparse.Namespace) -> int:
                 f" {med['slot_wait'] * 1e3:.2f} ms"
             )
     if latency:
+        floor = floor_ms(base, latency)
+        if floor is not None:
+            latency["floor_ms"] = floor
         print(
             f"small-request latency ({latency['blocks']} blocks = {latency['tokens']} tokens,"
-            f" {human_bytes(latency['bytes'])}, {latency['pulls']} pulls, StartPull to terminal"
-            f" status on WatchTransfers): p50 {latency['p50_ms']:.2f} ms, p90"
-            f" {latency['p90_ms']:.2f} ms, p99 {latency['p99_ms']:.2f} ms, max"
-            f" {latency['max_ms']:.2f} ms (daemon-side p50 {latency['server_p50_ms']:.2f} ms,"
-            f" p99 {latency['server_p99_ms']:.2f} ms)"
+            f" {human_bytes(latency['bytes'])}, {latency['pulls']} pulls each way, alternating):"
         )
-        if latency.get("stages_p50_ms"):
-            parts = ", ".join(f"{k} {v:.2f}" for k, v in latency["stages_p50_ms"].items())
-            print(f"  where the daemon's time went (p50 per stage, ms): {parts}")
+        for how, fig in (
+            ("StartPull + WatchTransfers", latency),
+            ("StartPull with wait", latency["wait"]),
+        ):
+            print(latency_line(how, fig, floor))
+    if latency.get("floor_ms") is not None:
+        print(
+            f"  floor: {latency['floor_ms']:.2f} ms, the time of the {latency['tokens']}-token"
+            " fragmented row's floor (the same kind of descriptors, one READ by a bare NIXL"
+            " agent); added = p50 or p99 minus it"
+        )
     for strategy in args.strategy:
         failed = next((c.failed for c in rows_by[strategy] if c.failed), "")
         if failed:

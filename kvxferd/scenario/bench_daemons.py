@@ -126,9 +126,11 @@ def measure_daemons(
             puller.pull(*block_ids(workload, 256, CONTIGUOUS, WARMUP_REP, seed))  # handshake
             for cell in cells:
                 say(f"  kvxferd  {cell.tokens:>6} tokens {cell.pattern}")
+                # Untimed: the first pull of a size (buffers and tables grown, kernels loaded).
+                puller.pull(*block_ids(workload, cell.tokens, cell.pattern, WARMUP_REP, seed))
                 for rep in range(repeat):
                     local, remote = block_ids(workload, cell.tokens, cell.pattern, rep, seed)
-                    out = puller.pull(local, remote)
+                    out = puller.pull(local, remote, wait=True)
                     st = out.status
                     cell.kvxferd_gbps.append(st.nbytes / out.seconds / 1e9)
                     cell.kvxferd_ms.append(out.seconds * 1e3)
@@ -159,34 +161,8 @@ def measure_daemons(
             if not pulls:
                 daemons.check_alive()
                 return {}
-            say(f"  latency  {pulls} pulls of {SMALL_BLOCKS} blocks ({strategy})")
-            client_ms: list[float] = []
-            server_ms: list[float] = []
-            stages_ms: dict[str, list[float]] = {}  # the daemon's per-pull stages
-            tokens = SMALL_BLOCKS * workload.spec.groups[0].kernel_block_size
-            for rep in range(pulls):
-                local, remote = block_ids(workload, tokens, FRAGMENTED, 1000 + rep, seed)
-                out = puller.pull(local, remote)
-                client_ms.append(out.seconds * 1e3)
-                server_ms.append(out.server_seconds * 1e3)
-                for stage in out.status.stages:
-                    stages_ms.setdefault(stage.name, []).append(stage.seconds * 1e3)
-            latency = {
-                "blocks": SMALL_BLOCKS,
-                "tokens": tokens,
-                "pulls": pulls,
-                "strategy": strategy,
-                "bytes": workload.request_bytes(tokens),
-                "client_ms": client_ms,
-                "server_ms": server_ms,
-                "p50_ms": percentile(client_ms, 50),
-                "p90_ms": percentile(client_ms, 90),
-                "p99_ms": percentile(client_ms, 99),
-                "max_ms": max(client_ms),
-                "server_p50_ms": percentile(server_ms, 50),
-                "server_p99_ms": percentile(server_ms, 99),
-                "stages_p50_ms": {k: percentile(v, 50) for k, v in stages_ms.items()},
-            }
+            say(f"  latency  {pulls} pulls of {SMALL_BLOCKS} blocks each way ({strategy})")
+            latency = _latency(puller, workload, pulls, seed, strategy)
             daemons.check_alive()
         finally:
             puller.close()
@@ -196,3 +172,83 @@ def measure_daemons(
     if problems:
         raise BenchFailure("; ".join(problems))
     return latency
+
+
+def _figures(
+    client_ms: list[float], server_ms: list[float], stages: dict[str, list[float]]
+) -> dict[str, Any]:
+    return {
+        "client_ms": client_ms,
+        "server_ms": server_ms,
+        "p50_ms": percentile(client_ms, 50),
+        "p90_ms": percentile(client_ms, 90),
+        "p99_ms": percentile(client_ms, 99),
+        "max_ms": max(client_ms),
+        "server_p50_ms": percentile(server_ms, 50),
+        "server_p99_ms": percentile(server_ms, 99),
+        "stages_p50_ms": {k: percentile(v, 50) for k, v in stages.items()},
+    }
+
+
+def _latency(
+    puller: DaemonPuller, workload: Workload, pulls: int, seed: int, strategy: str
+) -> dict[str, Any]:
+    """``pulls`` small pulls each way, alternating (the same conditions for both): StartPull and
+    the terminal status on WatchTransfers (the top-level figures), and StartPull with ``wait``
+    (under ``"wait"``)."""
+    tokens = SMALL_BLOCKS * workload.spec.groups[0].kernel_block_size
+    runs: dict[bool, tuple[list[float], list[float], dict[str, list[float]]]] = {
+        False: ([], [], {}),
+        True: ([], [], {}),
+    }
+    for rep in range(2 * pulls):
+        wait = rep % 2 == 1
+        local, remote = block_ids(workload, tokens, FRAGMENTED, 1000 + rep, seed)
+        out = puller.pull(local, remote, wait=wait)
+        client_ms, server_ms, stages_ms = runs[wait]
+        client_ms.append(out.seconds * 1e3)
+        server_ms.append(out.server_seconds * 1e3)
+        for stage in out.status.stages:
+            stages_ms.setdefault(stage.name, []).append(stage.seconds * 1e3)
+    return {
+        "blocks": SMALL_BLOCKS,
+        "tokens": tokens,
+        "pulls": pulls,
+        "strategy": strategy,
+        "bytes": workload.request_bytes(tokens),
+        **_figures(*runs[False]),
+        "wait": _figures(*runs[True]),
+    }
+
+
+def floor_ms(base: list[Cell], latency: dict[str, Any]) -> float | None:
+    """The bare-NIXL floor's time for a small pull: the floor row of the cell with the latency
+    pulls' size and pattern (fragmented), when the bench measured one."""
+    for cell in base:
+        if cell.tokens == latency["tokens"] and cell.pattern == FRAGMENTED and cell.floor_gbps:
+            gbps = cell.median("floor_gbps")
+            if gbps > 0:
+                return float(latency["bytes"]) / (gbps * 1e9) * 1e3
+    return None
+
+
+def latency_line(how: str, fig: dict[str, Any], floor: float | None) -> str:
+    """One way of waiting for the small pulls: percentiles, the daemon's side, the stages, and
+    what the daemons added over the floor (also recorded in ``fig``: ``added_p50_ms``,
+    ``added_p99_ms``)."""
+    text = (
+        f"  {how}: p50 {fig['p50_ms']:.2f} ms, p90 {fig['p90_ms']:.2f} ms, p99"
+        f" {fig['p99_ms']:.2f} ms, max {fig['max_ms']:.2f} ms (daemon side p50"
+        f" {fig['server_p50_ms']:.2f} ms, p99 {fig['server_p99_ms']:.2f} ms)"
+    )
+    if floor is not None:
+        fig["added_p50_ms"] = fig["p50_ms"] - floor
+        fig["added_p99_ms"] = fig["p99_ms"] - floor
+        text += (
+            f"; added over the floor p50 {fig['added_p50_ms']:.2f} ms,"
+            f" p99 {fig['added_p99_ms']:.2f} ms"
+        )
+    if fig.get("stages_p50_ms"):
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in fig["stages_p50_ms"].items())
+        text += f"\n    stages p50 (ms): {parts}"
+    return text

@@ -156,7 +156,10 @@ class DaemonClient:
         local_ids: IdLists,
         *,
         deadline_ms: int = 0,
+        wait_s: float = 0.0,
     ) -> scheduler_pb2.StartPullResponse:
+        """StartPull; with ``wait_s`` > 0, StartPull with ``wait`` (the answer is the terminal
+        status), given that long."""
         req = start_request(
             request_id=hold.request_id,
             peer_address=hold.peer_address,
@@ -165,10 +168,11 @@ class DaemonClient:
             transfer_id=transfer_id,
             deadline_ms=deadline_ms,
             skip_notify=False,
+            wait=wait_s > 0,
         )
         try:
             resp: scheduler_pb2.StartPullResponse = self.scheduler.StartPull(
-                req, timeout=CALL_TIMEOUT_S, metadata=self.metadata
+                req, timeout=wait_s or CALL_TIMEOUT_S, metadata=self.metadata
             )
         except grpc.RpcError as exc:
             raise rpc_failure(f"{self.name} StartPull", exc) from None

@@ -40,7 +40,7 @@ def say(text: str) -> None:
 
 @dataclass(frozen=True)
 class PullOutcome:
-    seconds: float  # StartPull call -> terminal status on the stream
+    seconds: float  # StartPull call -> terminal status (on the stream, or StartPull's answer)
     status: scheduler_pb2.TransferStatus
 
     @property
@@ -55,7 +55,8 @@ class PullOutcome:
 
 
 class DaemonPuller:
-    """Hold on the prefill engine, StartPull on the decode daemon, wait on one stream."""
+    """Hold on the prefill engine, StartPull on the decode daemon, wait on one stream (or, with
+    ``wait``, for StartPull's answer: the terminal status in one round trip)."""
 
     def __init__(self, prefill: DaemonClient, decode: DaemonClient) -> None:
         self.prefill = prefill
@@ -69,19 +70,26 @@ class DaemonPuller:
         self.watcher.close()
         self.releases.close()
 
-    def pull(self, local: Int64Array, remote: Int64Array) -> PullOutcome:
+    def pull(self, local: Int64Array, remote: Int64Array, *, wait: bool = False) -> PullOutcome:
         self._n += 1
         rid = f"bench-{self.tag}-{self._n}"
         hold = self.prefill.hold(rid, [remote])
-        pending = self.watcher.expect(f"{rid}-pull")
-        t0 = time.perf_counter()
-        resp = self.decode.start_pull(
-            pending.transfer_id, hold, [local], deadline_ms=PULL_DEADLINE_MS
-        )
-        if resp.status.state in TERMINAL:
-            self.watcher.resolve(pending, resp.status, "StartPull")
-        st = self.watcher.wait(pending, WAIT_TIMEOUT_S)
-        seconds = pending.terminal_at - t0
+        if wait:
+            t0 = time.perf_counter()
+            st = self.decode.start_pull(
+                f"{rid}-pull", hold, [local], deadline_ms=PULL_DEADLINE_MS, wait_s=WAIT_TIMEOUT_S
+            ).status
+            seconds = time.perf_counter() - t0
+        else:
+            pending = self.watcher.expect(f"{rid}-pull")
+            t0 = time.perf_counter()
+            resp = self.decode.start_pull(
+                pending.transfer_id, hold, [local], deadline_ms=PULL_DEADLINE_MS
+            )
+            if resp.status.state in TERMINAL:
+                self.watcher.resolve(pending, resp.status, "StartPull")
+            st = self.watcher.wait(pending, WAIT_TIMEOUT_S)
+            seconds = pending.terminal_at - t0
         if st.state != scheduler_pb2.TRANSFER_STATE_DONE:
             why = st.error.message if st.HasField("error") else "no error detail"
             raise BenchFailure(f"pull {rid} ended {state_name(st.state)}: {why}")

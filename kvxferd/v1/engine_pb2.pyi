@@ -92,6 +92,7 @@ class MemoryHandle(google.protobuf.message.Message):
     SHAPE_FIELD_NUMBER: builtins.int
     STRIDES_FIELD_NUMBER: builtins.int
     DTYPE_FIELD_NUMBER: builtins.int
+    DEVICE_UUID_FIELD_NUMBER: builtins.int
     region_name: builtins.str
     """KvRegion.name of the region."""
     cuda_ipc_handle: builtins.bytes
@@ -101,13 +102,21 @@ class MemoryHandle(google.protobuf.message.Message):
     offset: builtins.int
     """Bytes from the start of the shared allocation to block 0."""
     device_id: builtins.int
-    """CUDA device ordinal for VRAM; 0 for DRAM."""
+    """CUDA device ordinal for VRAM as the sender numbers it (see device_uuid); 0 for DRAM."""
     nbytes: builtins.int
     """Bytes the region spans from offset (KvRegion's size); the shared allocation must hold
     offset + nbytes.
     """
     dtype: kvxferd.v1.spec_pb2.KvDtype.ValueType
     """IMPORTED only: the engine tensor's element type, verified against the spec."""
+    device_uuid: builtins.str
+    """VRAM: the UUID of the GPU the memory is on ("GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx"),
+    as the sender's CUDA driver reports it. CUDA ordinals depend on each process's
+    CUDA_VISIBLE_DEVICES, so the receiver finds the GPU by this UUID and opens the handle on
+    its own ordinal of it; device_id is then only shown to the operator. Empty (a sender
+    from before this field): the receiver compares device_id with its own ordinal instead,
+    which holds only when both processes number the GPUs alike.
+    """
     @property
     def shape(self) -> google.protobuf.internal.containers.RepeatedScalarFieldContainer[builtins.int]:
         """IMPORTED only: the engine tensor's logical shape, verified against the spec."""
@@ -128,9 +137,10 @@ class MemoryHandle(google.protobuf.message.Message):
         shape: collections.abc.Iterable[builtins.int] | None = ...,
         strides: collections.abc.Iterable[builtins.int] | None = ...,
         dtype: kvxferd.v1.spec_pb2.KvDtype.ValueType = ...,
+        device_uuid: builtins.str = ...,
     ) -> None: ...
     def HasField(self, field_name: typing.Literal["cuda_ipc_handle", b"cuda_ipc_handle", "handle", b"handle", "shm_name", b"shm_name"]) -> builtins.bool: ...
-    def ClearField(self, field_name: typing.Literal["cuda_ipc_handle", b"cuda_ipc_handle", "device_id", b"device_id", "dtype", b"dtype", "handle", b"handle", "nbytes", b"nbytes", "offset", b"offset", "region_name", b"region_name", "shape", b"shape", "shm_name", b"shm_name", "strides", b"strides"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["cuda_ipc_handle", b"cuda_ipc_handle", "device_id", b"device_id", "device_uuid", b"device_uuid", "dtype", b"dtype", "handle", b"handle", "nbytes", b"nbytes", "offset", b"offset", "region_name", b"region_name", "shape", b"shape", "shm_name", b"shm_name", "strides", b"strides"]) -> None: ...
     def WhichOneof(self, oneof_group: typing.Literal["handle", b"handle"]) -> typing.Literal["cuda_ipc_handle", "shm_name"] | None: ...
 
 Global___MemoryHandle: typing_extensions.TypeAlias = MemoryHandle

@@ -217,6 +217,7 @@ class StartPullRequest(google.protobuf.message.Message):
     LOCAL_BLOCK_IDS_FIELD_NUMBER: builtins.int
     DEADLINE_MS_FIELD_NUMBER: builtins.int
     OPTIONS_FIELD_NUMBER: builtins.int
+    WAIT_FIELD_NUMBER: builtins.int
     transfer_id: builtins.str
     """Client-chosen ID for idempotent retries; empty lets the server assign one."""
     request_id: builtins.str
@@ -225,6 +226,16 @@ class StartPullRequest(google.protobuf.message.Message):
     """The peer's Peer service address, "host:port" (HoldResponse.peer_address)."""
     deadline_ms: builtins.int
     """Time allowed from acceptance to a terminal state, ms; 0 uses the configured default."""
+    wait: builtins.bool
+    """Answer only once the pull is terminal (DONE, FAILED, CANCELLED or EXPIRED): the response's
+    status is the terminal one, stages included, and a FAILED pull is an OK answer whose status
+    says why (as on WatchTransfers); errors of the request itself (bad block IDs, unknown peer,
+    shutting down) are still gRPC errors at once. The pull's deadline (deadline_ms) bounds the
+    wait: give the call a gRPC deadline above it. A caller that goes away (cancelled call,
+    connection lost, its own deadline) leaves the pull running: GetTransfer, WatchTransfers or
+    the same request again (created = false) find it. Not part of the request's identity: a
+    retry may set or clear it.
+    """
     @property
     def remote_block_ids(self) -> kvxferd.v1.common_pb2.GroupBlockIds:
         """The peer's logical block IDs per group (HoldResponse.remote_block_ids)."""
@@ -247,9 +258,10 @@ class StartPullRequest(google.protobuf.message.Message):
         local_block_ids: kvxferd.v1.common_pb2.GroupBlockIds | None = ...,
         deadline_ms: builtins.int = ...,
         options: Global___PullOptions | None = ...,
+        wait: builtins.bool = ...,
     ) -> None: ...
     def HasField(self, field_name: typing.Literal["local_block_ids", b"local_block_ids", "options", b"options", "remote_block_ids", b"remote_block_ids"]) -> builtins.bool: ...
-    def ClearField(self, field_name: typing.Literal["deadline_ms", b"deadline_ms", "local_block_ids", b"local_block_ids", "options", b"options", "peer_address", b"peer_address", "remote_block_ids", b"remote_block_ids", "request_id", b"request_id", "transfer_id", b"transfer_id"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["deadline_ms", b"deadline_ms", "local_block_ids", b"local_block_ids", "options", b"options", "peer_address", b"peer_address", "remote_block_ids", b"remote_block_ids", "request_id", b"request_id", "transfer_id", b"transfer_id", "wait", b"wait"]) -> None: ...
 
 Global___StartPullRequest: typing_extensions.TypeAlias = StartPullRequest
 
@@ -265,7 +277,7 @@ class StartPullResponse(google.protobuf.message.Message):
     """False when an identical request with the same transfer_id already existed."""
     @property
     def status(self) -> Global___TransferStatus:
-        """Its status (transfer_id set, usually PENDING)."""
+        """Its status (transfer_id set; CONFIRMING or later when just accepted; terminal with wait)."""
 
     def __init__(
         self,

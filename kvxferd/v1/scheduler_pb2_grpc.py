@@ -79,7 +79,9 @@ class SchedulerServicer(object):
 
     def StartPull(self, request, context):
         """Start pulling a held request's blocks from a peer into local blocks. Returns at once with the
-        transfer's initial status; progress is observed with WatchTransfers or GetTransfer.
+        transfer's initial status; progress is observed with WatchTransfers or GetTransfer. With
+        StartPullRequest.wait, returns only once the pull is terminal, with that status (one round
+        trip per pull instead of StartPull plus a WatchTransfers message per state).
         Idempotent on transfer_id: repeating an identical request returns the existing transfer
         (created = false); reusing the ID for a different request fails with ALREADY_EXISTS.
         """

@@ -186,7 +186,9 @@ class SchedulerStub(typing.Generic[_SchedulerStartPullType, _SchedulerWatchTrans
 
     StartPull: _SchedulerStartPullType
     """Start pulling a held request's blocks from a peer into local blocks. Returns at once with the
-    transfer's initial status; progress is observed with WatchTransfers or GetTransfer.
+    transfer's initial status; progress is observed with WatchTransfers or GetTransfer. With
+    StartPullRequest.wait, returns only once the pull is terminal, with that status (one round
+    trip per pull instead of StartPull plus a WatchTransfers message per state).
     Idempotent on transfer_id: repeating an identical request returns the existing transfer
     (created = false); reusing the ID for a different request fails with ALREADY_EXISTS.
     """
@@ -251,7 +253,9 @@ class SchedulerServicer(metaclass=abc.ABCMeta):
         context: _ServicerContext,
     ) -> typing.Union[kvxferd.v1.scheduler_pb2.StartPullResponse, collections.abc.Awaitable[kvxferd.v1.scheduler_pb2.StartPullResponse]]:
         """Start pulling a held request's blocks from a peer into local blocks. Returns at once with the
-        transfer's initial status; progress is observed with WatchTransfers or GetTransfer.
+        transfer's initial status; progress is observed with WatchTransfers or GetTransfer. With
+        StartPullRequest.wait, returns only once the pull is terminal, with that status (one round
+        trip per pull instead of StartPull plus a WatchTransfers message per state).
         Idempotent on transfer_id: repeating an identical request returns the existing transfer
         (created = false); reusing the ID for a different request fails with ALREADY_EXISTS.
         """

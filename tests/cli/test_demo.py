@@ -167,6 +167,12 @@ def test_bench_smoke(tmp_path: Path) -> None:
     assert rows[CONTIGUOUS]["floor"]["descriptors"] == 32  # what DIRECT posts
     lat = doc["latency"]
     assert lat["pulls"] == 3 and 0 < lat["p50_ms"] <= lat["p99_ms"]
+    waited = lat["wait"]  # the same pulls answered by StartPull with wait
+    assert len(waited["client_ms"]) == 3 and 0 < waited["p50_ms"] <= waited["p99_ms"]
+    assert waited["stages_p50_ms"]["transfer"] > 0 and "StartPull with wait" in proc.stdout
+    floor_ms = 32 * 16 * 65536 / (rows[FRAGMENTED]["floor"]["median_gbps"] * 1e9) * 1e3
+    assert lat["floor_ms"] == pytest.approx(floor_ms)
+    assert waited["added_p50_ms"] == pytest.approx(waited["p50_ms"] - floor_ms)
 
 
 # ---- without daemons ------------------------------------------------------------------------

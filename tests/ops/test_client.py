@@ -140,6 +140,56 @@ def test_async_client_pulls_and_cancels(pair: Daemons) -> None:
     asyncio.run(go())
 
 
+def test_pull_returns_the_terminal_status_in_one_call(pair: Daemons) -> None:
+    """``pull`` (StartPull with wait): DONE with the bytes in place, FAILED returned not raised,
+    a bad request raised at once; sync and async."""
+    held = _hold(pair, "client-pull", [9, 10, 11])
+    remote = [list(g.ids) for g in held.remote_block_ids.groups]
+    with (
+        SchedulerClient(pair["decode"].grpc) as decode,
+        SchedulerClient(pair["prefill"].grpc) as prefill,
+    ):
+        done = decode.pull(
+            request_id=held.request_id,
+            peer_address=held.peer_address,
+            remote_block_ids=remote,
+            local_block_ids=[[20, 21, 22]],
+        )
+        assert done.state is TransferState.DONE and done.terminal, done.error
+        assert done.stages and done.stages[0][0] == "decode"
+        assert decode.checksum(0, [20, 21, 22]) == prefill.checksum(0, [9, 10, 11])
+        with pytest.raises(KvxferdRpcError) as ei:
+            decode.pull(
+                request_id=held.request_id,
+                peer_address=held.peer_address,
+                remote_block_ids=remote,
+                local_block_ids=[[20, 21, 10_000]],
+            )
+        assert ei.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+    held = _hold(pair, "client-pull-async", [12, 13])
+
+    async def go() -> None:
+        async with AsyncSchedulerClient(pair["decode"].grpc) as decode:
+            status = await decode.pull(
+                request_id=held.request_id,
+                peer_address=held.peer_address,
+                remote_block_ids=[list(g.ids) for g in held.remote_block_ids.groups],
+                local_block_ids=[[23, 24]],
+            )
+            assert status.state is TransferState.DONE, status.error
+            failed = await decode.pull(
+                request_id="never-held-pull",
+                peer_address=held.peer_address,
+                remote_block_ids=[[1]],
+                local_block_ids=[[2]],
+            )
+            assert failed.state is TransferState.FAILED
+            assert failed.error is not None and failed.error.message
+
+    asyncio.run(go())
+
+
 class _Flaky(scheduler_pb2_grpc.SchedulerServicer):
     """GetTransfer fails UNAVAILABLE twice, then answers; StartPull always fails."""
 
