@@ -21,6 +21,7 @@ import enum
 import gc
 import logging
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -28,6 +29,7 @@ import torch
 
 from kvxferd.attach import ShmSegment, region_tensor, strided_tensor
 from kvxferd.errors import InvalidRequest, SpecError
+from kvxferd.ipc.host import device_uuid
 from kvxferd.layout.dtypes import KVDType
 from kvxferd.layout.spec import KVCacheSpec, MemoryType
 from kvxferd.logs import kv
@@ -53,10 +55,11 @@ class ImportHandle:
     shm_name: str = ""
     cuda_ipc_handle: bytes = b""
     offset: int = 0
-    device: int = 0
+    device: int = 0  # the engine's CUDA ordinal: shown to the operator (see device_uuid)
     shape: tuple[int, ...] = ()
     strides: tuple[int, ...] = ()
     dtype: KVDType | None = None
+    device_uuid: str = ""  # the GPU's UUID; "" from an engine that predates it
 
 
 @dataclass(frozen=True)
@@ -274,16 +277,10 @@ def _map_cuda(
             f"{where}: VRAM is imported through CUDA IPC, but the handle has none",
             fix="send MemoryHandle.cuda_ipc_handle",
         )
-    if h.device != int(device.partition(":")[2] or 0):
-        raise InvalidRequest(
-            f"{where}: the memory is on cuda:{h.device}, the daemon runs on {device}",
-            field="imports.device_id",
-            fix="run the daemon on the engine's GPU (pool.device) with the same"
-            " CUDA_VISIBLE_DEVICES numbering",
-        )
+    ordinal = import_ordinal(h, device, where)
     mapping = opened.get(h.cuda_ipc_handle)
     if mapping is None:
-        mapping = opened[h.cuda_ipc_handle] = IpcMapping(h.cuda_ipc_handle, h.device)
+        mapping = opened[h.cuda_ipc_handle] = IpcMapping(h.cuda_ipc_handle, ordinal)
         mappings.append(weakref.ref(mapping))
     size = mapping.size or (h.offset + nbytes)
     if h.offset + nbytes > size:
@@ -293,6 +290,38 @@ def _map_cuda(
             fix="check the handle's offset",
         )
     return mapping.tensor(h.offset, size - h.offset)
+
+
+def import_ordinal(
+    h: ImportHandle, device: str, where: str, uuid_of: Callable[[int], str | None] = device_uuid
+) -> int:
+    """This daemon's ordinal of ``pool.device`` (``device``), once it is the GPU the engine's
+    memory is on. GPUs are compared by UUID (``uuid_of``: this process's UUID of an ordinal),
+    since two processes with different CUDA_VISIBLE_DEVICES number the same GPU differently;
+    an engine that sends no UUID (older), or a driver that reports none, falls back to
+    comparing ordinals, which holds only when both number the GPUs alike."""
+    mine = int(device.partition(":")[2] or 0)
+    here = uuid_of(mine) if h.device_uuid else None
+    if here is not None:
+        if here.lower() != h.device_uuid.lower():
+            raise InvalidRequest(
+                f"{where}: the memory is on GPU {h.device_uuid} (the engine's cuda:{h.device}),"
+                f" the daemon runs on {device}, which is GPU {here}",
+                field="imports.device_uuid",
+                fix="set the daemon's pool.device to the engine's GPU as the daemon numbers it"
+                " (CUDA_VISIBLE_DEVICES may number GPUs differently in the two processes;"
+                " nvidia-smi -L lists each GPU's UUID)",
+            )
+        return mine
+    if h.device != mine:
+        raise InvalidRequest(
+            f"{where}: the memory is on cuda:{h.device}, the daemon runs on {device}",
+            field="imports.device_id",
+            fix="run the daemon on the engine's GPU (pool.device) with the same"
+            " CUDA_VISIBLE_DEVICES numbering, or update the engine's kvxferd so that it"
+            " sends the GPU's UUID (MemoryHandle.device_uuid)",
+        )
+    return mine
 
 
 def drop_memory(

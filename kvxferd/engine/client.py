@@ -17,6 +17,7 @@ from kvxferd.engine.errors import refused
 from kvxferd.engine.shared import find_shared, shared_tensors
 from kvxferd.engine.values import HoldTicket, PoolState, ReleaseEvent, pool_state
 from kvxferd.errors import EngineDetached, InvalidRequest
+from kvxferd.ipc.host import device_uuid
 from kvxferd.layout.dtypes import KVDType
 from kvxferd.layout.presets import preset as preset_spec
 from kvxferd.layout.spec import KVCacheSpec, MemoryType
@@ -149,6 +150,7 @@ class EngineClient:
             h.offset = ex.offset
             h.nbytes = ex.nbytes
             h.device_id = ex.device
+            h.device_uuid = device_uuid(ex.device) or ""  # the daemon finds the GPU by it
             return h
         seg, offset = find_shared(t, f"tensor of region {region!r}")
         shm.append(seg)

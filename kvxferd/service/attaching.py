@@ -72,6 +72,7 @@ def attach_request_from_proto(msg: engine_pb2.AttachRequest) -> AttachRequest:
                 cuda_ipc_handle=h.cuda_ipc_handle,
                 offset=h.offset,
                 device=h.device_id,
+                device_uuid=h.device_uuid,
                 shape=tuple(h.shape),
                 strides=tuple(h.strides),
                 dtype=dtype,

@@ -106,7 +106,8 @@ class Release:
 class Import:
     """One region of an IMPORTED attach: where its bytes are in the shared memory (DRAM:
     ``shm_name``) or in the engine's CUDA allocation (VRAM: ``cuda_ipc_handle`` of the
-    allocation on ``device_id``, ``offset`` bytes in)."""
+    allocation on ``device_id``, ``offset`` bytes in; ``device_uuid`` names that GPU for the
+    daemon, whose CUDA ordinals may differ)."""
 
     region: str
     shm_name: str
@@ -116,6 +117,7 @@ class Import:
     strides: tuple[int, ...]
     cuda_ipc_handle: bytes = b""
     device_id: int = 0
+    device_uuid: str = ""
 
 
 class EngineLink:
@@ -185,6 +187,7 @@ class EngineLink:
             if vram:
                 h.cuda_ipc_handle = imp.cuda_ipc_handle
                 h.device_id = imp.device_id
+                h.device_uuid = imp.device_uuid
             else:
                 h.shm_name = imp.shm_name
             req.imports.append(h)

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from kvxferd.errors import KvxferdError, SpecError
+from kvxferd.ipc.host import device_uuid
 from kvxferd.v1 import engine_pb2
 from kvxferd.vllm.daemon import EngineLink, Import, Release
 from kvxferd.vllm.kinds import DOC, see_doc
@@ -84,6 +85,7 @@ def cuda_imports(described: DescribedKv) -> list[Import]:
                 region_strides(r),
                 cuda_ipc_handle=ex.handle,
                 device_id=ex.device,
+                device_uuid=device_uuid(ex.device) or "",
             )
         )
     return out
