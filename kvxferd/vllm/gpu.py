@@ -101,6 +101,8 @@ def attach_cuda(
     backend: str = "",
     backend_cls: Any = None,
     cache_dtype: str = "auto",
+    tp_rank: int = 0,
+    tp_size: int = 1,
     prefix_caching: bool,
     wait_s: float,
     on_release: Callable[[Release], None],
@@ -118,7 +120,8 @@ def attach_cuda(
             kernel_block_sizes=kernel_block_sizes(kv_cache_config, kv_caches),
             backend=backend,
             backend_cls=backend_cls,
-            tp_size=1,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
             cache_dtype=cache_dtype,
         )
         if described.device.type != "cuda":
@@ -136,8 +139,8 @@ def attach_cuda(
         pool = link.attach(
             described.spec,
             imports,
-            tp_rank=0,
-            tp_size=1,
+            tp_rank=described.tp_rank,
+            tp_size=described.tp_size,
             prefix_caching=prefix_caching,
             on_release=on_release,
         )

@@ -15,6 +15,13 @@ passes them unchanged to the decode engine, whose connector pulls from them:
 ``remote_block_ids`` has one list per kvxferd group (vLLM's transfer groups, in order); each
 list holds the prompt's blocks from position ``remote_starts[g]`` on (a sliding-window group
 drops the out-of-window blocks before it). docs/vllm.md describes the fields.
+
+With tensor parallelism (TP ``P`` > 1) the prompt is held on every prefill rank's daemon and
+the ticket adds ``"peer_addresses"``: the ``P`` daemons' peer addresses in rank order
+(``peer_address`` repeats rank 0's). The TP ranks of one engine share one block table, so the
+request ID and block IDs are the same on every rank. Decode rank ``d`` pulls from
+``peer_addresses[d]``: the decode engine must run the same TP size (:func:`plan_pull` refuses
+another, with the reason).
 """
 
 from __future__ import annotations
@@ -41,21 +48,31 @@ class Ticket:
     remote_starts: tuple[int, ...]
     expires_unix_ns: int
     num_tokens: int
+    peer_addresses: tuple[str, ...] = ()  # TP > 1: every prefill rank's daemon, rank order
+
+    @property
+    def rank_addresses(self) -> tuple[str, ...]:
+        """The prefill daemon of each TP rank (one for TP 1)."""
+        return self.peer_addresses or (self.peer_address,)
+
+    @property
+    def tp_size(self) -> int:
+        """The prefill engine's TP size."""
+        return len(self.rank_addresses)
 
     def to_params(self) -> dict[str, Any]:
         """The request's ``kv_transfer_params`` for the decode side."""
-        return {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            KEY: {
-                "peer_address": self.peer_address,
-                "request_id": self.request_id,
-                "remote_block_ids": [list(g) for g in self.remote_block_ids],
-                "remote_starts": list(self.remote_starts),
-                "expires_unix_ns": self.expires_unix_ns,
-                "num_tokens": self.num_tokens,
-            },
+        body: dict[str, Any] = {
+            "peer_address": self.peer_address,
+            "request_id": self.request_id,
+            "remote_block_ids": [list(g) for g in self.remote_block_ids],
+            "remote_starts": list(self.remote_starts),
+            "expires_unix_ns": self.expires_unix_ns,
+            "num_tokens": self.num_tokens,
         }
+        if self.tp_size > 1:
+            body["peer_addresses"] = list(self.rank_addresses)
+        return {"do_remote_prefill": True, "do_remote_decode": False, KEY: body}
 
 
 def _bad(what: str, got: Any) -> InvalidRequest:
@@ -94,6 +111,15 @@ def ticket_from_params(params: Mapping[str, Any] | None) -> Ticket | None:
     if not isinstance(starts_raw, list) or len(starts_raw) != len(ids):
         raise _bad(f"remote_starts must list one position per group ({len(ids)})", starts_raw)
     starts = tuple(_int(s, "a start position") for s in starts_raw)
+    ranks = raw.get("peer_addresses", [addr])
+    if (
+        not isinstance(ranks, list)
+        or not ranks
+        or not all(isinstance(a, str) and ":" in a for a in ranks)
+    ):
+        raise _bad("peer_addresses must list one 'host:port' per prefill TP rank", ranks)
+    if ranks[0] != addr:
+        raise _bad(f"peer_addresses[0] must equal peer_address {addr!r} (rank 0)", ranks)
     return Ticket(
         addr,
         rid,
@@ -101,6 +127,7 @@ def ticket_from_params(params: Mapping[str, Any] | None) -> Ticket | None:
         starts,
         _int(raw.get("expires_unix_ns", 0), "expires_unix_ns"),
         _int(raw.get("num_tokens", 0), "num_tokens"),
+        tuple(ranks) if len(ranks) > 1 else (),
     )
 
 
@@ -215,12 +242,34 @@ class PullJob:
     """One pull the scheduler side planned for the worker side."""
 
     request_id: str
-    peer_address: str
+    peer_addresses: tuple[str, ...]  # the prefill daemon of each TP rank: rank d pulls [d]
     remote_request_id: str
     remote: tuple[tuple[int, ...], ...]
     local: tuple[tuple[int, ...], ...]
     unfillable: tuple[int, ...]
     notify_only: bool  # nothing to load (full local hit): only release the prefill's lease
+
+    def peer_for(self, tp_rank: int) -> str:
+        """The prefill daemon that decode rank ``tp_rank`` pulls from ("" when the job has
+        none for it: a refused plan)."""
+        return self.peer_addresses[tp_rank] if tp_rank < len(self.peer_addresses) else ""
+
+
+def check_tp(ticket: Ticket, tp_size: int) -> None:
+    """Refuse a ticket from a prefill engine of another TP size than this decode engine's.
+
+    kvxferd's daemons can slice KV heads between different TP sizes, but not vLLM's pages:
+    vLLM packs a head's K and V inside each (head, token) cell, so a head slice is not the
+    byte ranges kvxferd's head-major slicing moves (docs/vllm.md, "Tensor parallelism")."""
+    if ticket.tp_size != tp_size:
+        raise InvalidRequest(
+            f"the prefill engine runs tensor_parallel_size {ticket.tp_size}, this decode engine"
+            f" {tp_size}; the vLLM connector moves KV between engines of the same TP size only"
+            " (vLLM's pages pack each head's K and V per token, so a different TP size's head"
+            " slice is not a byte range kvxferd can move)",
+            field=f"kv_transfer_params.{KEY}.peer_addresses",
+            fix=f"run prefill and decode with the same tensor_parallel_size (see {DOC})",
+        )
 
 
 def plan_pull(
@@ -229,20 +278,24 @@ def plan_pull(
     tables: Sequence[Sequence[LocalBlock]],
     kinds: Sequence[GroupKind],
     num_external_tokens: int,
+    *,
+    tp_size: int = 1,
 ) -> tuple[PullJob, KvxferdError | None]:
-    """The pull of ``ticket``'s blocks into this request's ``tables`` (one per transfer group).
+    """The pull of ``ticket``'s blocks into this request's ``tables`` (one per transfer group),
+    by each of this engine's ``tp_size`` ranks from the prefill rank of the same index.
     When they cannot be paired, the job loads nothing and names every block that needed a
     load as unfillable (vLLM recomputes them), and the error says why."""
     notify_only = num_external_tokens == 0  # full local hit: only release the prefill's lease
     try:
+        check_tp(ticket, tp_size)
         lists = pull_lists(kinds, ticket, tables)
     except KvxferdError as err:
         bad = tuple(b.block_id for t in tables for b in t if b.needs_load)
-        job = PullJob(request_id, ticket.peer_address, ticket.request_id, (), (), bad, notify_only)
+        job = PullJob(request_id, (), ticket.request_id, (), (), bad, notify_only)
         return job, err
     job = PullJob(
         request_id,
-        ticket.peer_address,
+        ticket.rank_addresses,
         ticket.request_id,
         lists.remote,
         lists.local,

@@ -64,6 +64,8 @@ class VllmKvSpec:
     vllm_group_ids: tuple[int, ...]  # vLLM group index of each kvxferd group
     buffer_size: int  # bytes of vLLM's backing allocation
     page_format: str  # what the fingerprint says about vLLM's page interior
+    tp_rank: int = 0  # this worker's TP position (the Attach's tp_rank / tp_size)
+    tp_size: int = 1
 
     def placement(self, region: str) -> RegionPlacement:
         for p in self.placements:
@@ -193,6 +195,7 @@ def translate(
     tp_size: int = 1,
     memory: MemoryType = MemoryType.DRAM,
     cache_dtype: str = "auto",
+    tp_rank: int = 0,
 ) -> VllmKvSpec:
     """Translate vLLM's ``kv_cache_config`` (read by attribute) into a kvxferd spec.
 
@@ -201,7 +204,17 @@ def translate(
     runner chose them (default: the groups' block sizes); ``backend``: the attention backend's
     name, part of the page format in the fingerprint; ``cache_dtype``: vLLM's
     ``cache_config.cache_dtype`` (``fp8``, ``fp8_e4m3`` and ``fp8_e5m2`` caches are
-    ``torch.uint8`` in the spec; this names their element format)."""
+    ``torch.uint8`` in the spec; this names their element format).
+
+    ``tp_rank`` / ``tp_size``: this worker's TP position. vLLM's spec already holds the
+    per-rank KV heads (an MLA latent is whole on every rank), so the regions do not depend on
+    the rank; the TP size is part of the page format in the fingerprint (peers of another TP
+    size are refused at the handshake) and the position goes with the spec to the Attach."""
+    if tp_size < 1 or not 0 <= tp_rank < tp_size:
+        raise SpecError(
+            f"TP rank {tp_rank} is not in [0, tp_size={tp_size})",
+            fix=f"pass the worker's tensor-parallel rank and size (see {DOC})",
+        )
     lay = layout_name(layout if layout is not None else kv_cache_config.kv_cache_layout)
     page, _ = page_layout(lay)
     groups = list(kv_cache_config.kv_cache_groups)
@@ -276,7 +289,15 @@ def translate(
     page_format = f"vllm-kv layout={lay} backend={backend or 'unknown'} tp={tp_size}"
     spec = KVCacheSpec(f"{model} [{page_format}]", tuple(kv_groups), tuple(regions))
     spec = spec.with_memory(memory)
-    return VllmKvSpec(spec, tuple(placements), tuple(transfer), next(iter(sizes)), page_format)
+    return VllmKvSpec(
+        spec,
+        tuple(placements),
+        tuple(transfer),
+        next(iter(sizes)),
+        page_format,
+        tp_rank,
+        tp_size,
+    )
 
 
 def region_strides(region: Region) -> tuple[int, ...]:

@@ -42,6 +42,8 @@ class DescribedKv:
     tensors: dict[str, torch.Tensor]
     page_format: str
     device: torch.device
+    tp_rank: int = 0  # the worker's TP position (the Attach's tp_rank / tp_size)
+    tp_size: int = 1
 
 
 def describe(
@@ -56,12 +58,20 @@ def describe(
     tp_size: int = 1,
     memory: MemoryType = MemoryType.VRAM,
     cache_dtype: str = "auto",
+    tp_rank: int = 0,
 ) -> DescribedKv:
     """Describe ``kv_caches`` (vLLM's ``register_kv_caches`` argument) as a kvxferd spec.
 
     ``backend_cls``: the attention backend class, when known: its ``get_kv_cache_shape`` and
     ``get_kv_cache_stride_order`` confirm which dim of a backend tensor is which;
-    ``cache_dtype``: vLLM's ``cache_config.cache_dtype`` (the fp8 format of a uint8 cache)."""
+    ``cache_dtype``: vLLM's ``cache_config.cache_dtype`` (the fp8 format of a uint8 cache);
+    ``tp_rank`` / ``tp_size``: the worker's TP position (as :func:`~kvxferd.vllm.spec.translate`
+    says, the regions hold the rank's own heads, the TP size goes into the page format)."""
+    if tp_size < 1 or not 0 <= tp_rank < tp_size:
+        raise SpecError(
+            f"TP rank {tp_rank} is not in [0, tp_size={tp_size})",
+            fix=f"pass the worker's tensor-parallel rank and size (see {DOC})",
+        )
     _, _, by_layer = groups_of(kv_cache_config, kernel_block_sizes)
     layers = list(by_layer)
     missing = [n for n in by_layer if n not in kv_caches]
@@ -81,7 +91,7 @@ def describe(
         out = _from_views(kv_cache_config, kv_caches, o)
     else:
         out = _from_backend(kv_cache_config, kv_caches, o)
-    return DescribedKv(out[0], out[1], out[2], next(iter(devices)))
+    return DescribedKv(out[0], out[1], out[2], next(iter(devices)), tp_rank, tp_size)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from kvxferd.vllm.params import (
     LocalBlock,
     Ticket,
     blocks_to_hold,
+    plan_pull,
     pull_lists,
     ticket_from_params,
 )
@@ -62,6 +63,60 @@ def test_malformed_ticket_names_the_field(field: str, value: object, match: str)
     with pytest.raises(InvalidRequest, match=match) as ei:
         ticket_from_params(params)
     assert "docs/vllm.md" in str(ei.value)
+
+
+def _tp2_ticket(ids: list[list[int]]) -> Ticket:
+    addrs = ("10.0.0.5:5000", "10.0.0.5:5001")
+    return Ticket(addrs[0], "req-1", tuple(tuple(g) for g in ids), (0,) * len(ids), 1, 64, addrs)
+
+
+def test_a_tp2_ticket_names_every_prefill_ranks_daemon_and_round_trips() -> None:
+    t = _tp2_ticket([[4, 5]])
+    params = t.to_params()
+    assert params["kvxferd"]["peer_addresses"] == ["10.0.0.5:5000", "10.0.0.5:5001"]
+    assert params["kvxferd"]["peer_address"] == "10.0.0.5:5000"  # rank 0, as for TP 1
+    assert ticket_from_params(params) == t and t.tp_size == 2
+    one = _ticket([[4]])
+    assert "peer_addresses" not in one.to_params()["kvxferd"]
+    assert one.tp_size == 1 and one.rank_addresses == ("127.0.0.1:5000",)
+
+
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [
+        ([], "one 'host:port' per prefill TP rank"),
+        (["10.0.0.5:5000", "nowhere"], "one 'host:port' per prefill TP rank"),
+        ("10.0.0.5:5000", "one 'host:port' per prefill TP rank"),
+        (["10.0.0.9:5000", "10.0.0.5:5001"], "must equal peer_address"),
+    ],
+)
+def test_malformed_peer_addresses_are_refused(value: object, match: str) -> None:
+    params = _tp2_ticket([[1]]).to_params()
+    params["kvxferd"]["peer_addresses"] = value
+    with pytest.raises(InvalidRequest, match=match):
+        ticket_from_params(params)
+
+
+def test_each_decode_rank_pulls_from_the_prefill_rank_of_its_index() -> None:
+    job, err = plan_pull("r", _tp2_ticket([[4, 5]]), [_table([40, 41], 0)], [FA], 64, tp_size=2)
+    assert err is None
+    assert (job.peer_for(0), job.peer_for(1)) == ("10.0.0.5:5000", "10.0.0.5:5001")
+    assert job.remote == ((4, 5),) and job.local == ((40, 41),)  # one block table for all ranks
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2), (2, 4)])
+def test_different_tp_sizes_are_refused_and_every_needed_block_is_a_load_error(
+    prefill_tp: int, decode_tp: int
+) -> None:
+    addrs = tuple(f"10.0.0.5:{5000 + r}" for r in range(prefill_tp))
+    ticket = Ticket(addrs[0], "req-1", ((4, 5),), (0,), 1, 64, addrs if prefill_tp > 1 else ())
+    job, err = plan_pull("r", ticket, [_table([40, 41], 1)], [FA], 32, tp_size=decode_tp)
+    assert err is not None
+    text = str(err)
+    assert f"tensor_parallel_size {prefill_tp}, this decode engine {decode_tp}" in text
+    assert "same tensor_parallel_size" in text and "docs/vllm.md" in text
+    assert job.remote == () and job.unfillable == (41,)  # recomputed (or failed) by vLLM
+    assert job.peer_for(0) == ""  # no rank pulls
 
 
 def test_blocks_to_hold_clip_to_the_prompt_and_drop_null_placeholders() -> None:
@@ -142,6 +197,7 @@ def test_kvxferd_imports_without_vllm() -> None:
         "import sys; sys.modules['vllm'] = None\n"
         "import kvxferd.vllm, kvxferd.vllm.spec, kvxferd.vllm.params, kvxferd.vllm.daemon\n"
         "import kvxferd.vllm.memory, kvxferd.vllm.tiny_model, kvxferd.commands.demo_vllm\n"
+        "import kvxferd.vllm.worker, kvxferd.vllm.holds, kvxferd.vllm.host\n"
         "import kvxferd.cli\n"
         "try:\n"
         "    import kvxferd.vllm.connector\n"

@@ -1,0 +1,160 @@
+"""The worker side's pulls and releases for one TP rank (no vLLM import).
+
+Every worker rank of a vLLM engine runs its own connector beside its own kvxferd daemon and
+gets the same per-step metadata from the scheduler. :class:`RankWorker` is what one rank keeps:
+
+* ``start``: for each planned :class:`~kvxferd.vllm.params.PullJob`, one pull on this rank's
+  daemon from the prefill daemon of the same rank (``job.peer_for(tp_rank)``);
+* ``finished``: what vLLM's ``get_finished`` returns for this rank: the decode requests whose
+  pull on this rank ended (DONE or not: a failed pull's blocks are in ``load_errors``), and the
+  prefill requests whose hold this rank's daemon released (or that the scheduler could not
+  hold on this rank, :meth:`release_unheld`). vLLM counts a request finished once every worker
+  reported it (``KVOutputAggregator``), so each rank reports only its own share;
+* ``load_errors``: the local blocks of this rank's failed pulls (vLLM unions every rank's, so
+  one rank's failure makes vLLM's ``kv_load_failure_policy`` apply to the request).
+
+The connector (:mod:`kvxferd.vllm.connector`) calls these from vLLM's hooks; tests drive them
+directly against real daemons (tests/vllm/test_vllm_tp.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable
+
+from kvxferd.vllm.daemon import PullLink, PullResult, Release
+from kvxferd.vllm.params import PullJob
+
+# vLLM's logger tree: inside vLLM these lines go through its handler, format and level.
+log = logging.getLogger("vllm.kvxferd")
+
+SEEN_MAX = 65536
+
+
+class RankWorker:
+    """One worker rank's pulls, releases and load errors (see the module doc)."""
+
+    def __init__(self, engine_id: str, tp_rank: int = 0, *, deadline_ms: int = 0) -> None:
+        self.engine_id = engine_id
+        self.tp_rank = tp_rank
+        self.deadline_ms = deadline_ms
+        self.pull: PullLink | None = None  # set once the KV cache is attached
+        self._lock = threading.Lock()
+        self._started: set[str] = set()
+        self._notify_only: set[str] = set()
+        self._done_recv: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._released: set[str] = set()
+        self._finished_seen: OrderedDict[str, None] = OrderedDict()
+
+    def transfer_id(self, request_id: str) -> str:
+        return f"vllm-{self.engine_id}-r{self.tp_rank}-{request_id}"
+
+    def start(self, jobs: Iterable[PullJob]) -> None:
+        """Start this rank's pull of every job not started yet."""
+        for job in jobs:
+            with self._lock:
+                if job.request_id in self._started:
+                    continue
+                self._started.add(job.request_id)
+                self._load_errors.update(job.unfillable)
+                if job.notify_only:
+                    self._notify_only.add(job.request_id)
+            peer = job.peer_for(self.tp_rank)
+            if self.pull is None or not job.remote or not peer:
+                if self.pull is None:
+                    why = "the KV cache is not attached to a daemon"
+                elif not job.remote:
+                    why = "the ticket does not fit this engine's KV cache groups"
+                else:
+                    why = f"the ticket names no prefill daemon for TP rank {self.tp_rank}"
+                self.pull_done(
+                    PullResult(job.request_id, "", "REFUSED", error=why, local=job.local),
+                    job.request_id,
+                )
+                continue
+            self.pull.start(
+                self.transfer_id(job.request_id),
+                job.remote_request_id,
+                peer,
+                job.remote,
+                job.local,
+                deadline_ms=self.deadline_ms,
+                on_done=functools.partial(self.pull_done, request_id=job.request_id),
+            )
+
+    def pull_done(self, result: PullResult, request_id: str | None = None) -> None:
+        """A pull of this rank ended (on the pull's thread, or at once when refused)."""
+        rid = request_id or result.request_id
+        with self._lock:
+            if result.state != "DONE":
+                failed = result.invalid_local or tuple(b for g in result.local for b in g)
+                self._load_errors.update(failed)
+                log.error(
+                    "kvxferd: TP rank %d: pulling the KV cache of request %s from %s ended %s;"
+                    " %d blocks will follow vLLM's kv_load_failure_policy: %s",
+                    self.tp_rank,
+                    rid,
+                    result.transfer_id or "(not started)",
+                    result.state,
+                    len(failed),
+                    result.error or "(no error detail)",
+                )
+            if rid in self._notify_only:
+                self._notify_only.discard(rid)
+                self._started.discard(rid)
+            else:
+                self._done_recv.add(rid)
+
+    def on_release(self, rel: Release) -> None:
+        """This rank's daemon released a held prefill (on the engine session's thread)."""
+        if rel.reason != "DONE":
+            log.warning(
+                "kvxferd: TP rank %d: the daemon released held request %s (%s) before a reader"
+                " finished; its blocks are freed",
+                self.tp_rank,
+                rel.request_id,
+                rel.reason,
+            )
+        with self._lock:
+            self._released.add(rel.request_id)
+
+    def release_unheld(self, request_ids: Iterable[str]) -> None:
+        """Prefill requests the scheduler could not hold on this rank: nothing will be
+        released here, so report them sent (vLLM waits for every rank before it frees)."""
+        with self._lock:
+            self._released.update(request_ids)
+
+    def finished(self, finished_req_ids: Iterable[str]) -> tuple[set[str], set[str]]:
+        """``(sending, recving)`` for vLLM's ``get_finished``: prefills released on this rank
+        (once vLLM said they finished), decode pulls of this rank that ended."""
+        with self._lock:
+            for rid in finished_req_ids:
+                self._finished_seen[rid] = None
+            while len(self._finished_seen) > SEEN_MAX:
+                self._finished_seen.popitem(last=False)
+            sending = {r for r in self._released if r in self._finished_seen}
+            self._released -= sending
+            for r in sending:
+                del self._finished_seen[r]
+            recving = set(self._done_recv)
+            self._done_recv.clear()
+            self._started -= recving
+        return sending, recving
+
+    def load_errors(self) -> set[int]:
+        """The local blocks this rank could not load since the last call."""
+        with self._lock:
+            out = set(self._load_errors)
+            self._load_errors.clear()
+        return out
+
+    def close(self) -> None:
+        if self.pull is not None:
+            self.pull.close()
+
+
+__all__ = ["RankWorker"]
