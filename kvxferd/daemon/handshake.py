@@ -10,7 +10,7 @@ refusal. Both sides of ``Peer.Handshake`` use them: the reader's directory
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -25,6 +25,7 @@ from kvxferd.logs import kv
 from kvxferd.peers import PeerInfo, compat_digest, require_compatible
 from kvxferd.peers.version import PROTOCOL_VERSION
 from kvxferd.staging.chunks import RingInfo
+from kvxferd.staging.facts import PairFacts
 from kvxferd.v1 import peer_pb2, spec_pb2
 from kvxferd.wire.codec import mode_from_proto, mode_to_proto, spec_from_proto, spec_to_proto
 
@@ -100,6 +101,8 @@ class RemoteDescription:
     ipc: IpcPool | None = None
     local_socket: str = ""
     kernel_only: str = ""  # why its pool is read with KERNEL only (not registered with NIXL)
+    # What decide() derives from this generation and our pool, computed on its first pull.
+    facts: PairFacts = field(default_factory=PairFacts, compare=False, repr=False)
 
     @property
     def key(self) -> tuple[str, str, int]:

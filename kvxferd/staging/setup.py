@@ -28,6 +28,7 @@ from kvxferd.ipc.transport import refusal
 from kvxferd.layout.spec import KVCacheSpec, MemoryType
 from kvxferd.pool import KVPool
 from kvxferd.staging.chunks import Chunk, RingInfo, split_chunks
+from kvxferd.staging.facts import pair_facts
 from kvxferd.staging.owner import StagingOwner
 from kvxferd.staging.reader import StagedReader
 from kvxferd.staging.ring import StagingRing
@@ -37,8 +38,6 @@ from kvxferd.staging.strategy import (
     Mode,
     Strategy,
     choose,
-    group_row_bytes,
-    staged_ineligible,
     whole_blocks_bytes,
 )
 from kvxferd.transfer.engine import TransferEngine
@@ -164,7 +163,9 @@ def decide(
         if link is not None
         else "not considered"
     )
-    why, rows = _pair_facts(
+    # Per peer generation (kvxferd.staging.facts): computed once, dropped with the generation.
+    facts = link.remote.facts.get if link is not None and link.remote is not None else pair_facts
+    why, rows = facts(
         staging.info,
         remote_ring,
         local,
@@ -215,46 +216,6 @@ def decide(
     if choice.strategy is not Strategy.STAGED or part.nbytes == 0:
         return Decision(choice)
     return Decision(choice, tuple(chunks))
-
-
-# What decide() needs that depends only on the two specs, TP sizes, rings and peer: STAGED
-# eligibility and the group row bytes, prepared once per such combination. Keyed on the specs'
-# ids, each entry holding its specs (an id is reused only once its object is freed, and these
-# are held; the ``is`` check guards the rest); first in, first out beyond _MAX_PAIRS.
-_Facts = tuple[KVCacheSpec, KVCacheSpec, str | None, tuple[int, ...]]
-_PAIRS: dict[tuple[object, ...], _Facts] = {}
-_MAX_PAIRS = 64
-
-
-def _pair_facts(
-    local_ring: RingInfo | None,
-    remote_ring: RingInfo | None,
-    local: KVCacheSpec,
-    remote: KVCacheSpec,
-    *,
-    local_tp_size: int,
-    remote_tp_size: int,
-    peer: str,
-) -> tuple[str | None, tuple[int, ...]]:
-    """``staged_ineligible(...)`` and ``group_row_bytes(local)``, cached."""
-    key = (id(local), id(remote), local_tp_size, remote_tp_size, local_ring, remote_ring, peer)
-    hit = _PAIRS.get(key)
-    if hit is not None and hit[0] is local and hit[1] is remote:
-        return hit[2], hit[3]
-    why = staged_ineligible(
-        local,
-        remote,
-        local_tp_size=local_tp_size,
-        remote_tp_size=remote_tp_size,
-        local_ring=local_ring,
-        remote_ring=remote_ring,
-        peer=peer,
-    )
-    rows = tuple(group_row_bytes(local))
-    while len(_PAIRS) >= _MAX_PAIRS:
-        _PAIRS.pop(next(iter(_PAIRS)), None)
-    _PAIRS[key] = (local, remote, why, rows)
-    return why, rows
 
 
 def _kernel_why(

@@ -4,7 +4,7 @@ speed unless transfer.allow_slow_transport."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
@@ -18,6 +18,7 @@ from kvxferd.ipc.transport import TransportReport, classify
 from kvxferd.layout.presets import preset
 from kvxferd.layout.spec import KVCacheSpec, MemoryType
 from kvxferd.pool import KVPool
+from kvxferd.staging.facts import PairFacts
 from kvxferd.staging.setup import IpcSide, Staging, decide
 from kvxferd.staging.strategy import CostModel, Mode, Strategy
 from tests.ipc.fakes import FakeHost, export_pool, ordinal_of
@@ -45,6 +46,7 @@ class _Remote:
     instance_id: str = "i1"
     generation: int = 1
     kernel_only: str = ""
+    facts: PairFacts = field(default_factory=PairFacts)
 
     @property
     def key(self) -> tuple[str, str, int]:

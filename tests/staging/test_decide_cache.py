@@ -1,18 +1,25 @@
-"""decide() prepares what depends only on the two specs, TP sizes, rings and peer once: the
-cached answer is the direct one, never another spec's (ids are not trusted alone), and the
-cache stays bounded."""
+"""decide() derives what depends only on the two pools, TP sizes, rings and peer (STAGED
+eligibility, the group row bytes) once per peer generation: the facts live on the generation's
+RemoteDescription, equal the direct computation, are computed afresh for a new generation (a
+restarted peer never meets its predecessor's facts) and are freed with the generation."""
 
 from __future__ import annotations
 
 import gc
+import weakref
+
+import numpy as np
 
 from kvxferd.blocks import plan_pull
+from kvxferd.daemon.handshake import RemoteDescription
+from kvxferd.daemon.peers import PeerLink
 from kvxferd.layout import preset
 from kvxferd.layout.spec import KVCacheSpec, MemoryType
-from kvxferd.staging import setup
+from kvxferd.peers import PeerInfo
 from kvxferd.staging.chunks import RingInfo
+from kvxferd.staging.facts import PairFacts, pair_facts
 from kvxferd.staging.ring import StagingRing
-from kvxferd.staging.setup import Staging, decide
+from kvxferd.staging.setup import Decision, Staging, decide
 from kvxferd.staging.strategy import (
     CostModel,
     Mode,
@@ -39,57 +46,106 @@ def _direct(
     return why, tuple(group_row_bytes(local))
 
 
-def _cached(
-    local: KVCacheSpec, remote: KVCacheSpec, ring: RingInfo | None, peer: str = "p:1"
+def _get(
+    facts: PairFacts,
+    local: KVCacheSpec,
+    remote: KVCacheSpec,
+    ring: RingInfo | None,
+    peer: str = "p:1",
 ) -> tuple[str | None, tuple[int, ...]]:
-    return setup._pair_facts(
-        ring, ring, local, remote, local_tp_size=1, remote_tp_size=1, peer=peer
-    )
+    return facts.get(ring, ring, local, remote, local_tp_size=1, remote_tp_size=1, peer=peer)
 
 
-def test_cached_facts_equal_the_direct_ones_for_every_pair() -> None:
+def test_facts_equal_the_direct_ones_for_every_pair() -> None:
     ring = RingInfo(0, 1 << 20, 4, 0)
     small = RingInfo(0, 1024, 4, 0)
     specs = [preset(DENSE), preset(DENSE + ",layout=HND"), preset("hybrid"), preset("fp8")]
-    for _ in range(2):  # second round: from the cache
-        for a in specs:
-            for b in specs:
-                for r in (ring, small, None):
-                    for peer in ("p:1", "p:2"):
-                        assert _cached(a, b, r, peer) == _direct(a, b, r, peer)
+    facts = PairFacts()
+    for a in specs:
+        for b in specs:
+            for r in (ring, small, None):
+                for peer in ("p:1", "p:2"):
+                    want = _direct(a, b, r, peer)
+                    assert _get(facts, a, b, r, peer) == want  # computed
+                    assert _get(facts, a, b, r, peer) == want  # kept
+                    direct = pair_facts(r, r, a, b, local_tp_size=1, remote_tp_size=1, peer=peer)
+                    assert direct == want
 
 
-def test_an_entry_is_used_only_for_its_own_spec_objects() -> None:
+def test_facts_are_kept_only_for_the_same_objects() -> None:
     ring = RingInfo(0, 1 << 20, 4, 0)
     a, hnd = preset(DENSE), preset(DENSE + ",layout=HND")
-    assert _cached(a, a, ring)[0] is None
-    # Forge the hazard: an entry under another spec's id (as if the id had been reused).
-    key = (id(hnd), id(a), 1, 1, ring, ring, "p:1")
-    setup._PAIRS[key] = (a, a, None, (123,))
-    try:
-        assert _cached(hnd, a, ring) == _direct(hnd, a, ring)
-        assert _cached(hnd, a, ring)[0] is not None  # HND vs NHD: not STAGED
-    finally:
-        setup._PAIRS.pop(key, None)
+    facts = PairFacts()
+    assert _get(facts, a, a, ring)[0] is None
+    assert _get(facts, a, a, ring)[0] is None and facts.computed == 1
+    assert _get(facts, hnd, a, ring) == _direct(hnd, a, ring)  # HND vs NHD: not STAGED
+    assert _get(facts, hnd, a, ring)[0] is not None and facts.computed == 2
+    again = preset(DENSE)  # equal to a, another object: computed, not assumed
+    assert _get(facts, again, again, RingInfo(0, 1 << 20, 4, 0)) == _direct(a, a, ring)
+    assert facts.computed == 3
 
 
-def test_cache_is_bounded_and_holds_its_specs() -> None:
-    ring = RingInfo(0, 1 << 20, 4, 0)
-    for n in range(setup._MAX_PAIRS + 10):
-        s = preset(f"{DENSE},num_layers={1 + n % 7}")
-        assert _cached(s, s, ring) == _direct(s, s, ring)
-        assert len(setup._PAIRS) <= setup._MAX_PAIRS
+def _generation(spec: KVCacheSpec, ring: RingInfo | None, instance: str) -> RemoteDescription:
+    return RemoteDescription(
+        info=PeerInfo(spec=spec, tp_rank=0, tp_size=1, prefix_caching=False),
+        agent_name=f"owner-{instance}",
+        agent_metadata=b"",
+        regions=np.zeros((len(spec.regions), 3), dtype=np.int64),
+        generation=1,
+        daemon_id="d",
+        instance_id=instance,
+        address="p:1",
+        staging=ring,
+    )
+
+
+def _pull(staging: Staging, spec: KVCacheSpec, link: PeerLink) -> Decision:
+    assert link.remote is not None
+    plan = plan_pull(spec, spec, [list(range(4))], [list(range(8, 12))], prefix_caching=False)
+    return decide(
+        staging,
+        local=spec,
+        remote=link.remote.info.spec,
+        local_tp_size=1,
+        remote_tp_size=link.remote.info.tp_size,
+        remote_ring=link.remote.staging,
+        plan=plan,
+        part=plan.per_rank[0],
+        peer=link.address,
+        link=link,
+    )
+
+
+def test_a_new_peer_generation_gets_fresh_facts() -> None:
+    spec = preset(DENSE)
+    ring = StagingRing.allocate(group_row_bytes(spec)[0] * 8, 2, "cpu")
+    staging = Staging(Mode.STAGED, CostModel.defaults(MemoryType.DRAM), ring=ring)
+    link = PeerLink("p:1", client=None)  # type: ignore[arg-type]  # decide() reads no client
+    first = link.remote = _generation(spec, RingInfo(0, 1 << 20, 4, 0), "i1")
+    for _ in range(3):
+        assert _pull(staging, spec, link).choice.strategy is Strategy.STAGED
+    assert first.facts.computed == 1  # once for the generation, not per pull
+    # The peer restarts without a staging ring, with the same spec text: a new generation.
+    second = link.remote = _generation(preset(DENSE), None, "i2")
+    assert second.facts.computed == 0
+    d = _pull(staging, spec, link)
+    assert d.choice.strategy is Strategy.DIRECT and "p:1 advertises no staging ring" in (
+        d.choice.reason
+    )
+    assert second.facts.computed == 1 and first.facts.computed == 1
+    # Freed with the generation: nothing module-wide holds the first one's facts.
+    gone = weakref.ref(first.facts)
+    del first
     gc.collect()
-    for (lid, rid, *_), (local, remote, *_) in setup._PAIRS.items():
-        assert (lid, rid) == (id(local), id(remote))
+    assert gone() is None
 
 
-def test_decide_uses_the_current_specs_and_rings() -> None:
+def test_decide_without_a_link_uses_the_current_specs_and_rings() -> None:
     four, two = preset(DENSE), preset(DENSE + ",num_layers=2")
     ring = StagingRing.allocate(group_row_bytes(four)[0] * 8, 2, "cpu")
     staging = Staging(Mode.STAGED, CostModel.defaults(MemoryType.DRAM), ring=ring)
 
-    def run(spec: KVCacheSpec, remote_ring: RingInfo | None) -> setup.Decision:
+    def run(spec: KVCacheSpec, remote_ring: RingInfo | None) -> Decision:
         plan = plan_pull(spec, spec, [list(range(4))], [list(range(8, 12))], prefix_caching=False)
         return decide(
             staging,
