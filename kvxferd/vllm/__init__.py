@@ -10,6 +10,10 @@ parts work without it:
 * :mod:`kvxferd.vllm.memory`: the KV allocation in shared memory the daemon imports (CPU);
 * :mod:`kvxferd.vllm.tensors` and :mod:`kvxferd.vllm.gpu`: on a GPU, vLLM's own CUDA KV tensors
   described as a spec, exported over CUDA IPC and attached IMPORTED VRAM (KERNEL pulls);
+* :mod:`kvxferd.vllm.host`: on the CPU, that allocation attached IMPORTED host memory at the
+  worker's TP position;
+* :mod:`kvxferd.vllm.worker` and :mod:`kvxferd.vllm.holds`: one worker rank's pulls and
+  reports, and the scheduler's holds on every TP rank's daemon (one daemon per rank);
 * :mod:`kvxferd.vllm.daemon`: the Engine and Scheduler calls to the local daemon;
 * :mod:`kvxferd.vllm.engine_proc` and :mod:`kvxferd.vllm.tiny_model`: what
   ``kvxferd demo --engine vllm`` runs.

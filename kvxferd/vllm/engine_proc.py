@@ -55,6 +55,13 @@ def main() -> int:
     ap.add_argument("--num-blocks", type=int, default=256)
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor_parallel_size (workers in processes of their own; with the kvxferd"
+        " connector --engine-socket holds {rank}: one daemon per rank, docs/vllm.md)",
+    )
     args = ap.parse_args()
     # vLLM logs to stdout; keep stdout for the protocol.
     _OUT[0] = os.fdopen(os.dup(sys.stdout.fileno()), "w")
@@ -77,6 +84,8 @@ def main() -> int:
         disable_log_stats=False,
         seed=0,
         kv_transfer_config=KVTransferConfig(**kvt) if kvt else None,
+        tensor_parallel_size=args.tp,
+        **({"distributed_executor_backend": "mp"} if args.tp > 1 else {}),
     )
     _say({"op": "ready", "startup_s": time.monotonic() - t0, "pid": os.getpid()})
     for line in sys.stdin:

@@ -7,7 +7,12 @@ Asserted from its JSON: greedy tokens identical to the single engine for every p
 prefix-cache hits moved only their missing blocks, the control (decode given another prompt
 plus the pulled KV reproduces the first prompt's output), an incompatible peer refused at once
 with the daemon's explanation in vLLM's log, nothing held or left in /dev/shm afterwards.
-About 3 minutes and 5 GiB on a 2-core machine (docs/vllm.md)."""
+About 3 minutes and 5 GiB on a 2-core machine (docs/vllm.md).
+
+The TP-2 variant runs a TP-2 prefill engine and a TP-2 decode engine (two worker processes
+each) beside four daemons, one per worker rank, found through one ``engine_socket`` holding
+``{rank}``, with vLLM's own scheduler and workers driving the connector; this file plays the
+proxy as the demo does (kvxferd/scenario/vllm_pair.py). About 2 minutes."""
 
 from __future__ import annotations
 
@@ -15,9 +20,24 @@ import importlib.util
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+
+from kvxferd.scenario.daemons import DaemonOptions, DaemonSet
+from kvxferd.scenario.vllm_engines import (
+    BLOCK_SIZE,
+    DAEMON_EXTRA,
+    ENGINE_START_S,
+    MAX_TOKENS,
+    EngineProc,
+    demo_prompts,
+    engine_args,
+    engine_env,
+)
+from kvxferd.scenario.vllm_pair import TransferLog, held_requests, pool_block_bytes, run_pair
+from kvxferd.v1 import scheduler_pb2
 
 pytestmark = [
     pytest.mark.vllm,
@@ -69,3 +89,111 @@ def test_vllm_prefill_decode_through_kvxferd_beside_nixl(tmp_path: Path) -> None
     if doc["nixl_compared"]:  # vLLM's own connector on the same prompts agrees
         assert all(r["identical_nixl"] for r in rows.values()), rows
         assert doc["ttft_ratio"] > 0
+
+
+def _shm_names() -> set[str]:
+    shm = Path("/dev/shm")
+    return {p.name for p in shm.iterdir() if p.name.startswith("kvxferd-vllm-")}
+
+
+# NIXL READs between the daemons: with CMA (the default between same-host DRAM daemons) one run
+# of this test here saw a decode daemon's CMA copy of one pull run until the pull's 120 s
+# deadline and, in the same run, a prefill daemon answer a ConfirmLease only after 6 minutes;
+# both daemon-side, not the connector's (docs/vllm.md, "Tensor parallelism").
+EXTRA_TP2 = (*DAEMON_EXTRA, "--set", "transfer.cma=false")
+
+
+def _tp2(model: Path, connector: str, role: str, sock: str = "") -> list[str]:
+    return [*engine_args(model, connector, role, sock), "--tp", "2"]
+
+
+@pytest.mark.timeout(900)
+def test_vllm_tp2_prefill_and_decode_through_one_daemon_per_rank(tmp_path: Path) -> None:
+    from kvxferd.vllm.tiny_model import write_tiny_llama
+
+    model = write_tiny_llama(tmp_path / "tiny-llama", seed=3)  # 2 KV heads: one per rank
+    prompts, ctl_a, ctl_b = demo_prompts()
+    env = engine_env("0|1")  # each engine's two workers: one per core
+    shm_before = _shm_names()
+    single = EngineProc("single-tp2", tmp_path, _tp2(model, "none", "single"), env)
+    try:  # the reference: one TP-2 engine, no connector (the same TP arithmetic)
+        single.wait_ready(ENGINE_START_S)
+        reqs = [{"id": p.name, "tokens": list(p.tokens), "max_tokens": MAX_TOKENS} for p in prompts]
+        reqs += [
+            {"id": c.name, "tokens": list(c.tokens), "max_tokens": MAX_TOKENS}
+            for c in (ctl_a, ctl_b)
+        ]
+        ref = {o["id"]: list(o["tokens"]) for o in single.generate(reqs)}
+    finally:
+        single.stop()
+    assert ref[ctl_a.name] != ref[ctl_b.name]
+    names = [f"{side}{r}" for side in ("prefill", "decode") for r in range(2)]
+    daemons = DaemonSet(
+        tmp_path,
+        [
+            DaemonOptions(n, "dense:num_blocks=16", prefix_caching=True, extra=EXTRA_TP2)
+            for n in names
+        ],
+    )
+    with daemons:
+        daemons.start()
+        daemons.wait_ready(120)
+        socks = {n: daemons[n].ready.engine_socket for n in names if daemons[n].ready}
+        grpcs = {n: daemons[n].ready.grpc for n in names if daemons[n].ready}
+        template = {s: socks[f"{s}0"].replace(f"{s}0", s + "{rank}") for s in ("prefill", "decode")}
+        assert template["prefill"].format(rank=1) == socks["prefill1"]
+        prefill = EngineProc(
+            "kvxferd-prefill-tp2",
+            tmp_path,
+            _tp2(model, "kvxferd", "prefill", template["prefill"]),
+            env,
+        )
+        decode = EngineProc(
+            "kvxferd-decode-tp2",
+            tmp_path,
+            _tp2(model, "kvxferd", "decode", template["decode"]),
+            env,
+        )
+        logs = [TransferLog(grpcs[f"decode{r}"]) for r in range(2)]
+        try:
+            prefill.wait_ready(ENGINE_START_S)
+            decode.wait_ready(ENGINE_START_S)
+            rows, control = run_pair(
+                "tp2",
+                prefill,
+                decode=decode,
+                prompts=prompts,
+                control=(ctl_a, ctl_b),
+                transfers=logs[0],
+                block_bytes=pool_block_bytes(socks["decode0"]),
+                say=print,
+            )
+            for p in prompts:
+                row = rows[p.name]
+                assert row.tokens == ref[p.name], (p.name, row, ref[p.name])
+                assert row.state == "DONE" and not row.error, row
+                blocks = -(-len(p.tokens) // BLOCK_SIZE)
+                assert row.pulled_blocks is not None
+                if p.note.startswith("prefix hit"):
+                    assert 0 < row.pulled_blocks < blocks, row
+                else:
+                    assert row.pulled_blocks == blocks, row
+            # the control: decode given B plus A's pulled KV reproduces A's output
+            assert control.tokens == ref[ctl_a.name], control
+            # rank 1 pulled every request from prefill rank 1, byte for byte as much as rank 0
+            time.sleep(1.0)
+            done0, done1 = logs[0].done, logs[1].done
+            assert set(done0) == set(done1) and len(done0) >= len(prompts) + 2
+            for rid, st in done1.items():
+                assert st.state == scheduler_pb2.TRANSFER_STATE_DONE, st
+                assert st.nbytes == done0[rid].nbytes and st.peer_address != done0[rid].peer_address
+            deadline = time.monotonic() + 30
+            while [held_requests(socks[f"prefill{r}"]) for r in range(2)] != [0, 0]:
+                assert time.monotonic() < deadline, "a prefill rank still holds a request"
+                time.sleep(0.5)
+        finally:
+            for log in logs:
+                log.close()
+            decode.stop()
+            prefill.stop()
+    assert _shm_names() - shm_before == set()
