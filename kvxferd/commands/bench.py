@@ -311,7 +311,9 @@ def run(args: argparse.Namespace) -> int:
                 f" {med['slot_wait'] * 1e3:.2f} ms"
             )
     if latency:
-        floor = floor_ms(base, latency)
+        # The floor is a bare NIXL READ of DIRECT's descriptors: the daemons' added time is
+        # measured against it for DIRECT pulls only (issue 14's target).
+        floor = floor_ms(base, latency) if latency["strategy"] == "direct" else None
         if floor is not None:
             latency["floor_ms"] = floor
         print(

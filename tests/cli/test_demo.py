@@ -142,7 +142,7 @@ def test_bench_smoke(tmp_path: Path) -> None:
     """``kvxferd bench`` at its smallest: one table row per pattern, every figure in JSON."""
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "kvxferd", "bench", "--sizes", "256", "--repeat", "1"]
-    cmd += ["--latency-pulls", "3", "--json", str(out)]
+    cmd += ["--latency-pulls", "3", "--strategy", "direct,auto", "--json", str(out)]
     proc = subprocess.run(
         cmd, cwd=REPO, capture_output=True, text=True, timeout=DEMO_TIMEOUT_S, check=False
     )

@@ -101,7 +101,7 @@ def _tp2(model: Path, connector: str, role: str, sock: str = "") -> list[str]:
     return [*engine_args(model, connector, role, sock), "--tp", "2"]
 
 
-TP2_ENV = "KVXFERD_TEST_VLLM_TP2"
+TP2_ENV = "KVXTEST_VLLM_TP2"
 
 
 # Opt-in until the daemons' lease confirmation stops hanging under this load: in 3 of 4 runs on
