@@ -292,7 +292,9 @@ def refusal(decode: EngineProc, stranger: Any, transfers: TransferLog, say: Any)
     with open(decode.log, "rb") as f:
         f.seek(before)
         logged = [
-            ln for ln in f.read().decode(errors="replace").splitlines() if "kvxferd: pulling" in ln
+            ln
+            for ln in f.read().decode(errors="replace").splitlines()
+            if "kvxferd: TP rank" in ln and ": pulling the KV cache" in ln
         ]
     state = state_name(st.state) if st else ""
     mismatches = [m.what for m in st.error.mismatches] if st is not None else []

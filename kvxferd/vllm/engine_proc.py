@@ -46,6 +46,22 @@ def _transfer_config(args: argparse.Namespace) -> dict[str, Any] | None:
     }
 
 
+def _amx_off() -> None:
+    """Make this process's vLLM choose its AVX-512 CPU attention over its AMX one.
+
+    vLLM 0.32's CPU attention takes its AMX kernel for bf16 caches whenever
+    ``torch.cpu._is_amx_tile_supported()`` says so. On the 2-core VMs where this demo and its CI
+    test run (Xeon with amx_bf16/amx_tile), the kvxferd decode engine then died with SIGILL
+    (exit status -4) right after its first pull, on 2026-11-27 and at older commits alike; with
+    the AMX kernel off the whole demo passed (tokens identical, control, NixlConnector beside
+    it). The demo compares outputs, not attention kernels, so it runs the portable kernel.
+    Workers that vLLM spawns in processes of their own (``--tp`` > 1) import torch afresh and
+    are not covered."""
+    import torch.cpu
+
+    torch.cpu._is_amx_tile_supported = lambda: False
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -62,7 +78,16 @@ def main() -> int:
         help="tensor_parallel_size (workers in processes of their own; with the kvxferd"
         " connector --engine-socket holds {rank}: one daemon per rank, docs/vllm.md)",
     )
+    ap.add_argument(
+        "--amx",
+        choices=("off", "auto"),
+        default="off",
+        help="off (default): vLLM's CPU attention runs its AVX-512 kernels even where torch"
+        " reports AMX tiles; auto: vLLM picks (see _amx_off)",
+    )
     args = ap.parse_args()
+    if args.amx == "off":
+        _amx_off()
     # vLLM logs to stdout; keep stdout for the protocol.
     _OUT[0] = os.fdopen(os.dup(sys.stdout.fileno()), "w")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
