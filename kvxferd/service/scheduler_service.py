@@ -83,15 +83,6 @@ def status_to_proto(rec: PullRecord) -> scheduler_pb2.TransferStatus:
     return msg
 
 
-def request_fingerprint(request: scheduler_pb2.StartPullRequest) -> bytes:
-    """The identity of a StartPull request for its transfer_id's idempotency: every field but
-    ``wait``, which only says how the caller hears of the result (scheduler.proto)."""
-    if request.wait:
-        request = scheduler_pb2.StartPullRequest.FromString(request.SerializeToString())
-        request.wait = False
-    return hashlib.blake2b(request.SerializeToString(deterministic=True), digest_size=16).digest()
-
-
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, daemon: Daemon) -> None:
         self.d = daemon
@@ -103,7 +94,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
         async def call() -> scheduler_pb2.StartPullResponse:
             deadline_ms = request.deadline_ms or int(self.d.limits.default_deadline_s * 1000)
-            fingerprint = request_fingerprint(request)
+            # The identity of the request (its transfer_id's idempotency) is every field but
+            # wait, which only says how the caller hears of the result (scheduler.proto).
+            wait = request.wait
+            request.ClearField("wait")
+            fingerprint = hashlib.blake2b(
+                request.SerializeToString(deterministic=True), digest_size=16
+            ).digest()
             req = PullRequest(
                 fingerprint=fingerprint,
                 transfer_id=request.transfer_id or uuid.uuid4().hex,
@@ -116,7 +113,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 received=received,
             )
             rec, created = await self.d.reader.start_pull(req)
-            if request.wait:  # the proto's contract: answer with the terminal status
+            if wait:  # the proto's contract: answer with the terminal status
                 rec = await self.d.reader.pulls.wait_terminal(rec.transfer_id)
             return scheduler_pb2.StartPullResponse(status=status_to_proto(rec), created=created)
 
