@@ -15,8 +15,14 @@ call that reads nothing fails the pull with the cause.
 
 Cancel and deadline are checked between calls: a cancelled pull ends CANCELLED, one that runs
 past its deadline EXPIRED, both with every local block listed invalid. A pull whose owner
-process exited during the copy fails (its pid may name another process by then). Small pulls
-(:data:`INLINE_MAX_BYTES`, one call) run inline on the event loop.
+process exited during the copy fails (its pid may name another process by then).
+
+Every call runs on a worker, small pulls too: ``process_vm_readv`` takes the owner's memory-map
+lock and faults the owner's pages in, so one call can block for as long as another process
+holds that lock or the machine stalls (docs/vllm.md, "Tensor parallelism", saw one call take
+65 s). On a worker such a call holds up only its own pull, which stays TRANSFERRING until the
+call returns (its bytes may still land, so the pull cannot end before that); the event loop
+keeps heartbeating every other lease and answering every RPC. The hop costs about 0.1 ms.
 """
 
 from __future__ import annotations
@@ -44,10 +50,6 @@ Int64Array = npt.NDArray[np.int64]
 U64Array = npt.NDArray[np.uint64]
 log = logging.getLogger(__name__)
 
-# Pulls up to this many bytes (and one call's iovecs) copy on the event loop: at the ~4 GB/s
-# one thread reaches here (docs/benchmarks.md, "Host memory: CMA") 1 MiB takes ~0.25 ms, about
-# the hop to a worker thread and back.
-INLINE_MAX_BYTES = 1 << 20
 BATCH_MIN_BYTES = 1 << 20
 BATCH_MAX_BYTES = 64 << 20  # a cancel waits at most one batch per worker (~10 ms here)
 BATCHES_PER_THREAD = 4
@@ -142,7 +144,6 @@ class CmaTimes:
     calls: int = 0
     batches: int = 0
     workers: int = 0
-    inline: bool = False
 
 
 class CmaReader:
@@ -245,10 +246,6 @@ class CmaReader:
             run.halt(TransferStatus.FAILED, _exited(job.owner.pid))
 
     async def _copy(self, run: _Run, iov: Iovecs, times: CmaTimes) -> None:
-        if iov.nbytes <= INLINE_MAX_BYTES and len(iov.batches) <= 1:
-            times.inline, times.workers = True, 1
-            self._work(run, iov)
-            return
         loop = asyncio.get_running_loop()
         workers = min(self.threads, len(iov.batches))
         times.workers = workers
