@@ -302,6 +302,13 @@ class Reader:
                 ),
                 invalid_local_blocks=local_blocks if tid in self._posted else (),
             )
+        except DeadlineExceeded as err:  # a Peer call ran out of the pull's time
+            self.pulls.update(
+                tid,
+                state=PullState.EXPIRED,
+                error=err,
+                invalid_local_blocks=local_blocks if tid in self._posted else (),
+            )
         except KvxferdError as err:
             if isinstance(err, PeerUnavailable) and self.p.peers is not None:
                 await self.p.peers.invalidate(req.peer_address, str(err))

@@ -21,14 +21,24 @@ import numpy.typing as npt
 from kvxferd.daemon.parts import Parts
 from kvxferd.daemon.peers import LinkState, PeerLink
 from kvxferd.daemon.pulls import PullBook, PullState
-from kvxferd.errors import KvxferdError, LeaseRefused, PeerUnavailable, UnknownSession
+from kvxferd.errors import (
+    DeadlineExceeded,
+    KvxferdError,
+    LeaseRefused,
+    PeerUnavailable,
+    UnknownSession,
+)
 from kvxferd.logs import kv
 from kvxferd.peers import compat_digest
 from kvxferd.transfer import notify
+from kvxferd.v1 import peer_pb2
 
 log = logging.getLogger(__name__)
 
 Int64Array = npt.NDArray[np.int64]
+
+# ConfirmLease calls per confirmation when calls time out (the pull's deadline bounds them too).
+CONFIRM_ATTEMPTS = 4
 
 
 def _missing(ids: Int64Array, held: Sequence[int]) -> Int64Array:
@@ -77,15 +87,8 @@ class Shares:
         for attempt in (1, 2):
             remote = link.remote
             assert remote is not None
-            left = deadline - time.monotonic()
-            sent = time.monotonic()
             try:
-                resp = await link.client.confirm(
-                    request_id,
-                    self.p.agent_name,
-                    int(min(max(1.0, left), self.p.limits.max_deadline_s) * 1000),
-                    left,
-                )
+                resp, sent = await self._ask(link, request_id, deadline)
             except UnknownSession:
                 if attempt == 2:
                     raise
@@ -117,6 +120,36 @@ class Shares:
                     fix="pass exactly the remote_block_ids that Hold returned",
                 )
         return share
+
+    async def _ask(
+        self, link: PeerLink, request_id: str, deadline: float
+    ) -> tuple[peer_pb2.ConfirmLeaseResponse, float]:
+        """One ConfirmLease, and when a call times out (a stalled owner or machine; each call
+        lasts at most the per-call cap, transfer.handshake_timeout_ms) the same again while the
+        pull's deadline allows: the owner renews a share this reader already has instead of
+        granting a second one, so asking again is safe. Returns the answer and when the call
+        that got it was sent."""
+        for attempt in range(1, CONFIRM_ATTEMPTS + 1):
+            left = deadline - time.monotonic()
+            sent = time.monotonic()
+            try:
+                resp = await link.client.confirm(
+                    request_id,
+                    self.p.agent_name,
+                    int(min(max(1.0, left), self.p.limits.max_deadline_s) * 1000),
+                    left,
+                )
+                return resp, sent
+            except DeadlineExceeded as err:
+                if attempt == CONFIRM_ATTEMPTS or deadline - time.monotonic() <= 0:
+                    raise
+                log.info(
+                    "confirming a lease timed out; asking again",
+                    extra=kv(
+                        peer=link.address, request_id=request_id, attempt=attempt, error=str(err)
+                    ),
+                )
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     async def rehandshake(self, link: PeerLink, why: str) -> None:
         assert self.p.peers is not None

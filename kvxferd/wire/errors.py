@@ -155,6 +155,11 @@ def error_from_rpc(exc: grpc.RpcError, what: str, address: str) -> e.KvxferdErro
         return cls(message, field=detail.field, fix=detail.fix)
     if code == grpc.StatusCode.FAILED_PRECONDITION and what == "handshake":
         return e.IncompatiblePeer([], peer=address, detail=text)
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:  # the call ran out of time: no refusal
+        return e.DeadlineExceeded(
+            f"peer {address} did not answer {what} in time ({code.name}: {text})",
+            fix="check the peer daemon's load and health, or raise the pull's deadline_ms",
+        )
     by_code = _BY_CODE.get(code)
     if by_code is not None:
         return by_code(f"peer {address} refused {what}: {code.name}: {text}")

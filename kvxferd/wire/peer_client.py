@@ -11,6 +11,7 @@ exercised without sockets.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -106,8 +107,10 @@ class FakeTransport:
         self.calls.append((method, request))
         if timeout <= 0:
             raise RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", ())
-        try:
-            return await self.handler(method, request, metadata)
+        try:  # a handler slower than the call's timeout times out, as over gRPC
+            return await asyncio.wait_for(self.handler(method, request, metadata), timeout)
+        except TimeoutError:
+            raise RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", ()) from None
         except KvxferdError as err:
             raise RpcFailure(status_for(err), str(err), trailer_for(err)) from err
 

@@ -121,13 +121,14 @@ class FakeOwner:
         )
 
 
-async def _decode(fake: FakeOwner) -> Running:
+async def _decode(fake: FakeOwner, **extra: str) -> Running:
     cfg = load_config(
         env={},
         overrides={
             "server.listen": "127.0.0.1:0",
             "server.metrics_listen": "",
             "pool.preset": SPEC,
+            **extra,
         },
     )
     return await start(cfg, peer_transport=lambda address: FakeTransport(fake))
@@ -163,9 +164,9 @@ def _owner_words(region: int, block: int) -> np.ndarray:  # type: ignore[type-ar
     return pattern_words(SEED, region, block * BLOCK // 8, BLOCK // 8)
 
 
-def _run(fake: FakeOwner, body: Callable[[Running], Awaitable[None]]) -> None:
+def _run(fake: FakeOwner, body: Callable[[Running], Awaitable[None]], **extra: str) -> None:
     async def go() -> None:
-        running = await _decode(fake)
+        running = await _decode(fake, **extra)
         try:
             await body(running)
         finally:
@@ -294,6 +295,48 @@ def test_an_owner_that_never_confirms_expires_the_pull(owner: OwnerProcess) -> N
         assert rec.invalid_local_blocks == ()
 
     _run(fake, body)
+
+
+def test_a_confirmation_that_times_out_is_asked_again_within_the_deadline(
+    owner: OwnerProcess,
+) -> None:
+    # The first ConfirmLease outlasts the per-call cap (a stalled owner); the owner renews a
+    # share the reader already has, so the reader asks again and reads.
+    async def confirm(req: peer_pb2.ConfirmLeaseRequest, n: int) -> Any:
+        if n == 1:
+            await asyncio.sleep(60)
+        return fake.lease(req, [2])
+
+    fake = FakeOwner(owner, confirm)
+
+    async def body(running: Running) -> None:
+        req = await _pull(running, [2], [7], deadline_s=10.0)
+        rec = await _end(running, req.transfer_id)
+        assert rec.state is PullState.DONE, rec.error
+        assert fake.confirms == 2
+        for region in (0, 1):
+            assert np.array_equal(_block_bytes(running, region, 7), _owner_words(region, 2))
+
+    _run(fake, body, **{"transfer.handshake_timeout_ms": "300"})
+
+
+def test_a_confirmation_that_runs_out_of_the_deadline_expires_and_says_so(
+    owner: OwnerProcess,
+) -> None:
+    async def confirm(req: peer_pb2.ConfirmLeaseRequest, n: int) -> Any:
+        await asyncio.sleep(60)
+
+    fake = FakeOwner(owner, confirm)
+
+    async def body(running: Running) -> None:
+        req = await _pull(running, [5], [6], deadline_s=1.0)
+        rec = await _end(running, req.transfer_id)
+        assert rec.state is PullState.EXPIRED, rec.error
+        assert rec.invalid_local_blocks == ()  # nothing was posted
+        assert rec.error is not None and "refused" not in rec.error.message
+        assert 2 <= fake.confirms <= 4  # asked again while time was left, and no more
+
+    _run(fake, body, **{"transfer.handshake_timeout_ms": "300"})
 
 
 def test_an_advertised_socket_that_refuses_connections_leaves_the_calls_on_grpc(
