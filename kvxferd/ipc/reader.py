@@ -48,7 +48,7 @@ from kvxferd.ipc.publish import IpcPool
 from kvxferd.kernels import CopyKernel, RangeCopy, Regions, copy_ranges
 from kvxferd.logs import kv
 from kvxferd.pool import KVPool
-from kvxferd.transfer.descriptors import plan_runs, split_runs
+from kvxferd.transfer.descriptors import RunGroup, plan_runs, run_groups, split_runs
 from kvxferd.transfer.state import TransferResult, TransferStatus
 
 Int64Array = npt.NDArray[np.int64]
@@ -83,11 +83,14 @@ class KernelJob:
     deadline: float  # monotonic
 
 
-def piece_size(lengths: Int64Array, largest: int = MAX_PIECE_BYTES) -> int:
-    """The power-of-two piece size (at most ``largest``) for runs of ``lengths`` bytes: the
-    copy kernel gives every piece a slot of that size (the part past a short piece's end is
-    skipped), so the size minimises slots times (slot + :data:`PIECE_COST_BYTES`). Only the
-    sizes between the shortest and the longest run (rounded up) are tried."""
+def piece_size(
+    lengths: Int64Array, largest: int = MAX_PIECE_BYTES, weights: Int64Array | None = None
+) -> int:
+    """The power-of-two piece size (at most ``largest``) for runs of ``lengths`` bytes (run
+    ``i`` counted ``weights[i]`` times, once without ``weights``): the copy kernel gives every
+    piece a slot of that size (the part past a short piece's end is skipped), so the size
+    minimises slots times (slot + :data:`PIECE_COST_BYTES`). Only the sizes between the
+    shortest and the longest run (rounded up) are tried."""
     top = max(MIN_PIECE_BYTES, int(largest)).bit_length() - 1  # largest, rounded down
     if lengths.size == 0:
         return 1 << top
@@ -96,7 +99,8 @@ def piece_size(lengths: Int64Array, largest: int = MAX_PIECE_BYTES) -> int:
     if lo == hi:
         return 1 << lo
     ks = np.arange(lo, hi + 1, dtype=np.int64)
-    slots = ((lengths[:, None] + (np.int64(1) << ks) - 1) >> ks).sum(axis=0)
+    per_run = (lengths[:, None] + (np.int64(1) << ks) - 1) >> ks
+    slots = (per_run if weights is None else per_run * weights[:, None]).sum(axis=0)
     cost = slots * ((np.int64(1) << ks) + PIECE_COST_BYTES)
     return 1 << int(ks[int(np.argmin(cost))])
 
@@ -104,14 +108,33 @@ def piece_size(lengths: Int64Array, largest: int = MAX_PIECE_BYTES) -> int:
 def pieces(plan: TransferPlan, piece_bytes: int = MAX_PIECE_BYTES) -> tuple[RangeCopy, int]:
     """The plan's ranges as kernel pieces, and the number of (region, run) pairs before the
     cut (what DIRECT would post as descriptors): every region's ranges coalesced as DIRECT
-    does (:func:`kvxferd.transfer.descriptors.plan_runs`: regions sharing the planner's arrays
-    are coalesced once), the runs cut at one power-of-two size (:func:`piece_size`, at most
-    ``piece_bytes``). A fixed number of NumPy operations, no loop over pieces or regions."""
-    region, lo, ro, ln = plan_runs(plan)
-    if ln.size == 0:
+    does, the runs cut at one power-of-two size (:func:`piece_size`, at most
+    ``piece_bytes``). Regions sharing the planner's arrays (:func:`run_groups`: typically
+    every layer) are coalesced, sized and cut once, then repeated over the regions: a fixed
+    number of NumPy operations per distinct array, and no loop over pieces or regions."""
+    groups = run_groups(plan)
+    if groups is None:  # little sharing: every range at once
+        region, lo, ro, ln = plan_runs(plan)
+        if ln.size == 0:
+            return RangeCopy.empty(), 0
+        return RangeCopy(*split_runs(region, lo, ro, ln, piece_size(ln, piece_bytes))), int(ln.size)
+    if not groups:
         return RangeCopy.empty(), 0
-    rc = RangeCopy(*split_runs(region, lo, ro, ln, piece_size(ln, piece_bytes)))
-    return rc, int(ln.size)
+    runs = sum(g.length.size * g.regions.size for g in groups)
+    if len(groups) == 1:  # one weight for every run: it cannot change the cheapest size
+        size = piece_size(groups[0].length, piece_bytes)
+    else:
+        lengths = np.concatenate([g.length for g in groups])
+        weights = np.concatenate([np.full(g.length.size, g.regions.size) for g in groups])
+        size = piece_size(lengths, piece_bytes, weights.astype(np.int64))
+    cut = []
+    for g in groups:
+        zeros = np.zeros(g.length.size, dtype=np.int64)
+        _, lo, ro, ln = split_runs(zeros, g.local_offset, g.remote_offset, g.length, size)
+        cut.append(RunGroup(g.regions, lo, ro, ln).flat())
+    if len(cut) == 1:
+        return RangeCopy(*cut[0]), runs
+    return RangeCopy(*(np.concatenate([c[i] for c in cut]) for i in range(4))), runs
 
 
 def region_bytes(pool: KVPool) -> list[torch.Tensor]:

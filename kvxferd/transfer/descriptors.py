@@ -116,21 +116,30 @@ def _merge_all(region: Int64Array, lo: Int64Array, ro: Int64Array, ln: Int64Arra
     return region[starts], lo[starts], ro[starts], np.add.reduceat(ln, starts)
 
 
-def plan_runs(plan: TransferPlan, *, merge: bool = True) -> Runs:
-    """Every range of ``plan`` as flat ``(region, local_offset, remote_offset, length)``
-    arrays; with ``merge``, ranges back to back on both sides within one region are merged
-    (:func:`coalesce`; a run never spans two regions, since each is its own registration).
+@dataclass(frozen=True)
+class RunGroup:
+    """Coalesced runs that every region of ``regions`` reads (the planner gave those regions
+    the same arrays)."""
 
-    The planner gives regions of one geometry (typically every layer) the *same* arrays:
-    those are checked and coalesced once and repeated over their regions, so a 32-layer pull
-    costs about one layer's NumPy calls; with little sharing, everything is coalesced in one
-    sort. Either way a fixed number of NumPy operations per distinct array, none per range.
-    Raises :class:`BlockRangeError` for an empty or negative range.
-    """
+    regions: Int64Array
+    local_offset: Int64Array
+    remote_offset: Int64Array
+    length: Int64Array
+
+    def flat(self) -> Runs:
+        """One row per (region, run): the regions in order, each with every run."""
+        k = int(self.regions.size)
+        return (
+            np.repeat(self.regions, self.length.size),
+            np.tile(self.local_offset, k),
+            np.tile(self.remote_offset, k),
+            np.tile(self.length, k),
+        )
+
+
+def _parts(plan: TransferPlan) -> tuple[list[RegionRanges], list[list[RegionRanges]]]:
+    """The plan's non-empty regions, and them grouped by the arrays they share (identity)."""
     parts = [rr for rr in plan.ranges if rr.num_ranges]
-    if not parts:
-        empty = np.empty(0, dtype=np.int64)
-        return empty, empty, empty, empty
     shared: dict[tuple[int, int, int], list[RegionRanges]] = {}
     for rr in parts:
         shared.setdefault((id(rr.local_offset), id(rr.remote_offset), id(rr.length)), []).append(rr)
@@ -141,26 +150,57 @@ def plan_runs(plan: TransferPlan, *, merge: bool = True) -> Runs:
                 f"the ranges of region {r} include an empty or negative range",
                 field=f"ranges[{r}].length",
             )
-    if not merge or 4 * len(shared) > len(parts):  # plan order, or little sharing: one sort
-        counts = [rr.num_ranges for rr in parts]
-        region = np.repeat(np.array([rr.region for rr in parts], dtype=np.int64), counts)
-        lo, ro, ln = (
-            _int64(np.concatenate([getattr(rr, f) for rr in parts]))
-            for f in ("local_offset", "remote_offset", "length")
-        )
-        return _merge_all(region, lo, ro, ln) if merge else (region, lo, ro, ln)
-    cols: list[list[Int64Array]] = [[], [], [], []]
-    for members in shared.values():
+    return parts, list(shared.values())
+
+
+def run_groups(plan: TransferPlan) -> list[RunGroup] | None:
+    """The plan's runs as :class:`RunGroup` s, each distinct array coalesced once; None when
+    the regions share too little for that to pay (:func:`plan_runs` then sorts all ranges at
+    once). Raises :class:`BlockRangeError` for an empty or negative range."""
+    parts, shared = _parts(plan)
+    if not parts or 4 * len(shared) > len(parts):
+        return None if parts else []
+    out = []
+    for members in shared:
         one = members[0]
         lo, ro, ln = coalesce(
             _int64(one.local_offset), _int64(one.remote_offset), _int64(one.length)
         )
-        regions = np.array([m.region for m in members], dtype=np.int64)
-        cols[0].append(np.repeat(regions, ln.size))
-        for col, a in zip(cols[1:], (lo, ro, ln), strict=True):
-            col.append(np.tile(a, regions.size))
-    region, lo, ro, ln = (np.concatenate(c) for c in cols)
-    return region, lo, ro, ln
+        out.append(RunGroup(np.array([m.region for m in members], dtype=np.int64), lo, ro, ln))
+    return out
+
+
+def plan_runs(plan: TransferPlan, *, merge: bool = True) -> Runs:
+    """Every range of ``plan`` as flat ``(region, local_offset, remote_offset, length)``
+    arrays; with ``merge``, ranges back to back on both sides within one region are merged
+    (:func:`coalesce`; a run never spans two regions, since each is its own registration).
+
+    The planner gives regions of one geometry (typically every layer) the *same* arrays:
+    those are checked and coalesced once and repeated over their regions
+    (:func:`run_groups`), so a 32-layer pull costs about one layer's NumPy calls; with little
+    sharing, everything is coalesced in one sort. Either way a fixed number of NumPy
+    operations per distinct array, none per range. Raises :class:`BlockRangeError` for an
+    empty or negative range.
+    """
+    groups = run_groups(plan) if merge else None
+    if groups is not None:
+        if not groups:
+            empty = np.empty(0, dtype=np.int64)
+            return empty, empty, empty, empty
+        flat = [g.flat() for g in groups]
+        region, lo, ro, ln = (np.concatenate([f[i] for f in flat]) for i in range(4))
+        return region, lo, ro, ln
+    parts, _ = _parts(plan)
+    if not parts:
+        empty = np.empty(0, dtype=np.int64)
+        return empty, empty, empty, empty
+    counts = [rr.num_ranges for rr in parts]
+    region = np.repeat(np.array([rr.region for rr in parts], dtype=np.int64), counts)
+    lo, ro, ln = (
+        _int64(np.concatenate([getattr(rr, f) for rr in parts]))
+        for f in ("local_offset", "remote_offset", "length")
+    )
+    return _merge_all(region, lo, ro, ln) if merge else (region, lo, ro, ln)
 
 
 def _check_bounds(

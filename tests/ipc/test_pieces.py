@@ -144,6 +144,21 @@ def test_piece_size_is_the_cheapest_power_of_two_from_the_shortest_run_up(
     assert all(_cost(ln, got) <= _cost(ln, p) for p in tried)
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 3 << 20), st.integers(1, 40)), min_size=1, max_size=20),
+    st.sampled_from([512, 64 << 10, 1 << 20]),
+)
+def test_weighted_piece_size_is_the_piece_size_of_the_repeated_runs(
+    runs: list[tuple[int, int]], largest: int
+) -> None:
+    # A run shared by k regions counts k times: sizing it once with weight k must pick what
+    # sizing the k copies would (the reader sizes a shared array once, not per layer).
+    ln = np.array([n for n, _ in runs], dtype=np.int64)
+    w = np.array([k for _, k in runs], dtype=np.int64)
+    assert piece_size(ln, largest, w) == piece_size(np.repeat(ln, w), largest)
+
+
 def test_random_and_contiguous_llama_pulls_get_block_and_megabyte_pieces() -> None:
     """The bench's 1 GiB cases planned by the daemon's planner (32 layers x 512 blocks of
     64 KiB, every layer sharing one set of arrays): random blocks are one 64 KiB piece each;
