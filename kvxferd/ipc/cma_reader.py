@@ -19,8 +19,8 @@ process exited during the copy fails (its pid may name another process by then).
 
 Every call runs on a worker, small pulls too: ``process_vm_readv`` takes the owner's memory-map
 lock and faults the owner's pages in, so one call can block for as long as another process
-holds that lock or the machine stalls (docs/vllm.md, "Tensor parallelism", saw one call take
-65 s). On a worker such a call holds up only its own pull, which stays TRANSFERRING until the
+holds that lock or the machine stalls (docs/vllm.md, "Tensor parallelism": one call spanned a
+65 s stop). On a worker such a call holds up only its own pull, which stays TRANSFERRING until the
 call returns (its bytes may still land, so the pull cannot end before that); the event loop
 keeps heartbeating every other lease and answering every RPC. The hop costs about 0.1 ms.
 """
