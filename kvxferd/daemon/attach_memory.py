@@ -72,6 +72,7 @@ class ExportHandle:
     device: int
     shm_name: str = ""
     cuda_ipc_handle: bytes = b""
+    device_uuid: str = ""  # the GPU's UUID (VRAM): the engine finds the GPU by it
 
 
 @dataclass(frozen=True)
@@ -196,7 +197,14 @@ def _build_owned(
         for r in spec.regions:
             ex = export_tensor(pool.tensors[r.name], r.nbytes)
             exports.append(
-                ExportHandle(r.name, ex.offset, r.nbytes, ex.device, cuda_ipc_handle=ex.handle)
+                ExportHandle(
+                    r.name,
+                    ex.offset,
+                    r.nbytes,
+                    ex.device,
+                    cuda_ipc_handle=ex.handle,
+                    device_uuid=device_uuid(ex.device) or "",
+                )
             )
         return pool, tuple(exports)
     tensors = {}

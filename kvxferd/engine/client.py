@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import grpc
@@ -17,7 +17,7 @@ from kvxferd.engine.errors import refused
 from kvxferd.engine.shared import find_shared, shared_tensors
 from kvxferd.engine.values import HoldTicket, PoolState, ReleaseEvent, pool_state
 from kvxferd.errors import EngineDetached, InvalidRequest
-from kvxferd.ipc.host import device_uuid
+from kvxferd.ipc.host import device_ordinal, device_uuid
 from kvxferd.layout.dtypes import KVDType
 from kvxferd.layout.presets import preset as preset_spec
 from kvxferd.layout.spec import KVCacheSpec, MemoryType
@@ -208,11 +208,33 @@ def _map_exports(
         if h.WhichOneof("handle") == "cuda_ipc_handle":
             from kvxferd.attach.cuda_ipc import IpcMapping
 
-            raw = IpcMapping(h.cuda_ipc_handle, h.device_id).tensor(h.offset, r.nbytes)
+            ordinal = export_ordinal(h)
+            raw = IpcMapping(h.cuda_ipc_handle, ordinal).tensor(h.offset, r.nbytes)
         else:
             raw = ShmSegment.open(h.shm_name).tensor(h.offset, r.nbytes)
         out[r.name] = region_tensor(r, raw)
     return out
+
+
+def export_ordinal(
+    h: engine_pb2.MemoryHandle, ordinal_of: Callable[[str], int | None] = device_ordinal
+) -> int:
+    """This process's CUDA ordinal of the GPU a daemon's VRAM export is on: found by the GPU's
+    UUID (``ordinal_of``), since the daemon and the engine may number GPUs differently
+    (CUDA_VISIBLE_DEVICES); the daemon's ordinal only when it sends no UUID (an older
+    daemon, or a driver that reports none)."""
+    if not h.device_uuid:
+        return int(h.device_id)
+    mine = ordinal_of(h.device_uuid)
+    if mine is None:
+        raise InvalidRequest(
+            f"the daemon's KV pool is on GPU {h.device_uuid} (its cuda:{h.device_id}), which"
+            " this process does not see",
+            field="exports.device_uuid",
+            fix="give the engine that GPU (CUDA_VISIBLE_DEVICES), or run the daemon on one of"
+            " the engine's GPUs (pool.device)",
+        )
+    return mine
 
 
 def wait_registered(client: EngineClient, timeout_s: float = _OPEN_TIMEOUT_S) -> PoolState:

@@ -95,6 +95,7 @@ def _export_to_proto(e: ExportHandle) -> engine_pb2.MemoryHandle:
     )
     if e.cuda_ipc_handle:
         h.cuda_ipc_handle = e.cuda_ipc_handle
+        h.device_uuid = e.device_uuid
     else:
         h.shm_name = e.shm_name
     return h
