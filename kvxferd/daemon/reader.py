@@ -228,7 +228,10 @@ class Reader:
                 share = None  # CancelTransfer stopped the confirmation: nothing was posted
             except TimeoutError:
                 confirming.cancel()
-                raise
+                raise DeadlineExceeded(
+                    f"confirming the lease with {req.peer_address} outlasted the deadline",
+                    fix="raise deadline_ms or check the peer's health",
+                ) from None
             finally:
                 self._confirming.pop(tid, None)
             stages.mark("confirm")
@@ -292,17 +295,7 @@ class Reader:
             )
             if isinstance(result.error, PeerUnavailable) and self.p.peers is not None:
                 await self.p.peers.invalidate(req.peer_address, str(result.error))
-        except TimeoutError:
-            self.pulls.update(
-                tid,
-                state=PullState.EXPIRED,
-                error=DeadlineExceeded(
-                    f"confirming the lease with {req.peer_address} outlasted the deadline",
-                    fix="raise deadline_ms or check the peer's health",
-                ),
-                invalid_local_blocks=local_blocks if tid in self._posted else (),
-            )
-        except DeadlineExceeded as err:  # a Peer call ran out of the pull's time
+        except DeadlineExceeded as err:  # the confirmation, or a Peer call, ran out of time
             self.pulls.update(
                 tid,
                 state=PullState.EXPIRED,
