@@ -325,6 +325,12 @@ def run(args: argparse.Namespace) -> int:
             ("StartPull with wait", latency["wait"]),
         ):
             print(latency_line(how, fig, floor))
+        rpc = latency["rpc"]
+        print(
+            f"  control floor: one GetTransfer round trip to the decode daemon (the same client,"
+            f" the same answer as StartPull with wait): p50 {rpc['p50_ms']:.2f} ms, p99"
+            f" {rpc['p99_ms']:.2f} ms"
+        )
     if latency.get("floor_ms") is not None:
         print(
             f"  floor: {latency['floor_ms']:.2f} ms, the time of the {latency['tokens']}-token"

@@ -195,16 +195,22 @@ def _latency(
 ) -> dict[str, Any]:
     """``pulls`` small pulls each way, alternating (the same conditions for both): StartPull and
     the terminal status on WatchTransfers (the top-level figures), and StartPull with ``wait``
-    (under ``"wait"``)."""
+    (under ``"wait"``). After each pull, one GetTransfer of it is timed (under ``"rpc"``): a
+    unary call to the decode daemon by the same client with the same answer as StartPull with
+    ``wait``, the control path's floor that the daemon's own work adds to."""
     tokens = SMALL_BLOCKS * workload.spec.groups[0].kernel_block_size
     runs: dict[bool, tuple[list[float], list[float], dict[str, list[float]]]] = {
         False: ([], [], {}),
         True: ([], [], {}),
     }
+    rpc_ms: list[float] = []
     for rep in range(2 * pulls):
         wait = rep % 2 == 1
         local, remote = block_ids(workload, tokens, FRAGMENTED, 1000 + rep, seed)
         out = puller.pull(local, remote, wait=wait)
+        t0 = time.perf_counter()
+        puller.decode.get_transfer(out.status.transfer_id)
+        rpc_ms.append((time.perf_counter() - t0) * 1e3)
         client_ms, server_ms, stages_ms = runs[wait]
         client_ms.append(out.seconds * 1e3)
         server_ms.append(out.server_seconds * 1e3)
@@ -218,6 +224,13 @@ def _latency(
         "bytes": workload.request_bytes(tokens),
         **_figures(*runs[False]),
         "wait": _figures(*runs[True]),
+        "rpc": {
+            "ms": rpc_ms,
+            "p50_ms": percentile(rpc_ms, 50),
+            "p99_ms": percentile(rpc_ms, 99),
+            "what": "GetTransfer of the pull just finished: one unary call to the decode daemon"
+            " by the same client, the same answer as StartPull with wait",
+        },
     }
 
 

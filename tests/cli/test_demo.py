@@ -173,6 +173,9 @@ def test_bench_smoke(tmp_path: Path) -> None:
     floor_ms = 32 * 16 * 65536 / (rows[FRAGMENTED]["floor"]["median_gbps"] * 1e9) * 1e3
     assert lat["floor_ms"] == pytest.approx(floor_ms)
     assert waited["added_p50_ms"] == pytest.approx(waited["p50_ms"] - floor_ms)
+    rpc = lat["rpc"]  # the control path's floor: one GetTransfer after each pull, both ways
+    assert len(rpc["ms"]) == 6 and 0 < rpc["p50_ms"] <= rpc["p99_ms"]
+    assert "control floor: one GetTransfer round trip" in proc.stdout
 
 
 # ---- without daemons ------------------------------------------------------------------------
