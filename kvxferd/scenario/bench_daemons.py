@@ -190,22 +190,35 @@ def _figures(
     }
 
 
+# Latency pulls alternate between the two ways of waiting in blocks of at most this many.
+LATENCY_BLOCK = 20
+
+
 def _latency(
     puller: DaemonPuller, workload: Workload, pulls: int, seed: int, strategy: str
 ) -> dict[str, Any]:
-    """``pulls`` small pulls each way, alternating (the same conditions for both): StartPull and
-    the terminal status on WatchTransfers (the top-level figures), and StartPull with ``wait``
-    (under ``"wait"``). After each pull, one GetTransfer of it is timed (under ``"rpc"``): a
-    unary call to the decode daemon by the same client with the same answer as StartPull with
-    ``wait``, the control path's floor that the daemon's own work adds to."""
+    """``pulls`` small pulls each way, in alternating blocks (the same conditions for both):
+    StartPull and the terminal status on WatchTransfers (the top-level figures), and StartPull
+    with ``wait`` (under ``"wait"``), whose blocks run with the stream closed, as a caller that
+    waits with StartPull watches nothing. After each pull, one GetTransfer of it is timed
+    (under ``"rpc"``): a unary call to the decode daemon by the same client with the same
+    answer as StartPull with ``wait``, the control path's floor that the daemon's work adds
+    to."""
     tokens = SMALL_BLOCKS * workload.spec.groups[0].kernel_block_size
     runs: dict[bool, tuple[list[float], list[float], dict[str, list[float]]]] = {
         False: ([], [], {}),
         True: ([], [], {}),
     }
     rpc_ms: list[float] = []
-    for rep in range(2 * pulls):
-        wait = rep % 2 == 1
+    block = max(1, min(LATENCY_BLOCK, pulls // 4))
+    order = [
+        wait
+        for start in range(0, pulls, block)
+        for wait in [False] * min(block, pulls - start) + [True] * min(block, pulls - start)
+    ]
+    for rep, wait in enumerate(order):
+        if rep == 0 or wait != order[rep - 1]:
+            puller.watching(not wait)  # untimed: the stream is registered before the block
         local, remote = block_ids(workload, tokens, FRAGMENTED, 1000 + rep, seed)
         out = puller.pull(local, remote, wait=wait)
         t0 = time.perf_counter()

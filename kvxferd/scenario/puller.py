@@ -56,18 +56,28 @@ class PullOutcome:
 
 class DaemonPuller:
     """Hold on the prefill engine, StartPull on the decode daemon, wait on one stream (or, with
-    ``wait``, for StartPull's answer: the terminal status in one round trip)."""
+    ``wait``, for StartPull's answer: the terminal status in one round trip). The stream is
+    opened for the first pull that waits on it and stays open until :meth:`watching` closes it:
+    a caller that waits with StartPull watches nothing, and its daemon sends nothing more."""
 
     def __init__(self, prefill: DaemonClient, decode: DaemonClient) -> None:
         self.prefill = prefill
         self.decode = decode
-        self.watcher = TransferWatcher(decode)
         self.releases = ReleaseWatcher(prefill)
         self.tag = secrets.token_hex(3)
         self._n = 0
+        self._watcher: TransferWatcher | None = None
+
+    def watching(self, on: bool) -> None:
+        """Open the WatchTransfers stream (registered when this returns), or close it."""
+        if on and self._watcher is None:
+            self._watcher = TransferWatcher(self.decode)
+        elif not on and self._watcher is not None:
+            self._watcher.close()
+            self._watcher = None
 
     def close(self) -> None:
-        self.watcher.close()
+        self.watching(False)
         self.releases.close()
 
     def pull(self, local: Int64Array, remote: Int64Array, *, wait: bool = False) -> PullOutcome:
@@ -81,14 +91,17 @@ class DaemonPuller:
             ).status
             seconds = time.perf_counter() - t0
         else:
-            pending = self.watcher.expect(f"{rid}-pull")
+            self.watching(True)
+            assert self._watcher is not None
+            watcher = self._watcher
+            pending = watcher.expect(f"{rid}-pull")
             t0 = time.perf_counter()
             resp = self.decode.start_pull(
                 pending.transfer_id, hold, [local], deadline_ms=PULL_DEADLINE_MS
             )
             if resp.status.state in TERMINAL:
-                self.watcher.resolve(pending, resp.status, "StartPull")
-            st = self.watcher.wait(pending, WAIT_TIMEOUT_S)
+                watcher.resolve(pending, resp.status, "StartPull")
+            st = watcher.wait(pending, WAIT_TIMEOUT_S)
             seconds = pending.terminal_at - t0
         if st.state != scheduler_pb2.TRANSFER_STATE_DONE:
             why = st.error.message if st.HasField("error") else "no error detail"
