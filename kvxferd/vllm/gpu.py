@@ -149,10 +149,10 @@ def attach_cuda(
             see_doc(
                 f"KvxferdConnector: attaching the GPU KV cache (IMPORTED VRAM on"
                 f" {described.device}) to the daemon at unix:{link.socket_path} failed: {err}."
-                " The daemon must run on this engine's host and GPU (its pool.device names"
-                f" the GPU this engine calls {described.device}, as the daemon numbers it; the"
-                " GPU is matched by UUID) with pool.mode = attached, transfer.cuda_ipc = true"
-                " and transfer.mode = pull"
+                " The daemon must run on this engine's host and GPU (pool.device ="
+                f" {described.device} where the daemon numbers the GPUs as this engine does;"
+                " the GPU is matched by UUID) with pool.mode = attached, transfer.cuda_ipc ="
+                " true and transfer.mode = pull"
             )
         ) from None
     log.info(
