@@ -219,6 +219,8 @@ def _latency(
     for rep, wait in enumerate(order):
         if rep == 0 or wait != order[rep - 1]:
             puller.watching(not wait)  # untimed: the stream is registered before the block
+            if not wait:  # a new watch-all stream starts with every known pull: drain it
+                puller.pull(*block_ids(workload, tokens, FRAGMENTED, 5000 + rep, seed))
         local, remote = block_ids(workload, tokens, FRAGMENTED, 1000 + rep, seed)
         out = puller.pull(local, remote, wait=wait)
         t0 = time.perf_counter()
