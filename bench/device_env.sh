@@ -8,3 +8,20 @@ export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl >/dev/null 2>&1 || echo "wheel install failed"
 export PYTHONPATH=/tmp/site:$PWD
+
+# Shared steps of the bench/device_session*.sh scripts.
+step() { echo; echo "== $1 ($(date -u +%T))"; }
+machine() { date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; }
+build_kernels() {
+  step "build the CUDA kernels"
+  timeout 200 python3 -c "from kvxferd.kernels import active_backend as a; print(a().describe())"
+}
+# gpu_tests LABEL PATH...: the gpu-marked tests under PATH..., within $TESTS_S seconds.
+gpu_tests() {
+  local label=$1; shift
+  step "gpu tests: $label"
+  timeout "${TESTS_S:-230}" python3 -m pytest -q -rfE -p no:cacheprovider -m gpu "$@" \
+    > "$OUT/tests-gpu.log" 2>&1
+  echo "pytest rc=$?"
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests-gpu.log" | tail -12
+}

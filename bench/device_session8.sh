@@ -4,18 +4,9 @@
 # (bench/device_session.sh says which wheels). Steps time-boxed; outputs under $OUT; the short
 # table last.
 . bench/device_env.sh
-date -u
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-step() { echo; echo "== $1 ($(date -u +%T))"; }
-
-step "build the CUDA kernels"
-timeout 200 python3 -c "from kvxferd.kernels import active_backend as a; print(a().describe())"
-
-step "gpu tests: all"
-timeout "${TESTS_S:-230}" python3 -m pytest -q -rfE -p no:cacheprovider -m gpu tests \
-  > "$OUT/tests-gpu.log" 2>&1
-echo "pytest rc=$?"
-grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests-gpu.log" | tail -12
+machine
+build_kernels
+gpu_tests all tests
 
 step "KernelReader.pull without the daemons (cap 0)"
 timeout "${IPC_S:-90}" python3 -m bench.ipc_kernel --caps 0 --repeat 10 --pulls 300 \

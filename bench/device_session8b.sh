@@ -4,18 +4,10 @@
 # control path's floor (one GetTransfer round trip) and the wait-mode pulls run without a
 # WatchTransfers stream: KERNEL (issue 13), then DIRECT (issue 14: added over the NIXL floor).
 . bench/device_env.sh
-date -u
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-step() { echo; echo "== $1 ($(date -u +%T))"; }
-
-step "build the CUDA kernels"
-timeout 200 python3 -c "from kvxferd.kernels import active_backend as a; print(a().describe())"
-
-step "gpu tests: attach, vllm, ipc, kernels"
-timeout "${TESTS_S:-200}" python3 -m pytest -q -rfE -p no:cacheprovider -m gpu tests/attach \
-  tests/vllm tests/ipc tests/kernels > "$OUT/tests-gpu.log" 2>&1
-echo "pytest rc=$?"
-grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests-gpu.log" | tail -12
+machine
+build_kernels
+TESTS_S=${TESTS_S:-200} gpu_tests "attach, vllm, ipc, kernels" tests/attach tests/vllm tests/ipc \
+  tests/kernels
 
 for s in kernel direct; do
   step "bench: $s"

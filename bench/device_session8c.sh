@@ -3,18 +3,9 @@
 # then the small-pull latency both ways for KERNEL and DIRECT with the control floor (each
 # watch block now starts with an untimed pull while the new stream's snapshot drains).
 . bench/device_env.sh
-date -u
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-step() { echo; echo "== $1 ($(date -u +%T))"; }
-
-step "build the CUDA kernels"
-timeout 200 python3 -c "from kvxferd.kernels import active_backend as a; print(a().describe())"
-
-step "gpu tests: all"
-timeout "${TESTS_S:-250}" python3 -m pytest -q -rfE -p no:cacheprovider -m gpu tests \
-  > "$OUT/tests-gpu.log" 2>&1
-echo "pytest rc=$?"
-grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests-gpu.log" | tail -12
+machine
+build_kernels
+TESTS_S=${TESTS_S:-250} gpu_tests all tests
 
 for s in kernel direct; do
   step "bench: $s, 16-block latency"
