@@ -48,7 +48,7 @@ from kvxferd.ipc.publish import IpcPool
 from kvxferd.kernels import CopyKernel, RangeCopy, Regions, copy_ranges
 from kvxferd.logs import kv
 from kvxferd.pool import KVPool
-from kvxferd.transfer.descriptors import RunGroup, plan_runs, run_groups, split_runs
+from kvxferd.transfer.descriptors import RunGroup, flatten, run_groups, split_runs
 from kvxferd.transfer.state import TransferResult, TransferStatus
 
 Int64Array = npt.NDArray[np.int64]
@@ -112,29 +112,27 @@ def pieces(plan: TransferPlan, piece_bytes: int = MAX_PIECE_BYTES) -> tuple[Rang
     ``piece_bytes``). Regions sharing the planner's arrays (:func:`run_groups`: typically
     every layer) are coalesced, sized and cut once, then repeated over the regions: a fixed
     number of NumPy operations per distinct array, and no loop over pieces or regions."""
-    groups = run_groups(plan)
-    if groups is None:  # little sharing: every range at once
-        region, lo, ro, ln = plan_runs(plan)
+    got = run_groups(plan)
+    if isinstance(got, tuple):  # little sharing: every range coalesced at once
+        region, lo, ro, ln = got
         if ln.size == 0:
             return RangeCopy.empty(), 0
         return RangeCopy(*split_runs(region, lo, ro, ln, piece_size(ln, piece_bytes))), int(ln.size)
-    if not groups:
+    if not got:
         return RangeCopy.empty(), 0
-    runs = sum(g.length.size * g.regions.size for g in groups)
-    if len(groups) == 1:  # one weight for every run: it cannot change the cheapest size
-        size = piece_size(groups[0].length, piece_bytes)
+    runs = sum(g.length.size * g.regions.size for g in got)
+    if len(got) == 1:  # one weight for every run: it cannot change the cheapest size
+        size = piece_size(got[0].length, piece_bytes)
     else:
-        lengths = np.concatenate([g.length for g in groups])
-        weights = np.concatenate([np.full(g.length.size, g.regions.size) for g in groups])
+        lengths = np.concatenate([g.length for g in got])
+        weights = np.concatenate([np.full(g.length.size, g.regions.size) for g in got])
         size = piece_size(lengths, piece_bytes, weights.astype(np.int64))
     cut = []
-    for g in groups:
+    for g in got:
         zeros = np.zeros(g.length.size, dtype=np.int64)
         _, lo, ro, ln = split_runs(zeros, g.local_offset, g.remote_offset, g.length, size)
-        cut.append(RunGroup(g.regions, lo, ro, ln).flat())
-    if len(cut) == 1:
-        return RangeCopy(*cut[0]), runs
-    return RangeCopy(*(np.concatenate([c[i] for c in cut]) for i in range(4))), runs
+        cut.append(RunGroup(g.regions, lo, ro, ln))
+    return RangeCopy(*flatten(cut)), runs
 
 
 def region_bytes(pool: KVPool) -> list[torch.Tensor]:

@@ -153,13 +153,13 @@ def _parts(plan: TransferPlan) -> tuple[list[RegionRanges], list[list[RegionRang
     return parts, list(shared.values())
 
 
-def run_groups(plan: TransferPlan) -> list[RunGroup] | None:
-    """The plan's runs as :class:`RunGroup` s, each distinct array coalesced once; None when
-    the regions share too little for that to pay (:func:`plan_runs` then sorts all ranges at
-    once). Raises :class:`BlockRangeError` for an empty or negative range."""
+def run_groups(plan: TransferPlan) -> list[RunGroup] | Runs:
+    """The plan's runs, each distinct array coalesced once, as :class:`RunGroup` s; or, when
+    the regions share too little for that to pay, every range coalesced in one sort as flat
+    :data:`Runs`. Raises :class:`BlockRangeError` for an empty or negative range."""
     parts, shared = _parts(plan)
-    if not parts or 4 * len(shared) > len(parts):
-        return None if parts else []
+    if 4 * len(shared) > len(parts):
+        return _one_sort(parts, merge=True)
     out = []
     for members in shared:
         one = members[0]
@@ -168,6 +168,32 @@ def run_groups(plan: TransferPlan) -> list[RunGroup] | None:
         )
         out.append(RunGroup(np.array([m.region for m in members], dtype=np.int64), lo, ro, ln))
     return out
+
+
+def flatten(groups: list[RunGroup]) -> Runs:
+    """The groups' rows as flat :data:`Runs`, group after group."""
+    if len(groups) == 1:
+        return groups[0].flat()
+    if not groups:
+        empty = np.empty(0, dtype=np.int64)
+        return empty, empty, empty, empty
+    flat = [g.flat() for g in groups]
+    region, lo, ro, ln = (np.concatenate([f[i] for f in flat]) for i in range(4))
+    return region, lo, ro, ln
+
+
+def _one_sort(parts: list[RegionRanges], *, merge: bool) -> Runs:
+    """Every range of ``parts`` flat, in plan order; with ``merge``, coalesced in one sort."""
+    if not parts:
+        empty = np.empty(0, dtype=np.int64)
+        return empty, empty, empty, empty
+    counts = [rr.num_ranges for rr in parts]
+    region = np.repeat(np.array([rr.region for rr in parts], dtype=np.int64), counts)
+    lo, ro, ln = (
+        _int64(np.concatenate([getattr(rr, f) for rr in parts]))
+        for f in ("local_offset", "remote_offset", "length")
+    )
+    return _merge_all(region, lo, ro, ln) if merge else (region, lo, ro, ln)
 
 
 def plan_runs(plan: TransferPlan, *, merge: bool = True) -> Runs:
@@ -182,25 +208,10 @@ def plan_runs(plan: TransferPlan, *, merge: bool = True) -> Runs:
     operations per distinct array, none per range. Raises :class:`BlockRangeError` for an
     empty or negative range.
     """
-    groups = run_groups(plan) if merge else None
-    if groups is not None:
-        if not groups:
-            empty = np.empty(0, dtype=np.int64)
-            return empty, empty, empty, empty
-        flat = [g.flat() for g in groups]
-        region, lo, ro, ln = (np.concatenate([f[i] for f in flat]) for i in range(4))
-        return region, lo, ro, ln
-    parts, _ = _parts(plan)
-    if not parts:
-        empty = np.empty(0, dtype=np.int64)
-        return empty, empty, empty, empty
-    counts = [rr.num_ranges for rr in parts]
-    region = np.repeat(np.array([rr.region for rr in parts], dtype=np.int64), counts)
-    lo, ro, ln = (
-        _int64(np.concatenate([getattr(rr, f) for rr in parts]))
-        for f in ("local_offset", "remote_offset", "length")
-    )
-    return _merge_all(region, lo, ro, ln) if merge else (region, lo, ro, ln)
+    if not merge:
+        return _one_sort(_parts(plan)[0], merge=False)
+    runs = run_groups(plan)
+    return runs if isinstance(runs, tuple) else flatten(runs)
 
 
 def _check_bounds(
