@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 
 from kvxferd.commands import Subparsers
 from kvxferd.config import load_config
@@ -102,10 +101,6 @@ def run(args: argparse.Namespace) -> int:
     from kvxferd.service.app import serve_forever
 
     main = serve_forever(cfg, ready_file=args.ready_file or "", fill_seed=args.fill_pattern)
-    # The ~180K objects the imports made (torch, gRPC, NIXL) live as long as the process. Frozen,
-    # a full collection scans only what came after them instead of pausing the daemon's loop
-    # for 36-55 ms (docs/operations.md, "Garbage collection").
-    gc.freeze()
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency; Windows lacks it
