@@ -68,6 +68,7 @@ examples:
   kvxferd bench --sizes 16384 --strategy cma,direct   host memory: CMA vs DIRECT vs raw, floor
 """
 
+STAGED_STAGES = frozenset(("chunks", "gather", "gather_rpc", "read", "scatter", "slot_wait"))
 STRATEGIES = ("auto", "direct", "staged", "kernel", "cma", "push")
 
 
@@ -301,8 +302,14 @@ def run(args: argparse.Namespace) -> int:
         " from a READ's rate: kvxferd.ipc.transport)"
     )
     for c in cells:
-        if c.stage_seconds:
-            med = {k: statistics.median(v) for k, v in c.stage_seconds.items()}
+        med = {k: statistics.median(v) for k, v in c.stage_seconds.items()}
+        own = [f"{k} {v * 1e3:.2f}" for k, v in med.items() if k not in STAGED_STAGES]
+        if own:
+            print(
+                f"stages, {c.tokens} tokens {c.pattern} ({c.strategy}), median ms: "
+                + ", ".join(own)
+            )
+        if "chunks" in med:
             print(
                 f"STAGED stages, {c.tokens} tokens {c.pattern} ({c.strategy}): {med['chunks']:.0f}"
                 f" chunks; summed over chunks (median): gather {med['gather'] * 1e3:.2f} ms,"

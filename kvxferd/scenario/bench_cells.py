@@ -103,7 +103,7 @@ class Cell:
     failed: str = ""  # why this strategy's daemons could not measure the row
     strategy: str = "auto"  # transfer.strategy of the decode daemon
     kvxferd_strategy: str = ""  # what the daemon ran (DIRECT or STAGED), from the status
-    stage_seconds: dict[str, list[float]] = field(default_factory=dict)  # STAGED only
+    stage_seconds: dict[str, list[float]] = field(default_factory=dict)  # status stages
 
     def for_strategy(self, strategy: str) -> Cell:
         """A row of the same request for another strategy, sharing the limit/naive figures."""

@@ -35,6 +35,8 @@ def _record_stages(cell: Cell, st: scheduler_pb2.TransferStatus) -> None:
     cell.kvxferd_strategy = scheduler_pb2.TransferStrategy.Name(st.strategy).removeprefix(
         "TRANSFER_STRATEGY_"
     )
+    for stage in st.stages:  # the daemon's own stages, decode to publish
+        cell.stage_seconds.setdefault(stage.name, []).append(stage.seconds)
     if st.stage_times.chunks:
         t = st.stage_times
         for name, value in (
