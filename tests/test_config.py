@@ -43,6 +43,7 @@ def test_file_then_env_then_overrides(tmp_path: Path) -> None:
         ({"server.bogus": "1"}, "server.bogus"),
         ({"auth.tls_cert": "a.pem"}, "auth.tls_cert"),
         ({"log.level": "LOUD"}, "log.level"),
+        ({"server.scheduler_socket": "/run/" + "s" * 110}, "server.scheduler_socket"),
     ],
 )
 def test_bad_values_name_the_key(overrides: dict[str, str], field: str) -> None:

@@ -9,6 +9,7 @@ from grpc import aio
 
 from kvxferd.client.values import ErrorInfo
 from kvxferd.v1 import common_pb2
+from kvxferd.wire.peer_client import RpcFailure  # what the scheduler socket raises
 
 ERROR_TRAILER = "kvxferd-error-bin"
 """The trailer that carries the daemon's typed error (a serialized ``ErrorDetail``)."""
@@ -28,10 +29,11 @@ class KvxferdRpcError(Exception):
 
     @classmethod
     def wrap(cls, method: str, exc: grpc.RpcError) -> KvxferdRpcError:
-        code = exc.code() if isinstance(exc, grpc.Call | aio.AioRpcError) else None
-        details = exc.details() if isinstance(exc, grpc.Call | aio.AioRpcError) else str(exc)
+        shaped = isinstance(exc, grpc.Call | aio.AioRpcError | RpcFailure)
+        code = exc.code() if shaped else None
+        details = exc.details() if shaped else str(exc)
         trailer: Any = ()
-        if isinstance(exc, grpc.Call | aio.AioRpcError):
+        if shaped:
             trailer = exc.trailing_metadata() or ()
         error = None
         for key, value in trailer:

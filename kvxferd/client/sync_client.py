@@ -10,6 +10,7 @@ from typing import Any, Self
 import grpc
 
 from kvxferd.client.errors import KvxferdRpcError
+from kvxferd.client.local import SchedulerSocket
 from kvxferd.client.requests import BlockIds, channel_options, metadata, start_request
 from kvxferd.client.values import (
     ChecksumAlgorithm,
@@ -25,7 +26,10 @@ class SchedulerClient:
 
     ``target``: the daemon's ``server.listen``/``server.advertise`` address. ``token``: its
     ``auth.token``. ``credentials``: TLS (``grpc.ssl_channel_credentials``) when the daemon
-    has ``auth.tls_cert``. ``timeout_s``: per call (streams: none)."""
+    has ``auth.tls_cert``. ``timeout_s``: per call (streams: none). ``socket``: the daemon's
+    ``server.scheduler_socket`` when this caller runs on its host: StartPull, GetTransfer,
+    CancelTransfer and ListPeers then go over it (:mod:`kvxferd.client.local`, no gRPC round
+    trip), the streams and Checksum over gRPC; the same answers and errors either way."""
 
     def __init__(
         self,
@@ -36,6 +40,7 @@ class SchedulerClient:
         timeout_s: float = 30.0,
         retry: bool = True,
         options: Sequence[tuple[str, Any]] = (),
+        socket: str = "",
     ) -> None:
         opts = channel_options(retry, options)
         self._channel = (
@@ -44,6 +49,8 @@ class SchedulerClient:
             else grpc.insecure_channel(target, options=opts)
         )
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
+        self._socket = SchedulerSocket(socket) if socket else None
+        self._unary: Any = self._socket or self._stub
         self._md = metadata(token)
         self.timeout_s = timeout_s
 
@@ -60,6 +67,8 @@ class SchedulerClient:
 
     def close(self) -> None:
         self._channel.close()
+        if self._socket is not None:
+            self._socket.close()
 
     def start_pull(
         self,
@@ -85,7 +94,7 @@ class SchedulerClient:
             skip_notify=skip_notify,
         )
         try:
-            resp = self._stub.StartPull(req, timeout=self.timeout_s, metadata=self._md)
+            resp = self._unary.StartPull(req, timeout=self.timeout_s, metadata=self._md)
         except grpc.RpcError as exc:
             raise KvxferdRpcError.wrap("StartPull", exc) from exc
         return StartedPull(TransferStatus.from_proto(resp.status), resp.created)
@@ -117,7 +126,7 @@ class SchedulerClient:
             wait=True,
         )
         try:
-            resp = self._stub.StartPull(req, timeout=timeout_s, metadata=self._md)
+            resp = self._unary.StartPull(req, timeout=timeout_s, metadata=self._md)
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise TimeoutError(f"{req.transfer_id} not terminal after {timeout_s} s") from exc
@@ -126,7 +135,7 @@ class SchedulerClient:
 
     def get_transfer(self, transfer_id: str) -> TransferStatus:
         try:
-            resp = self._stub.GetTransfer(
+            resp = self._unary.GetTransfer(
                 scheduler_pb2.GetTransferRequest(transfer_id=transfer_id),
                 timeout=self.timeout_s,
                 metadata=self._md,
@@ -138,7 +147,7 @@ class SchedulerClient:
     def cancel_transfer(self, transfer_id: str) -> TransferStatus:
         """Cancel a pull; returns its terminal status (DONE if it completed first)."""
         try:
-            resp = self._stub.CancelTransfer(
+            resp = self._unary.CancelTransfer(
                 scheduler_pb2.CancelTransferRequest(transfer_id=transfer_id),
                 timeout=self.timeout_s,
                 metadata=self._md,
@@ -187,7 +196,7 @@ class SchedulerClient:
 
     def list_peers(self) -> list[PeerStatus]:
         try:
-            resp = self._stub.ListPeers(
+            resp = self._unary.ListPeers(
                 scheduler_pb2.ListPeersRequest(), timeout=self.timeout_s, metadata=self._md
             )
         except grpc.RpcError as exc:

@@ -296,7 +296,8 @@ def run(args: argparse.Namespace) -> int:
         "\nraw copy: torch copy_ of the same bytes (the faster of one copy and one per layer);"
         " naive: one NIXL descriptor per (layer, block); floor: the descriptors DIRECT posts,"
         " one READ by a bare NIXL agent in a post/poll loop; kvxferd <strategy>: <what ran>:"
-        " StartPull with wait to its answer (the terminal status) through two daemons, after"
+        " StartPull with wait to its answer (the terminal status) on the decode daemon's"
+        " scheduler socket (server.scheduler_socket) through two daemons, after"
         " one untimed pull of the size; x raw / x naive:"
         " the row's median over theirs; transport: what served the row (for NIXL rows inferred"
         " from a READ's rate: kvxferd.ipc.transport)"
@@ -325,19 +326,20 @@ def run(args: argparse.Namespace) -> int:
             latency["floor_ms"] = floor
         print(
             f"small-request latency ({latency['blocks']} blocks = {latency['tokens']} tokens,"
-            f" {human_bytes(latency['bytes'])}, {latency['pulls']} pulls each way, alternating):"
+            f" {human_bytes(latency['bytes'])}, {latency['pulls']} pulls each way, rotating):"
         )
         for how, fig in (
-            ("StartPull + WatchTransfers", latency),
-            ("StartPull with wait", latency["wait"]),
+            ("StartPull + WatchTransfers (gRPC)", latency),
+            ("StartPull with wait (gRPC)", latency["wait"]),
+            ("StartPull with wait (scheduler socket)", latency["socket"]),
         ):
             print(latency_line(how, fig, floor))
-        rpc = latency["rpc"]
-        print(
-            f"  control floor: one GetTransfer round trip to the decode daemon (the same client,"
-            f" the same answer as StartPull with wait): p50 {rpc['p50_ms']:.2f} ms, p99"
-            f" {rpc['p99_ms']:.2f} ms"
-        )
+        for how, rpc in (("gRPC", latency["rpc"]), ("scheduler socket", latency["socket_rpc"])):
+            print(
+                f"  control floor, {how}: one GetTransfer round trip to the decode daemon (the"
+                f" same client, the same answer as StartPull with wait): p50"
+                f" {rpc['p50_ms']:.2f} ms, p99 {rpc['p99_ms']:.2f} ms"
+            )
     if latency.get("floor_ms") is not None:
         print(
             f"  floor: {latency['floor_ms']:.2f} ms, the time of the {latency['tokens']}-token"

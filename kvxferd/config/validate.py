@@ -7,6 +7,8 @@ from kvxferd.config.sections import DOCS, Config, TransferConfig, check_token
 from kvxferd.errors import ConfigError
 from kvxferd.netpolicy import PeerAllowList
 
+MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
+
 
 def validate(cfg: Config) -> None:
     _validate_listeners(cfg)
@@ -29,6 +31,13 @@ def validate(cfg: Config) -> None:
             "pool.mode = attached needs the Engine service, where the engine attaches its pool",
             field="server.engine_socket",
             fix="set server.engine_socket to a Unix socket path shared with the engine",
+        )
+    if len(cfg.server.scheduler_socket.encode()) > MAX_SOCKET_PATH:
+        raise ConfigError(
+            f"a Unix socket path holds at most {MAX_SOCKET_PATH} bytes, got"
+            f" {len(cfg.server.scheduler_socket.encode())}",
+            field="server.scheduler_socket",
+            fix="use a shorter path (e.g. /run/kvxferd/scheduler.sock)",
         )
     if cfg.pool.session_grace_ms <= 0:
         raise ConfigError(

@@ -110,7 +110,10 @@ def measure_daemons(
             "decode",
             pool,
             device=workload.dev_decode,
-            extra=("--set", f"transfer.strategy={_configured(strategy)}", *mode),
+            extra=(
+                *("--set", f"transfer.strategy={_configured(strategy)}", *mode),
+                *("--set", f"server.scheduler_socket={workdir / 'decode.scheduler.sock'}"),
+            ),
         ),
     ]
     latency: dict[str, Any] = {}
@@ -122,7 +125,12 @@ def measure_daemons(
         prefill_r, decode_r = daemons["prefill"].ready, daemons["decode"].ready
         assert prefill_r is not None and decode_r is not None
         prefill = DaemonClient("prefill", prefill_r.grpc, prefill_r.engine_socket)
-        decode = DaemonClient("decode", decode_r.grpc, decode_r.engine_socket)
+        decode = DaemonClient(
+            "decode",
+            decode_r.grpc,
+            decode_r.engine_socket,
+            scheduler_socket=decode_r.scheduler_socket,
+        )
         puller = DaemonPuller(prefill, decode)
         try:
             puller.pull(*block_ids(workload, 256, CONTIGUOUS, WARMUP_REP, seed))  # handshake
@@ -132,7 +140,7 @@ def measure_daemons(
                 puller.pull(*block_ids(workload, cell.tokens, cell.pattern, WARMUP_REP, seed))
                 for rep in range(repeat):
                     local, remote = block_ids(workload, cell.tokens, cell.pattern, rep, seed)
-                    out = puller.pull(local, remote, wait=True)
+                    out = puller.pull(local, remote, socket=True)
                     st = out.status
                     cell.kvxferd_gbps.append(st.nbytes / out.seconds / 1e9)
                     cell.kvxferd_ms.append(out.seconds * 1e3)
@@ -192,43 +200,48 @@ def _figures(
     }
 
 
-# Latency pulls alternate between the two ways of waiting in blocks of at most this many.
+# Latency pulls rotate between the ways of waiting in blocks of at most this many.
 LATENCY_BLOCK = 20
+# How the caller waits: StartPull then the status on WatchTransfers (gRPC), StartPull with
+# wait over gRPC, StartPull with wait on the decode daemon's scheduler socket.
+WATCH, WAIT, SOCKET = "watch", "wait", "socket"
 
 
 def _latency(
     puller: DaemonPuller, workload: Workload, pulls: int, seed: int, strategy: str
 ) -> dict[str, Any]:
-    """``pulls`` small pulls each way, in alternating blocks (the same conditions for both):
-    StartPull and the terminal status on WatchTransfers (the top-level figures), and StartPull
-    with ``wait`` (under ``"wait"``), whose blocks run with the stream closed, as a caller that
-    waits with StartPull watches nothing. After each pull, one GetTransfer of it is timed
-    (under ``"rpc"``): a unary call to the decode daemon by the same client with the same
-    answer as StartPull with ``wait``, the control path's floor that the daemon's work adds
-    to."""
+    """``pulls`` small pulls each way, in rotating blocks (the same conditions for all):
+    StartPull and the terminal status on WatchTransfers (the top-level figures), StartPull
+    with ``wait`` over gRPC (under ``"wait"``) and on the scheduler socket (``"socket"``); the
+    ``wait`` blocks run with the stream closed, as a caller that waits with StartPull watches
+    nothing. After each pull, one GetTransfer of it is timed the same way as the pull asked
+    (gRPC under ``"rpc"``, the socket under ``"socket_rpc"``): a unary call to the decode
+    daemon by the same client with the same answer as StartPull with ``wait``, the control
+    path's floor that the daemon's work adds to."""
     tokens = SMALL_BLOCKS * workload.spec.groups[0].kernel_block_size
-    runs: dict[bool, tuple[list[float], list[float], dict[str, list[float]]]] = {
-        False: ([], [], {}),
-        True: ([], [], {}),
+    modes = (WATCH, WAIT, SOCKET)
+    runs: dict[str, tuple[list[float], list[float], dict[str, list[float]]]] = {
+        m: ([], [], {}) for m in modes
     }
-    rpc_ms: list[float] = []
+    rpc_ms: dict[bool, list[float]] = {False: [], True: []}
     block = max(1, min(LATENCY_BLOCK, pulls // 4))
     order = [
-        wait
+        m
         for start in range(0, pulls, block)
-        for wait in [False] * min(block, pulls - start) + [True] * min(block, pulls - start)
+        for m in modes
+        for _ in range(min(block, pulls - start))
     ]
-    for rep, wait in enumerate(order):
-        if rep == 0 or wait != order[rep - 1]:
-            puller.watching(not wait)  # untimed: the stream is registered before the block
-            if not wait:  # a new watch-all stream starts with every known pull: drain it
+    for rep, mode in enumerate(order):
+        if rep == 0 or mode != order[rep - 1]:
+            puller.watching(mode == WATCH)  # untimed: the stream is registered before the block
+            if mode == WATCH:  # a new watch-all stream starts with every known pull: drain it
                 puller.pull(*block_ids(workload, tokens, FRAGMENTED, 5000 + rep, seed))
         local, remote = block_ids(workload, tokens, FRAGMENTED, 1000 + rep, seed)
-        out = puller.pull(local, remote, wait=wait)
+        out = puller.pull(local, remote, wait=mode == WAIT, socket=mode == SOCKET)
         t0 = time.perf_counter()
-        puller.decode.get_transfer(out.status.transfer_id)
-        rpc_ms.append((time.perf_counter() - t0) * 1e3)
-        client_ms, server_ms, stages_ms = runs[wait]
+        puller.decode.get_transfer(out.status.transfer_id, local=mode == SOCKET)
+        rpc_ms[mode == SOCKET].append((time.perf_counter() - t0) * 1e3)
+        client_ms, server_ms, stages_ms = runs[mode]
         client_ms.append(out.seconds * 1e3)
         server_ms.append(out.server_seconds * 1e3)
         for stage in out.status.stages:
@@ -239,15 +252,21 @@ def _latency(
         "pulls": pulls,
         "strategy": strategy,
         "bytes": workload.request_bytes(tokens),
-        **_figures(*runs[False]),
-        "wait": _figures(*runs[True]),
-        "rpc": {
-            "ms": rpc_ms,
-            "p50_ms": percentile(rpc_ms, 50),
-            "p99_ms": percentile(rpc_ms, 99),
-            "what": "GetTransfer of the pull just finished: one unary call to the decode daemon"
-            " by the same client, the same answer as StartPull with wait",
-        },
+        **_figures(*runs[WATCH]),
+        WAIT: _figures(*runs[WAIT]),
+        SOCKET: _figures(*runs[SOCKET]),
+        "rpc": _rpc_floor(rpc_ms[False], "gRPC"),
+        "socket_rpc": _rpc_floor(rpc_ms[True], "the scheduler socket"),
+    }
+
+
+def _rpc_floor(ms: list[float], how: str) -> dict[str, Any]:
+    return {
+        "ms": ms,
+        "p50_ms": percentile(ms, 50),
+        "p99_ms": percentile(ms, 99),
+        "what": f"GetTransfer of the pull just finished over {how}: one unary call to the"
+        " decode daemon by the same client, the same answer as StartPull with wait",
     }
 
 

@@ -17,12 +17,14 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import numpy as np
 import numpy.typing as npt
 
 from kvxferd.client import KvxferdRpcError
+from kvxferd.client.local import SchedulerSocket
 from kvxferd.client.requests import channel_options, metadata, start_request
 from kvxferd.layout.spec import KVCacheSpec
 from kvxferd.v1 import (
@@ -87,12 +89,21 @@ def rpc_failure(method: str, exc: grpc.RpcError) -> RpcFailure:
 class DaemonClient:
     """One daemon's Scheduler (``grpc_address``) and Engine (``engine_socket``) services."""
 
-    def __init__(self, name: str, grpc_address: str, engine_socket: str, token: str = "") -> None:
+    def __init__(
+        self,
+        name: str,
+        grpc_address: str,
+        engine_socket: str,
+        token: str = "",
+        scheduler_socket: str = "",
+    ) -> None:
         self.name = name
         self.grpc_address = grpc_address
         self.metadata: tuple[tuple[str, str], ...] = metadata(token)
         self._channel = grpc.insecure_channel(grpc_address, options=_CHANNEL_OPTIONS)
         self.scheduler = scheduler_pb2_grpc.SchedulerStub(self._channel)
+        # The daemon's scheduler socket (server.scheduler_socket), for calls made with local=True.
+        self.socket = SchedulerSocket(scheduler_socket) if scheduler_socket else None
         self._engine_channel: grpc.Channel | None = None
         self.engine: engine_pb2_grpc.EngineStub | None = None
         if engine_socket:
@@ -103,6 +114,8 @@ class DaemonClient:
 
     def close(self) -> None:
         self._channel.close()
+        if self.socket is not None:
+            self.socket.close()
         if self._engine_channel is not None:
             self._engine_channel.close()
 
@@ -149,6 +162,13 @@ class DaemonClient:
 
     # -- scheduler service ------------------------------------------------------------------
 
+    def _unary(self, local: bool) -> Any:
+        """The stub for a unary Scheduler call: gRPC, or with ``local`` the scheduler socket."""
+        if local and self.socket is None:
+            why = f"{self.name} serves no scheduler socket"
+            raise RpcFailure("Scheduler", grpc.StatusCode.FAILED_PRECONDITION, why, None)
+        return self.socket if local else self.scheduler
+
     def start_pull(
         self,
         transfer_id: str,
@@ -157,9 +177,10 @@ class DaemonClient:
         *,
         deadline_ms: int = 0,
         wait_s: float = 0.0,
+        local: bool = False,
     ) -> scheduler_pb2.StartPullResponse:
         """StartPull; with ``wait_s`` > 0, StartPull with ``wait`` (the answer is the terminal
-        status), given that long."""
+        status), given that long; with ``local``, on the daemon's scheduler socket."""
         req = start_request(
             request_id=hold.request_id,
             peer_address=hold.peer_address,
@@ -171,16 +192,18 @@ class DaemonClient:
             wait=wait_s > 0,
         )
         try:
-            resp: scheduler_pb2.StartPullResponse = self.scheduler.StartPull(
+            resp: scheduler_pb2.StartPullResponse = self._unary(local).StartPull(
                 req, timeout=wait_s or CALL_TIMEOUT_S, metadata=self.metadata
             )
         except grpc.RpcError as exc:
             raise rpc_failure(f"{self.name} StartPull", exc) from None
         return resp
 
-    def get_transfer(self, transfer_id: str) -> scheduler_pb2.TransferStatus:
+    def get_transfer(
+        self, transfer_id: str, *, local: bool = False
+    ) -> scheduler_pb2.TransferStatus:
         try:
-            resp = self.scheduler.GetTransfer(
+            resp: scheduler_pb2.GetTransferResponse = self._unary(local).GetTransfer(
                 scheduler_pb2.GetTransferRequest(transfer_id=transfer_id),
                 timeout=CALL_TIMEOUT_S,
                 metadata=self.metadata,

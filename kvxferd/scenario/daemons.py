@@ -88,6 +88,7 @@ class Ready:
     metrics: str
     pid: int
     peer_socket: str = ""  # the same-host Peer socket (peers.local_socket), "" when off
+    scheduler_socket: str = ""  # server.scheduler_socket, "" when off
 
 
 @dataclass
@@ -161,6 +162,7 @@ class Daemon:
                 metrics=str(doc.get("metrics") or ""),
                 pid=int(doc.get("pid") or 0),
                 peer_socket=str(doc.get("peer_socket") or ""),
+                scheduler_socket=str(doc.get("scheduler_socket") or ""),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise DaemonError(f"daemon {self.name}: ready file lacks {exc}: {doc}") from exc

@@ -80,14 +80,23 @@ class DaemonPuller:
         self.watching(False)
         self.releases.close()
 
-    def pull(self, local: Int64Array, remote: Int64Array, *, wait: bool = False) -> PullOutcome:
+    def pull(
+        self, local: Int64Array, remote: Int64Array, *, wait: bool = False, socket: bool = False
+    ) -> PullOutcome:
+        """One pull; ``wait``: StartPull with ``wait`` (over gRPC, or with ``socket`` on the
+        decode daemon's scheduler socket), else StartPull and the status on the stream."""
         self._n += 1
         rid = f"bench-{self.tag}-{self._n}"
         hold = self.prefill.hold(rid, [remote])
-        if wait:
+        if wait or socket:
             t0 = time.perf_counter()
             st = self.decode.start_pull(
-                f"{rid}-pull", hold, [local], deadline_ms=PULL_DEADLINE_MS, wait_s=WAIT_TIMEOUT_S
+                f"{rid}-pull",
+                hold,
+                [local],
+                deadline_ms=PULL_DEADLINE_MS,
+                wait_s=WAIT_TIMEOUT_S,
+                local=socket,
             ).status
             seconds = time.perf_counter() - t0
         else:

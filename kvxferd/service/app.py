@@ -56,7 +56,7 @@ from kvxferd.service.auth import call_metadata, channel_credentials
 from kvxferd.service.compose import compose_daemon
 from kvxferd.service.listeners import GRPC_OPTIONS, Listeners, bind, hostport
 from kvxferd.service.live import live_source, observe_pulls
-from kvxferd.service.local_peer import LocalPeerServer, serve_local
+from kvxferd.service.local_peer import LocalPeerServer, serve_sockets
 from kvxferd.service.memory import open_memory, pool_spec
 from kvxferd.service.servicers import EngineService, PeerService, SchedulerService
 from kvxferd.transfer import LeaseTable, NotificationPump, TransferEngine
@@ -106,7 +106,7 @@ class Running:
     http: ThreadingHTTPServer | None
     registry: CollectorRegistry
     metrics_task: asyncio.Task[None] | None = None
-    local_peer: LocalPeerServer | None = None
+    local_servers: tuple[LocalPeerServer, ...] = ()  # the Peer and scheduler sockets
 
     async def stop(self) -> None:
         if self.metrics_task is not None:
@@ -114,8 +114,8 @@ class Running:
         await self.health.enter_graceful_shutdown()
         cancelled = await self.daemon.reader.drain(self.cfg.server.drain_timeout_s)
         await self.server.stop(grace=1.0)
-        if self.local_peer is not None:
-            await self.local_peer.close()
+        for local in self.local_servers:
+            await local.close()
         if self.engine_server is not None:
             await self.engine_server.stop(grace=1.0)
         if self.attacher is not None:
@@ -266,10 +266,11 @@ async def _build(
     health_servicer = health_aio.HealthServicer()
     peer_service = PeerService(daemon)
     peer_pb2_grpc.add_PeerServicer_to_server(peer_service, server)
-    local_peer = await serve_local(cfg, peer_service, metrics, token, daemon)
-    if local_peer is not None:
-        undo.push_async_callback(local_peer.close)
-    scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerService(daemon), server)
+    scheduler = SchedulerService(daemon)
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(scheduler, server)
+    sockets = await serve_sockets(cfg, peer_service, scheduler, metrics, token=token, d=daemon)
+    for local in sockets:
+        undo.push_async_callback(local.close)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (*TCP_SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
@@ -338,7 +339,7 @@ async def _build(
         http,
         registry,
         metrics_task,
-        local_peer,
+        sockets,
     )
 
 
@@ -375,6 +376,7 @@ async def serve_forever(cfg: Config, *, ready_file: str = "", fill_seed: int | N
                     "metrics": running.metrics_address,
                     "engine_socket": running.engine_socket,
                     "peer_socket": running.daemon.local_socket,
+                    "scheduler_socket": cfg.server.scheduler_socket,
                     "pid": os.getpid(),
                 }
             )

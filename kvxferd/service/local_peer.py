@@ -1,4 +1,5 @@
-"""The owner's same-host Peer socket: the Peer calls of a pull's lifetime over a Unix socket.
+"""The daemon's Unix sockets of framed calls: the owner's same-host Peer socket (the Peer calls of
+a pull's lifetime) and, when configured, the scheduler socket (the Scheduler's unary calls).
 
 Answers the calls :data:`kvxferd.wire.peer_client.LOCAL_METHODS` names with the very
 :class:`~kvxferd.service.peer_service.PeerService` handlers gRPC uses, through a small context
@@ -11,6 +12,12 @@ Who can call: the socket file is created mode 0600 (the daemon's user only), the
 is checked as on gRPC when ``auth.token`` is set, and every call acts for a handshake
 session, which only a gRPC Handshake grants. A malformed frame closes that one
 connection; a call the socket does not serve is answered UNIMPLEMENTED; neither touches memory.
+
+The scheduler socket (``server.scheduler_socket``, off by default) answers
+:data:`kvxferd.wire.local.SCHEDULER_METHODS` with the very
+:class:`~kvxferd.service.scheduler_service.SchedulerService` handlers, the same way: mode 0660
+like the Engine socket (the caller may run as another user of the daemon's group), the token
+checked when set.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import grpc
+from grpc import aio
 
 from kvxferd.config import Config
 from kvxferd.daemon.core import Daemon
@@ -39,6 +47,7 @@ from kvxferd.wire.local import (
     CANCEL,
     METHODS,
     REQUEST,
+    SCHEDULER_METHODS,
     FrameError,
     answer_frame,
     parse_request,
@@ -48,6 +57,7 @@ from kvxferd.wire.local import (
 log = logging.getLogger(__name__)
 
 SERVICE = "kvxferd.v1.Peer"
+SCHEDULER = "kvxferd.v1.Scheduler"
 MAX_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
 
 
@@ -82,7 +92,7 @@ def sweep_stale(directory: str, only: str = "") -> list[str]:
     return removed
 
 
-class _Abort(Exception):
+class _Abort(aio.AbortError):  # what handlers' aborts raise, as on gRPC (rpc() lets it pass)
     def __init__(self, code: grpc.StatusCode, details: str) -> None:
         super().__init__(details)
         self.code, self.details = code, details
@@ -123,12 +133,25 @@ def _forget(calls: dict[int, asyncio.Task[None]], call_id: int, _: object) -> No
 
 
 class LocalPeerServer:
-    """Serves ``service``'s :data:`~kvxferd.wire.local.METHODS` on a Unix socket at ``path``."""
+    """Serves ``service``'s ``methods`` (the Peer's :data:`~kvxferd.wire.local.METHODS` unless
+    told) on a Unix socket at ``path``, created with ``mode``; ``name``: the service's full
+    name, for metrics and messages."""
 
-    def __init__(self, service: Any, metrics: Metrics, path: str, token: str = "") -> None:
+    def __init__(
+        self,
+        service: Any,
+        metrics: Metrics,
+        path: str,
+        token: str = "",
+        *,
+        name: str = SERVICE,
+        methods: dict[str, tuple[type[Any], type[Any]]] = METHODS,
+        mode: int = 0o600,
+    ) -> None:
         if len(path.encode()) > MAX_PATH:
-            raise ValueError(f"the local Peer socket path is over {MAX_PATH} bytes: {path}")
+            raise ValueError(f"the socket path is over {MAX_PATH} bytes: {path}")
         self.path = path
+        self.name, self._methods, self._mode = name, methods, mode
         self._service = service
         self._m = metrics
         self._expected = f"Bearer {token}".encode() if token else b""
@@ -143,12 +166,12 @@ class LocalPeerServer:
                 raise OSError(f"{self.path} exists and is not a socket")
             if self.path not in sweep_stale(os.path.dirname(self.path) or ".", only=self.path):
                 raise OSError(f"another process serves on {self.path}")
-        old = os.umask(0o177)
+        old = os.umask(0o777 & ~self._mode)
         try:
             self._server = await asyncio.start_unix_server(self._accept, self.path)
         finally:
             os.umask(old)
-        os.chmod(self.path, 0o600)
+        os.chmod(self.path, self._mode)
 
     async def close(self) -> None:
         if self._server is not None:
@@ -181,7 +204,9 @@ class LocalPeerServer:
                 else:
                     raise FrameError(f"unexpected frame kind {kind}")
         except FrameError as exc:
-            log.warning("closing a local Peer connection", extra=kv(why=str(exc)))
+            log.warning(
+                "closing a local socket connection", extra=kv(why=str(exc), service=self.name)
+            )
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the reader went away
         finally:
@@ -196,7 +221,7 @@ class LocalPeerServer:
             method, code, frame = await self._answer(call_id, body)
         except asyncio.CancelledError:
             return  # the caller gave up (or we are closing): nothing to answer
-        observe_served(self._m, SERVICE, method, code.name, t0)
+        observe_served(self._m, self.name, method, code.name, t0)
         if not writer.is_closing():
             writer.write(frame)
 
@@ -206,13 +231,16 @@ class LocalPeerServer:
         except FrameError as exc:
             code = grpc.StatusCode.INVALID_ARGUMENT
             return "unknown", code, answer_frame(call_id, code, f"malformed request: {exc}")
-        types = METHODS.get(method)
+        types = self._methods.get(method)
         if types is None:
             code = grpc.StatusCode.UNIMPLEMENTED
-            text = f"{method!r} is not served on the local Peer socket; use the gRPC port"
+            text = (
+                f"{method!r} is not served on this {self.name} socket ({self.path}); it serves"
+                f" {', '.join(sorted(self._methods))}; call the others on the gRPC port"
+            )
             return "unknown", code, answer_frame(call_id, code, text)
         if self._expected:
-            refusal = token_refusal(meta, self._expected, f"/{SERVICE}/{method}")
+            refusal = token_refusal(meta, self._expected, f"/{self.name}/{method}")
             if refusal is not None:
                 code = grpc.StatusCode.UNAUTHENTICATED
                 return method, code, answer_frame(call_id, code, refusal)
@@ -233,7 +261,7 @@ class LocalPeerServer:
             code = grpc.StatusCode.DEADLINE_EXCEEDED
             return method, code, answer_frame(call_id, code, "Deadline Exceeded")
         except Exception as exc:  # the handlers answer errors through abort; this is a bug
-            log.exception("local Peer call failed", extra=kv(method=method))
+            log.exception("local socket call failed", extra=kv(method=method, service=self.name))
             code = grpc.StatusCode.INTERNAL
             return method, code, answer_frame(call_id, code, f"{type(exc).__name__}: {exc}")
         return (
@@ -266,3 +294,36 @@ async def serve_local(
         return None
     daemon.local_socket = path
     return server
+
+
+async def serve_scheduler(
+    cfg: Config, service: Any, metrics: Metrics, token: str
+) -> LocalPeerServer | None:
+    """Start the scheduler socket ``server.scheduler_socket`` names (None when empty). It was
+    asked for explicitly, so a path that cannot be served stops the daemon's start with why."""
+    path = cfg.server.scheduler_socket
+    if not path:
+        return None
+    try:
+        server = LocalPeerServer(
+            service, metrics, path, token, name=SCHEDULER, methods=SCHEDULER_METHODS, mode=0o660
+        )
+        await server.start()
+    except (OSError, ValueError) as exc:
+        raise OSError(
+            f"server.scheduler_socket: cannot serve on {path}: {exc}; pick a writable path"
+            " that no other daemon serves on, or leave it empty"
+        ) from exc
+    log.info("serving the scheduler socket", extra=kv(socket=path))
+    return server
+
+
+async def serve_sockets(
+    cfg: Config, peer: Any, scheduler: Any, metrics: Metrics, *, token: str, d: Daemon
+) -> tuple[LocalPeerServer, ...]:
+    """The same-host Peer socket and the scheduler socket, those configured and served."""
+    servers = (
+        await serve_local(cfg, peer, metrics, token, d),
+        await serve_scheduler(cfg, scheduler, metrics, token),
+    )
+    return tuple(s for s in servers if s is not None)

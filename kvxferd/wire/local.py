@@ -8,6 +8,11 @@ path. An owner daemon therefore also serves the Peer calls of a pull's lifetime 
 calls through :class:`LocalTransport` instead. The requests and answers are the Peer service's
 own protobuf messages; only the envelope differs. Handshake and Push always use gRPC.
 
+The same frames carry the Scheduler's unary calls (:data:`SCHEDULER_METHODS`) for a caller on
+the decode daemon's host (a scheduler or the vLLM connector beside it) when the daemon serves
+``server.scheduler_socket``: a StartPull with ``wait`` then costs a frame each way instead of a
+gRPC round trip. The blocking caller is :class:`kvxferd.client.local.SchedulerSocket`.
+
 Frames (all integers big-endian)::
 
     header   u32 body length | u32 call id | u8 kind
@@ -34,7 +39,7 @@ from typing import Any
 
 import grpc
 
-from kvxferd.v1 import peer_pb2
+from kvxferd.v1 import peer_pb2, scheduler_pb2
 from kvxferd.wire.peer_client import Metadata, NotSent, RpcFailure
 
 HEADER = struct.Struct("!IIB")
@@ -51,6 +56,16 @@ METHODS: dict[str, tuple[type[Any], type[Any]]] = {
     "Heartbeat": (peer_pb2.HeartbeatRequest, peer_pb2.HeartbeatResponse),
     "Gather": (peer_pb2.GatherRequest, peer_pb2.GatherResponse),
     "ReleaseStaging": (peer_pb2.ReleaseStagingRequest, peer_pb2.ReleaseStagingResponse),
+}
+
+# The Scheduler calls a caller on the daemon's host may also send on its scheduler socket
+# (server.scheduler_socket): the unary calls of a pull's lifetime. WatchTransfers (a stream)
+# and Checksum stay on gRPC.
+SCHEDULER_METHODS: dict[str, tuple[type[Any], type[Any]]] = {
+    "StartPull": (scheduler_pb2.StartPullRequest, scheduler_pb2.StartPullResponse),
+    "GetTransfer": (scheduler_pb2.GetTransferRequest, scheduler_pb2.GetTransferResponse),
+    "CancelTransfer": (scheduler_pb2.CancelTransferRequest, scheduler_pb2.CancelTransferResponse),
+    "ListPeers": (scheduler_pb2.ListPeersRequest, scheduler_pb2.ListPeersResponse),
 }
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}

@@ -151,7 +151,7 @@ def test_calls_the_socket_does_not_serve_are_unimplemented(pair: Daemons) -> Non
     body = struct.pack("!HHI", len(name), 0, 1_000_000) + name
     got = _raw(path, struct.pack("!IIB", len(body), 8, 1) + body)
     assert got[9] == grpc.StatusCode.UNIMPLEMENTED.value[0]
-    assert b"use the gRPC port" in got
+    assert b"on the gRPC port" in got
 
 
 def test_every_call_needs_a_handshake_session(pair: Daemons) -> None:
