@@ -47,7 +47,10 @@ def _missing(ids: Int64Array, held: Sequence[int]) -> Int64Array:
     if ids.size <= 256:
         gone = set(ids.tolist()).difference(held)
         return np.array(sorted(gone), dtype=np.int64)
-    return np.setdiff1d(ids, np.asarray(held, dtype=np.int64))
+    have = np.asarray(held, dtype=np.int64)
+    if have.shape == ids.shape and np.array_equal(have, ids):  # the usual answer: all, in order
+        return np.zeros(0, dtype=np.int64)
+    return np.setdiff1d(ids, have)
 
 
 @dataclass
