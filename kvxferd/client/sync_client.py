@@ -10,7 +10,6 @@ from typing import Any, Self
 import grpc
 
 from kvxferd.client.errors import KvxferdRpcError
-from kvxferd.client.local import SchedulerSocket
 from kvxferd.client.requests import BlockIds, channel_options, metadata, start_request
 from kvxferd.client.values import (
     ChecksumAlgorithm,
@@ -19,6 +18,7 @@ from kvxferd.client.values import (
     TransferStatus,
 )
 from kvxferd.v1 import scheduler_pb2, scheduler_pb2_grpc
+from kvxferd.wire.scheduler_socket import SchedulerSocket
 
 
 class SchedulerClient:
@@ -28,8 +28,9 @@ class SchedulerClient:
     ``auth.token``. ``credentials``: TLS (``grpc.ssl_channel_credentials``) when the daemon
     has ``auth.tls_cert``. ``timeout_s``: per call (streams: none). ``socket``: the daemon's
     ``server.scheduler_socket`` when this caller runs on its host: StartPull, GetTransfer,
-    CancelTransfer and ListPeers then go over it (:mod:`kvxferd.client.local`, no gRPC round
-    trip), the streams and Checksum over gRPC; the same answers and errors either way."""
+    CancelTransfer and ListPeers then go over it (:mod:`kvxferd.wire.scheduler_socket`, no
+    gRPC round trip), the streams and Checksum over gRPC; the same answers and errors either
+    way."""
 
     def __init__(
         self,

@@ -121,7 +121,11 @@ def run(args: argparse.Namespace) -> int:
                     "prefill", "dense:num_blocks=16", prefix_caching=True, extra=DAEMON_EXTRA
                 ),
                 DaemonOptions(
-                    "decode", "dense:num_blocks=16", prefix_caching=True, extra=DAEMON_EXTRA
+                    "decode",
+                    "dense:num_blocks=16",
+                    prefix_caching=True,
+                    extra=DAEMON_EXTRA,
+                    scheduler_socket=True,
                 ),
                 # An owned Llama-3-8B-shaped pool: a peer the decode daemon must refuse.
                 DaemonOptions(

@@ -74,6 +74,7 @@ class Daemon:
         self.address = address
         self.instance_id = instance_id or uuid.uuid4().hex
         self.local_socket = ""  # set once the same-host Peer socket serves (service.app)
+        self.scheduler_socket = ""  # set once server.scheduler_socket serves (service.app)
         self.daemon_id = agent_name
         self.owner = Owner(self.parts)
         self.reader = Reader(self.parts)

@@ -46,6 +46,7 @@ class PoolState:
     attachment_id: str
     held_requests: int
     peer_address: str
+    scheduler_socket: str = ""  # the daemon's server.scheduler_socket, "" when it serves none
 
 
 def pool_state(p: engine_pb2.PoolInfo) -> PoolState:
@@ -58,6 +59,7 @@ def pool_state(p: engine_pb2.PoolInfo) -> PoolState:
         attachment_id=p.attachment_id,
         held_requests=p.held_requests,
         peer_address=p.peer_address,
+        scheduler_socket=p.scheduler_socket,
     )
 
 

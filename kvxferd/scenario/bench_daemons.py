@@ -110,10 +110,8 @@ def measure_daemons(
             "decode",
             pool,
             device=workload.dev_decode,
-            extra=(
-                *("--set", f"transfer.strategy={_configured(strategy)}", *mode),
-                *("--set", f"server.scheduler_socket={workdir / 'decode.scheduler.sock'}"),
-            ),
+            extra=("--set", f"transfer.strategy={_configured(strategy)}", *mode),
+            scheduler_socket=True,
         ),
     ]
     latency: dict[str, Any] = {}

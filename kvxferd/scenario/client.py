@@ -24,7 +24,6 @@ import numpy as np
 import numpy.typing as npt
 
 from kvxferd.client import KvxferdRpcError
-from kvxferd.client.local import SchedulerSocket
 from kvxferd.client.requests import channel_options, metadata, start_request
 from kvxferd.layout.spec import KVCacheSpec
 from kvxferd.v1 import (
@@ -35,6 +34,7 @@ from kvxferd.v1 import (
     scheduler_pb2_grpc,
 )
 from kvxferd.wire.codec import group_ids_to_proto, spec_from_proto
+from kvxferd.wire.scheduler_socket import SchedulerSocket
 
 TERMINAL = frozenset(
     {

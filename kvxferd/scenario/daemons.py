@@ -49,6 +49,7 @@ class DaemonOptions:
     fill_seed: int | None = None
     token: str = ""
     extra: tuple[str, ...] = ()
+    scheduler_socket: bool = False  # also serve server.scheduler_socket (<name>.sched.sock)
 
     def argv(self, workdir: Path) -> list[str]:
         args = [
@@ -72,6 +73,8 @@ class DaemonOptions:
             args += ["--fill-pattern", str(self.fill_seed)]
         if self.token:
             args += ["--token", self.token]
+        if self.scheduler_socket:
+            args += ["--set", f"server.scheduler_socket={workdir / f'{self.name}.sched.sock'}"]
         return [*args, *self.extra]
 
 

@@ -110,6 +110,7 @@ def pool_info(daemon: Daemon, attacher: Attacher | None) -> engine_pb2.PoolInfo:
         nixl_agent_name=daemon.agent_name,
         peer_address=daemon.address,
         held_requests=len(daemon.leases),
+        scheduler_socket=daemon.scheduler_socket,
     )
     if not slot.registered:
         return out

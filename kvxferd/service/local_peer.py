@@ -297,10 +297,11 @@ async def serve_local(
 
 
 async def serve_scheduler(
-    cfg: Config, service: Any, metrics: Metrics, token: str
+    cfg: Config, service: Any, metrics: Metrics, token: str, daemon: Daemon
 ) -> LocalPeerServer | None:
-    """Start the scheduler socket ``server.scheduler_socket`` names (None when empty). It was
-    asked for explicitly, so a path that cannot be served stops the daemon's start with why."""
+    """Start the scheduler socket ``server.scheduler_socket`` names (None when empty) and
+    advertise it in Describe's PoolInfo. It was asked for explicitly, so a path that cannot be
+    served stops the daemon's start with why."""
     path = cfg.server.scheduler_socket
     if not path:
         return None
@@ -315,6 +316,7 @@ async def serve_scheduler(
             " that no other daemon serves on, or leave it empty"
         ) from exc
     log.info("serving the scheduler socket", extra=kv(socket=path))
+    daemon.scheduler_socket = path
     return server
 
 
@@ -324,6 +326,6 @@ async def serve_sockets(
     """The same-host Peer socket and the scheduler socket, those configured and served."""
     servers = (
         await serve_local(cfg, peer, metrics, token, d),
-        await serve_scheduler(cfg, scheduler, metrics, token),
+        await serve_scheduler(cfg, scheduler, metrics, token, d),
     )
     return tuple(s for s in servers if s is not None)

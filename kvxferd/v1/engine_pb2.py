@@ -26,17 +26,17 @@ from kvxferd.v1 import common_pb2 as kvxferd_dot_v1_dot_common__pb2
 from kvxferd.v1 import spec_pb2 as kvxferd_dot_v1_dot_spec__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvxferd/v1/engine.proto\x12\nkvxferd.v1\x1a\x17kvxferd/v1/common.proto\x1a\x15kvxferd/v1/spec.proto\"\xe8\x01\n\x0cMemoryHandle\x12\x13\n\x0bregion_name\x18\x01 \x01(\t\x12\x19\n\x0f\x63uda_ipc_handle\x18\x02 \x01(\x0cH\x00\x12\x12\n\x08shm_name\x18\x03 \x01(\tH\x00\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x11\n\tdevice_id\x18\x05 \x01(\r\x12\x0e\n\x06nbytes\x18\x06 \x01(\x04\x12\r\n\x05shape\x18\x07 \x03(\x03\x12\x0f\n\x07strides\x18\x08 \x03(\x03\x12\"\n\x05\x64type\x18\t \x01(\x0e\x32\x13.kvxferd.v1.KvDtype\x12\x13\n\x0b\x64\x65vice_uuid\x18\n \x01(\tB\x08\n\x06handle\"\x8e\x02\n\rAttachRequest\x12\'\n\x04spec\x18\x01 \x01(\x0b\x32\x17.kvxferd.v1.KvCacheSpecH\x00\x12\x10\n\x06preset\x18\x02 \x01(\tH\x00\x12+\n\x0bmemory_mode\x18\x03 \x01(\x0e\x32\x16.kvxferd.v1.MemoryMode\x12&\n\x06memory\x18\x04 \x01(\x0e\x32\x16.kvxferd.v1.MemoryType\x12)\n\x07imports\x18\x05 \x03(\x0b\x32\x18.kvxferd.v1.MemoryHandle\x12\x0f\n\x07tp_rank\x18\x06 \x01(\r\x12\x0f\n\x07tp_size\x18\x07 \x01(\r\x12\x16\n\x0eprefix_caching\x18\x08 \x01(\x08\x42\x08\n\x06source\"4\n\x0e\x41ttachResponse\x12\"\n\x04pool\x18\x01 \x01(\x0b\x32\x14.kvxferd.v1.PoolInfo\"\x11\n\x0f\x44\x65scribeRequest\"6\n\x10\x44\x65scribeResponse\x12\"\n\x04pool\x18\x01 \x01(\x0b\x32\x14.kvxferd.v1.PoolInfo\"\xfd\x02\n\x08PoolInfo\x12,\n\x05state\x18\x01 \x01(\x0e\x32\x1d.kvxferd.v1.RegistrationState\x12+\n\x0bmemory_mode\x18\x02 \x01(\x0e\x32\x16.kvxferd.v1.MemoryMode\x12%\n\x04spec\x18\x03 \x01(\x0b\x32\x17.kvxferd.v1.KvCacheSpec\x12\x35\n\rregistrations\x18\x04 \x03(\x0b\x32\x1e.kvxferd.v1.RegionRegistration\x12)\n\x07\x65xports\x18\x05 \x03(\x0b\x32\x18.kvxferd.v1.MemoryHandle\x12\x1f\n\x17registration_generation\x18\x06 \x01(\x04\x12\x17\n\x0fnixl_agent_name\x18\x07 \x01(\t\x12\x14\n\x0cpeer_address\x18\x08 \x01(\t\x12\x15\n\rheld_requests\x18\t \x01(\r\x12\x15\n\rattachment_id\x18\n \x01(\tJ\x04\x08\x0b\x10\x0cR\tslow_path\"y\n\x0bHoldRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\tblock_ids\x18\x02 \x01(\x0b\x32\x19.kvxferd.v1.GroupBlockIds\x12\x18\n\x10\x65xpected_readers\x18\x03 \x01(\r\x12\x0e\n\x06ttl_ms\x18\x04 \x01(\r\"\x86\x01\n\x0cHoldResponse\x12\x14\n\x0cpeer_address\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x33\n\x10remote_block_ids\x18\x03 \x01(\x0b\x32\x19.kvxferd.v1.GroupBlockIds\x12\x17\n\x0f\x65xpires_unix_ns\x18\x04 \x01(\x03\"+\n\x14WatchReleasesRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\x9e\x01\n\x15WatchReleasesResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x06reason\x18\x02 \x01(\x0e\x32\x19.kvxferd.v1.ReleaseReason\x12,\n\tblock_ids\x18\x03 \x01(\x0b\x32\x19.kvxferd.v1.GroupBlockIds\x12\x18\n\x10released_unix_ns\x18\x04 \x01(\x03\"5\n\rDetachRequest\x12\r\n\x05\x66orce\x18\x01 \x01(\x08\x12\x15\n\rattachment_id\x18\x02 \x01(\t\"+\n\x0e\x44\x65tachResponse\x12\x19\n\x11released_requests\x18\x01 \x01(\r\"\'\n\x0eSessionRequest\x12\x15\n\rattachment_id\x18\x01 \x01(\t\"x\n\x0fSessionResponse\x12&\n\x06opened\x18\x01 \x01(\x0b\x32\x14.kvxferd.v1.PoolInfoH\x00\x12\x34\n\x07release\x18\x02 \x01(\x0b\x32!.kvxferd.v1.WatchReleasesResponseH\x00\x42\x07\n\x05\x65vent*v\n\nMemoryMode\x12\x1b\n\x17MEMORY_MODE_UNSPECIFIED\x10\x00\x12\x15\n\x11MEMORY_MODE_OWNED\x10\x01\x12\x18\n\x14MEMORY_MODE_IMPORTED\x10\x02\x12\x1a\n\x16MEMORY_MODE_IN_PROCESS\x10\x03*\x9f\x01\n\x11RegistrationState\x12\"\n\x1eREGISTRATION_STATE_UNSPECIFIED\x10\x00\x12\x1f\n\x1bREGISTRATION_STATE_DETACHED\x10\x01\x12\"\n\x1eREGISTRATION_STATE_REGISTERING\x10\x02\x12!\n\x1dREGISTRATION_STATE_REGISTERED\x10\x03\x32\xaa\x03\n\x06\x45ngine\x12?\n\x06\x41ttach\x12\x19.kvxferd.v1.AttachRequest\x1a\x1a.kvxferd.v1.AttachResponse\x12\x45\n\x08\x44\x65scribe\x12\x1b.kvxferd.v1.DescribeRequest\x1a\x1c.kvxferd.v1.DescribeResponse\x12\x39\n\x04Hold\x12\x17.kvxferd.v1.HoldRequest\x1a\x18.kvxferd.v1.HoldResponse\x12V\n\rWatchReleases\x12 .kvxferd.v1.WatchReleasesRequest\x1a!.kvxferd.v1.WatchReleasesResponse0\x01\x12?\n\x06\x44\x65tach\x12\x19.kvxferd.v1.DetachRequest\x1a\x1a.kvxferd.v1.DetachResponse\x12\x44\n\x07Session\x12\x1a.kvxferd.v1.SessionRequest\x1a\x1b.kvxferd.v1.SessionResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvxferd/v1/engine.proto\x12\nkvxferd.v1\x1a\x17kvxferd/v1/common.proto\x1a\x15kvxferd/v1/spec.proto\"\xe8\x01\n\x0cMemoryHandle\x12\x13\n\x0bregion_name\x18\x01 \x01(\t\x12\x19\n\x0f\x63uda_ipc_handle\x18\x02 \x01(\x0cH\x00\x12\x12\n\x08shm_name\x18\x03 \x01(\tH\x00\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x11\n\tdevice_id\x18\x05 \x01(\r\x12\x0e\n\x06nbytes\x18\x06 \x01(\x04\x12\r\n\x05shape\x18\x07 \x03(\x03\x12\x0f\n\x07strides\x18\x08 \x03(\x03\x12\"\n\x05\x64type\x18\t \x01(\x0e\x32\x13.kvxferd.v1.KvDtype\x12\x13\n\x0b\x64\x65vice_uuid\x18\n \x01(\tB\x08\n\x06handle\"\x8e\x02\n\rAttachRequest\x12\'\n\x04spec\x18\x01 \x01(\x0b\x32\x17.kvxferd.v1.KvCacheSpecH\x00\x12\x10\n\x06preset\x18\x02 \x01(\tH\x00\x12+\n\x0bmemory_mode\x18\x03 \x01(\x0e\x32\x16.kvxferd.v1.MemoryMode\x12&\n\x06memory\x18\x04 \x01(\x0e\x32\x16.kvxferd.v1.MemoryType\x12)\n\x07imports\x18\x05 \x03(\x0b\x32\x18.kvxferd.v1.MemoryHandle\x12\x0f\n\x07tp_rank\x18\x06 \x01(\r\x12\x0f\n\x07tp_size\x18\x07 \x01(\r\x12\x16\n\x0eprefix_caching\x18\x08 \x01(\x08\x42\x08\n\x06source\"4\n\x0e\x41ttachResponse\x12\"\n\x04pool\x18\x01 \x01(\x0b\x32\x14.kvxferd.v1.PoolInfo\"\x11\n\x0f\x44\x65scribeRequest\"6\n\x10\x44\x65scribeResponse\x12\"\n\x04pool\x18\x01 \x01(\x0b\x32\x14.kvxferd.v1.PoolInfo\"\x97\x03\n\x08PoolInfo\x12,\n\x05state\x18\x01 \x01(\x0e\x32\x1d.kvxferd.v1.RegistrationState\x12+\n\x0bmemory_mode\x18\x02 \x01(\x0e\x32\x16.kvxferd.v1.MemoryMode\x12%\n\x04spec\x18\x03 \x01(\x0b\x32\x17.kvxferd.v1.KvCacheSpec\x12\x35\n\rregistrations\x18\x04 \x03(\x0b\x32\x1e.kvxferd.v1.RegionRegistration\x12)\n\x07\x65xports\x18\x05 \x03(\x0b\x32\x18.kvxferd.v1.MemoryHandle\x12\x1f\n\x17registration_generation\x18\x06 \x01(\x04\x12\x17\n\x0fnixl_agent_name\x18\x07 \x01(\t\x12\x14\n\x0cpeer_address\x18\x08 \x01(\t\x12\x15\n\rheld_requests\x18\t \x01(\r\x12\x15\n\rattachment_id\x18\n \x01(\t\x12\x18\n\x10scheduler_socket\x18\x0c \x01(\tJ\x04\x08\x0b\x10\x0cR\tslow_path\"y\n\x0bHoldRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\tblock_ids\x18\x02 \x01(\x0b\x32\x19.kvxferd.v1.GroupBlockIds\x12\x18\n\x10\x65xpected_readers\x18\x03 \x01(\r\x12\x0e\n\x06ttl_ms\x18\x04 \x01(\r\"\x86\x01\n\x0cHoldResponse\x12\x14\n\x0cpeer_address\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x33\n\x10remote_block_ids\x18\x03 \x01(\x0b\x32\x19.kvxferd.v1.GroupBlockIds\x12\x17\n\x0f\x65xpires_unix_ns\x18\x04 \x01(\x03\"+\n\x14WatchReleasesRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\x9e\x01\n\x15WatchReleasesResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x06reason\x18\x02 \x01(\x0e\x32\x19.kvxferd.v1.ReleaseReason\x12,\n\tblock_ids\x18\x03 \x01(\x0b\x32\x19.kvxferd.v1.GroupBlockIds\x12\x18\n\x10released_unix_ns\x18\x04 \x01(\x03\"5\n\rDetachRequest\x12\r\n\x05\x66orce\x18\x01 \x01(\x08\x12\x15\n\rattachment_id\x18\x02 \x01(\t\"+\n\x0e\x44\x65tachResponse\x12\x19\n\x11released_requests\x18\x01 \x01(\r\"\'\n\x0eSessionRequest\x12\x15\n\rattachment_id\x18\x01 \x01(\t\"x\n\x0fSessionResponse\x12&\n\x06opened\x18\x01 \x01(\x0b\x32\x14.kvxferd.v1.PoolInfoH\x00\x12\x34\n\x07release\x18\x02 \x01(\x0b\x32!.kvxferd.v1.WatchReleasesResponseH\x00\x42\x07\n\x05\x65vent*v\n\nMemoryMode\x12\x1b\n\x17MEMORY_MODE_UNSPECIFIED\x10\x00\x12\x15\n\x11MEMORY_MODE_OWNED\x10\x01\x12\x18\n\x14MEMORY_MODE_IMPORTED\x10\x02\x12\x1a\n\x16MEMORY_MODE_IN_PROCESS\x10\x03*\x9f\x01\n\x11RegistrationState\x12\"\n\x1eREGISTRATION_STATE_UNSPECIFIED\x10\x00\x12\x1f\n\x1bREGISTRATION_STATE_DETACHED\x10\x01\x12\"\n\x1eREGISTRATION_STATE_REGISTERING\x10\x02\x12!\n\x1dREGISTRATION_STATE_REGISTERED\x10\x03\x32\xaa\x03\n\x06\x45ngine\x12?\n\x06\x41ttach\x12\x19.kvxferd.v1.AttachRequest\x1a\x1a.kvxferd.v1.AttachResponse\x12\x45\n\x08\x44\x65scribe\x12\x1b.kvxferd.v1.DescribeRequest\x1a\x1c.kvxferd.v1.DescribeResponse\x12\x39\n\x04Hold\x12\x17.kvxferd.v1.HoldRequest\x1a\x18.kvxferd.v1.HoldResponse\x12V\n\rWatchReleases\x12 .kvxferd.v1.WatchReleasesRequest\x1a!.kvxferd.v1.WatchReleasesResponse0\x01\x12?\n\x06\x44\x65tach\x12\x19.kvxferd.v1.DetachRequest\x1a\x1a.kvxferd.v1.DetachResponse\x12\x44\n\x07Session\x12\x1a.kvxferd.v1.SessionRequest\x1a\x1b.kvxferd.v1.SessionResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvxferd.v1.engine_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MEMORYMODE']._serialized_start=1837
-  _globals['_MEMORYMODE']._serialized_end=1955
-  _globals['_REGISTRATIONSTATE']._serialized_start=1958
-  _globals['_REGISTRATIONSTATE']._serialized_end=2117
+  _globals['_MEMORYMODE']._serialized_start=1863
+  _globals['_MEMORYMODE']._serialized_end=1981
+  _globals['_REGISTRATIONSTATE']._serialized_start=1984
+  _globals['_REGISTRATIONSTATE']._serialized_end=2143
   _globals['_MEMORYHANDLE']._serialized_start=88
   _globals['_MEMORYHANDLE']._serialized_end=320
   _globals['_ATTACHREQUEST']._serialized_start=323
@@ -48,23 +48,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DESCRIBERESPONSE']._serialized_start=668
   _globals['_DESCRIBERESPONSE']._serialized_end=722
   _globals['_POOLINFO']._serialized_start=725
-  _globals['_POOLINFO']._serialized_end=1106
-  _globals['_HOLDREQUEST']._serialized_start=1108
-  _globals['_HOLDREQUEST']._serialized_end=1229
-  _globals['_HOLDRESPONSE']._serialized_start=1232
-  _globals['_HOLDRESPONSE']._serialized_end=1366
-  _globals['_WATCHRELEASESREQUEST']._serialized_start=1368
-  _globals['_WATCHRELEASESREQUEST']._serialized_end=1411
-  _globals['_WATCHRELEASESRESPONSE']._serialized_start=1414
-  _globals['_WATCHRELEASESRESPONSE']._serialized_end=1572
-  _globals['_DETACHREQUEST']._serialized_start=1574
-  _globals['_DETACHREQUEST']._serialized_end=1627
-  _globals['_DETACHRESPONSE']._serialized_start=1629
-  _globals['_DETACHRESPONSE']._serialized_end=1672
-  _globals['_SESSIONREQUEST']._serialized_start=1674
-  _globals['_SESSIONREQUEST']._serialized_end=1713
-  _globals['_SESSIONRESPONSE']._serialized_start=1715
-  _globals['_SESSIONRESPONSE']._serialized_end=1835
-  _globals['_ENGINE']._serialized_start=2120
-  _globals['_ENGINE']._serialized_end=2546
+  _globals['_POOLINFO']._serialized_end=1132
+  _globals['_HOLDREQUEST']._serialized_start=1134
+  _globals['_HOLDREQUEST']._serialized_end=1255
+  _globals['_HOLDRESPONSE']._serialized_start=1258
+  _globals['_HOLDRESPONSE']._serialized_end=1392
+  _globals['_WATCHRELEASESREQUEST']._serialized_start=1394
+  _globals['_WATCHRELEASESREQUEST']._serialized_end=1437
+  _globals['_WATCHRELEASESRESPONSE']._serialized_start=1440
+  _globals['_WATCHRELEASESRESPONSE']._serialized_end=1598
+  _globals['_DETACHREQUEST']._serialized_start=1600
+  _globals['_DETACHREQUEST']._serialized_end=1653
+  _globals['_DETACHRESPONSE']._serialized_start=1655
+  _globals['_DETACHRESPONSE']._serialized_end=1698
+  _globals['_SESSIONREQUEST']._serialized_start=1700
+  _globals['_SESSIONREQUEST']._serialized_end=1739
+  _globals['_SESSIONRESPONSE']._serialized_start=1741
+  _globals['_SESSIONRESPONSE']._serialized_end=1861
+  _globals['_ENGINE']._serialized_start=2146
+  _globals['_ENGINE']._serialized_end=2572
 # @@protoc_insertion_point(module_scope)

@@ -267,6 +267,7 @@ class PoolInfo(google.protobuf.message.Message):
     PEER_ADDRESS_FIELD_NUMBER: builtins.int
     HELD_REQUESTS_FIELD_NUMBER: builtins.int
     ATTACHMENT_ID_FIELD_NUMBER: builtins.int
+    SCHEDULER_SOCKET_FIELD_NUMBER: builtins.int
     state: Global___RegistrationState.ValueType
     """Registration state."""
     memory_mode: Global___MemoryMode.ValueType
@@ -281,6 +282,11 @@ class PoolInfo(google.protobuf.message.Message):
     """Requests currently held."""
     attachment_id: builtins.str
     """Identifies this attachment (Session and Detach name it); empty when detached or owned."""
+    scheduler_socket: builtins.str
+    """This daemon's server.scheduler_socket: a Unix socket where a caller on this host may send
+    the Scheduler's unary calls (StartPull, GetTransfer, CancelTransfer, ListPeers) as frames
+    instead of gRPC (kvxferd/wire/local.py); empty when it serves none.
+    """
     @property
     def spec(self) -> kvxferd.v1.spec_pb2.KvCacheSpec:
         """The resolved spec (a preset expanded)."""
@@ -306,9 +312,10 @@ class PoolInfo(google.protobuf.message.Message):
         peer_address: builtins.str = ...,
         held_requests: builtins.int = ...,
         attachment_id: builtins.str = ...,
+        scheduler_socket: builtins.str = ...,
     ) -> None: ...
     def HasField(self, field_name: typing.Literal["spec", b"spec"]) -> builtins.bool: ...
-    def ClearField(self, field_name: typing.Literal["attachment_id", b"attachment_id", "exports", b"exports", "held_requests", b"held_requests", "memory_mode", b"memory_mode", "nixl_agent_name", b"nixl_agent_name", "peer_address", b"peer_address", "registration_generation", b"registration_generation", "registrations", b"registrations", "spec", b"spec", "state", b"state"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["attachment_id", b"attachment_id", "exports", b"exports", "held_requests", b"held_requests", "memory_mode", b"memory_mode", "nixl_agent_name", b"nixl_agent_name", "peer_address", b"peer_address", "registration_generation", b"registration_generation", "registrations", b"registrations", "scheduler_socket", b"scheduler_socket", "spec", b"spec", "state", b"state"]) -> None: ...
 
 Global___PoolInfo: typing_extensions.TypeAlias = PoolInfo
 

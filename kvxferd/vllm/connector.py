@@ -50,7 +50,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 
 from kvxferd.errors import KvxferdError
-from kvxferd.vllm.daemon import EngineLink, PullLink
+from kvxferd.vllm.daemon import EngineLink
 from kvxferd.vllm.gpu import attach_cuda
 from kvxferd.vllm.holds import RankHolds
 from kvxferd.vllm.host import attach_shared
@@ -64,6 +64,7 @@ from kvxferd.vllm.params import (
     plan_pull,
     ticket_from_params,
 )
+from kvxferd.vllm.pull_link import PullLink
 from kvxferd.vllm.settings import ConnectorSettings, attn_backend
 from kvxferd.vllm.spec import transfer_groups
 from kvxferd.vllm.worker import RankWorker
@@ -163,7 +164,9 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 **self._attach_args(kv_caches),
             )
             pool, nbytes = done.pool, done.described.spec.nbytes
-        self._worker.pull = PullLink(pool.peer_address, token=self._token)
+        self._worker.pull = PullLink(
+            pool.peer_address, token=self._token, socket=pool.scheduler_socket
+        )
         self.attached_bytes = nbytes
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:

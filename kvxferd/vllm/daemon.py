@@ -4,9 +4,8 @@
 engine's KV memory IMPORTED (host memory: vLLM's backing buffer lives in a POSIX shared-memory
 segment the connector created, see :mod:`kvxferd.vllm.memory`; VRAM: CUDA IPC handles of the
 allocation vLLM made on its GPU, see :mod:`kvxferd.vllm.gpu`), keeps the ``Session`` open and
-delivers its release events, and holds finished prompts. :class:`PullLink` speaks the
-Scheduler service of the same daemon: it starts pulls and follows each one with
-``WatchTransfers`` on a background thread until it is terminal.
+delivers its release events, and holds finished prompts. The Scheduler side, pulls, is
+:mod:`kvxferd.vllm.pull_link`.
 
 Every failure is turned into :class:`~kvxferd.errors.KvxferdError` carrying the daemon's own
 explanation (the gRPC status and, when sent, the mismatches of an incompatible peer).
@@ -19,7 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -31,15 +30,14 @@ from kvxferd.v1 import (
     engine_pb2,
     engine_pb2_grpc,
     scheduler_pb2,
-    scheduler_pb2_grpc,
     spec_pb2,
 )
 from kvxferd.wire.codec import (
     _DTYPE,
-    group_ids_from_proto,
     group_ids_to_proto,
     spec_to_proto,
 )
+from kvxferd.wire.peer_client import RpcFailure
 
 log = logging.getLogger("kvxferd.vllm")
 
@@ -72,10 +70,12 @@ def explain(detail: common_pb2.ErrorDetail) -> str:
 
 def rpc_error(method: str, where: str, exc: grpc.RpcError) -> KvxferdError:
     """A failed call as a KvxferdError with the daemon's explanation."""
-    code = exc.code() if isinstance(exc, grpc.Call) else None
-    text = exc.details() if isinstance(exc, grpc.Call) else str(exc)
-    if isinstance(exc, grpc.Call):
-        for key, value in exc.trailing_metadata() or ():
+    shaped = isinstance(exc, grpc.Call | RpcFailure)  # RpcFailure: the scheduler socket's
+    code = exc.code() if shaped else None
+    text = exc.details() if shaped else str(exc)
+    if shaped:
+        trailer: Any = exc.trailing_metadata() or ()
+        for key, value in trailer:
             if key == ERROR_TRAILER and isinstance(value, bytes):
                 with contextlib.suppress(Exception):
                     text = explain(common_pb2.ErrorDetail.FromString(value))
@@ -261,115 +261,4 @@ class EngineLink:
 
     def close(self) -> None:
         self.detach()
-        self._channel.close()
-
-
-@dataclass
-class PullResult:
-    """A terminal pull."""
-
-    request_id: str
-    transfer_id: str
-    state: str
-    invalid_local: tuple[int, ...] = ()
-    error: str = ""
-    nbytes: int = 0
-    seconds: float = 0.0
-    local: tuple[tuple[int, ...], ...] = field(default=())
-
-
-def state_name(state: int) -> str:
-    return scheduler_pb2.TransferState.Name(state).removeprefix("TRANSFER_STATE_")  # type: ignore[arg-type]
-
-
-class PullLink:
-    """The local daemon's Scheduler service at ``address``."""
-
-    def __init__(self, address: str, *, token: str = "") -> None:
-        self.address = address
-        self._md = _metadata(token)
-        self._channel = grpc.insecure_channel(address)
-        self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
-
-    def start(
-        self,
-        transfer_id: str,
-        request_id: str,
-        peer_address: str,
-        remote: Sequence[Sequence[int]],
-        local: Sequence[Sequence[int]],
-        *,
-        deadline_ms: int,
-        on_done: Callable[[PullResult], None],
-    ) -> None:
-        """StartPull, then follow it on a thread; ``on_done`` gets the terminal result (also
-        when StartPull itself is refused)."""
-        req = scheduler_pb2.StartPullRequest(
-            transfer_id=transfer_id,
-            request_id=request_id,
-            peer_address=peer_address,
-            remote_block_ids=group_ids_to_proto([list(g) for g in remote]),
-            local_block_ids=group_ids_to_proto([list(g) for g in local]),
-            deadline_ms=deadline_ms,
-        )
-        loc = tuple(tuple(int(b) for b in g) for g in local)
-        try:
-            st = self._stub.StartPull(req, timeout=CALL_TIMEOUT_S, metadata=self._md).status
-        except grpc.RpcError as exc:
-            err = rpc_error("Scheduler.StartPull", self.address, exc)
-            on_done(PullResult(request_id, transfer_id, "REFUSED", error=str(err), local=loc))
-            return
-        threading.Thread(
-            target=self._follow,
-            args=(st, loc, on_done),
-            name=f"kvxferd-pull-{transfer_id[:24]}",
-            daemon=True,
-        ).start()
-
-    def _follow(
-        self,
-        st: scheduler_pb2.TransferStatus,
-        local: tuple[tuple[int, ...], ...],
-        on_done: Callable[[PullResult], None],
-    ) -> None:
-        last = st
-        try:
-            if st.state not in TERMINAL:
-                for msg in self._stub.WatchTransfers(
-                    scheduler_pb2.WatchTransfersRequest(transfer_ids=[st.transfer_id]),
-                    metadata=self._md,
-                ):
-                    last = msg.status
-                    if last.state in TERMINAL:
-                        break
-            if last.state not in TERMINAL:  # the stream ended early: ask once more
-                last = self._stub.GetTransfer(
-                    scheduler_pb2.GetTransferRequest(transfer_id=st.transfer_id),
-                    timeout=CALL_TIMEOUT_S,
-                    metadata=self._md,
-                ).status
-        except grpc.RpcError as exc:
-            err = rpc_error("Scheduler.WatchTransfers", self.address, exc)
-            on_done(PullResult(st.request_id, st.transfer_id, "LOST", error=str(err), local=local))
-            return
-        invalid = tuple(
-            int(b) for g in group_ids_from_proto(last.invalid_local_block_ids) for b in g
-        )
-        secs = (
-            (last.finished_unix_ns - last.created_unix_ns) / 1e9 if last.finished_unix_ns else 0.0
-        )
-        on_done(
-            PullResult(
-                last.request_id,
-                last.transfer_id,
-                state_name(last.state),
-                invalid,
-                explain(last.error) if last.HasField("error") else "",
-                int(last.nbytes),
-                secs,
-                local,
-            )
-        )
-
-    def close(self) -> None:
         self._channel.close()

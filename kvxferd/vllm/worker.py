@@ -25,8 +25,9 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from kvxferd.vllm.daemon import PullLink, PullResult, Release
+from kvxferd.vllm.daemon import Release
 from kvxferd.vllm.params import PullJob
+from kvxferd.vllm.pull_link import PullLink, PullResult
 
 # vLLM's logger tree: inside vLLM these lines go through its handler, format and level.
 log = logging.getLogger("vllm.kvxferd")

@@ -11,7 +11,7 @@ own protobuf messages; only the envelope differs. Handshake and Push always use 
 The same frames carry the Scheduler's unary calls (:data:`SCHEDULER_METHODS`) for a caller on
 the decode daemon's host (a scheduler or the vLLM connector beside it) when the daemon serves
 ``server.scheduler_socket``: a StartPull with ``wait`` then costs a frame each way instead of a
-gRPC round trip. The blocking caller is :class:`kvxferd.client.local.SchedulerSocket`.
+gRPC round trip. The blocking caller is :class:`kvxferd.wire.scheduler_socket.SchedulerSocket`.
 
 Frames (all integers big-endian)::
 

@@ -1,6 +1,6 @@
 """The scheduler socket between real daemons (``server.scheduler_socket``;
-kvxferd/service/local_peer.py, kvxferd/client/local.py): StartPull with ``wait`` and the other
-unary Scheduler calls answer on it exactly as on gRPC (the same status, codes and error
+kvxferd/service/local_peer.py, kvxferd/wire/scheduler_socket.py): StartPull with ``wait`` and
+the other unary Scheduler calls answer on it exactly as on gRPC (the same status, codes and error
 details), the token is checked, and a confused or hostile caller gets a clear refusal, never a
 crashed daemon."""
 
@@ -21,12 +21,12 @@ import numpy as np
 import pytest
 
 from kvxferd.client import KvxferdRpcError, SchedulerClient
-from kvxferd.client.local import SchedulerSocket
 from kvxferd.client.values import TransferState
 from kvxferd.scenario.client import DaemonClient
 from kvxferd.scenario.daemons import DaemonOptions
 from kvxferd.v1 import scheduler_pb2
 from kvxferd.wire.peer_client import RpcFailure
+from kvxferd.wire.scheduler_socket import SchedulerSocket
 from tests.service.conftest import Daemons, launch
 
 TOKEN = "s3cret-sched"
@@ -36,16 +36,11 @@ MD = (("authorization", f"Bearer {TOKEN}"),)
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemons, str]]:
     tmp = tmp_path_factory.mktemp("sched")
-    path = str(tmp / "decode.sched.sock")
+    path = str(tmp / "decode.sched.sock")  # DaemonOptions.scheduler_socket names it so
     ds = launch(
         tmp,
         DaemonOptions("prefill", "dense:num_blocks=32", fill_seed=5, token=TOKEN),
-        DaemonOptions(
-            "decode",
-            "dense:num_blocks=32",
-            token=TOKEN,
-            extra=("--set", f"server.scheduler_socket={path}"),
-        ),
+        DaemonOptions("decode", "dense:num_blocks=32", token=TOKEN, scheduler_socket=True),
     )
     yield ds, path
     ds.stop()
@@ -81,7 +76,12 @@ def test_a_pull_with_wait_on_the_socket_answers_its_terminal_status_and_moves_th
     assert stat.S_ISSOCK(os.stat(path).st_mode)
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o660  # owner and group, like the Engine's
     prefill, _, sock = _clients(ds)
+    dec = DaemonClient("decode", ds["decode"].grpc, ds["decode"].engine_socket, TOKEN)
     try:
+        # Describe tells an engine beside the daemon where the socket is (PoolInfo), so the
+        # vLLM connector needs no setting of its own; a daemon without one says "".
+        assert dec.describe().scheduler_socket == path
+        assert prefill.describe().scheduler_socket == ""
         hold = prefill.hold("sock-1", [np.array([7, 1, 30, 2], np.int64)])
         st = sock.pull(
             request_id="sock-1",
@@ -96,6 +96,7 @@ def test_a_pull_with_wait_on_the_socket_answers_its_terminal_status_and_moves_th
         assert again.state is TransferState.DONE and again.nbytes == st.nbytes
     finally:
         prefill.close()
+        dec.close()
         sock.close()
     assert _checksums(ds, "decode", [3, 9, 4, 20]) == _checksums(ds, "prefill", [7, 1, 30, 2])
     # Calls on the socket count in the same series as gRPC calls (the dashboards read them).

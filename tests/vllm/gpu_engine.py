@@ -26,8 +26,9 @@ from typing import Any
 
 import torch
 
-from kvxferd.vllm.daemon import EngineLink, PullLink, PullResult, Release
+from kvxferd.vllm.daemon import EngineLink, Release
 from kvxferd.vllm.gpu import attach_cuda
+from kvxferd.vllm.pull_link import PullLink, PullResult
 from tests.vllm.test_vllm_spec import (
     FullAttentionSpec,
     KVCacheConfig,

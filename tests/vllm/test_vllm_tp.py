@@ -32,11 +32,12 @@ from kvxferd.layout.spec import GroupKind
 from kvxferd.scenario.daemons import DaemonOptions
 from kvxferd.scenario.vllm_engines import DAEMON_EXTRA
 from kvxferd.scenario.vllm_pair import held_requests
-from kvxferd.vllm.daemon import EngineLink, PullLink
+from kvxferd.vllm.daemon import EngineLink
 from kvxferd.vllm.holds import RankHolds
 from kvxferd.vllm.host import attach_shared
 from kvxferd.vllm.memory import SharedKvAllocation
 from kvxferd.vllm.params import LocalBlock, PullJob, blocks_to_hold, plan_pull, ticket_from_params
+from kvxferd.vllm.pull_link import PullLink
 from kvxferd.vllm.spec import translate
 from kvxferd.vllm.worker import RankWorker
 from tests.service.conftest import Daemons, launch

@@ -11,8 +11,8 @@ raises :class:`~kvxferd.wire.peer_client.RpcFailure`, a ``grpc.RpcError`` with t
 details and error trailer the gRPC port would have sent.
 
 One connection, opened on first use and again after it breaks; calls are serialized on it (a
-lock), so one :class:`SchedulerSocket` serves a thread at a time: give each thread that waits
-on long pulls its own.
+lock), so one :class:`SchedulerSocket` serves a thread at a time. :class:`SchedulerSockets`
+keeps idle ones for callers whose threads each wait on a pull (the vLLM connector).
 """
 
 from __future__ import annotations
@@ -155,4 +155,33 @@ class SchedulerSocket:
         return self.call("ListPeers", request, timeout=timeout, metadata=metadata)
 
 
-__all__ = ["SchedulerSocket"]
+class SchedulerSockets:
+    """Idle :class:`SchedulerSocket` connections to one path: :meth:`call` takes one (or opens
+    one) for the call and keeps it for the next unless the call failed, so concurrent callers
+    never wait on each other's pulls."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._idle: list[SchedulerSocket] = []
+        self._lock = threading.Lock()
+
+    def call(self, method: str, request: Any, *, timeout: float, metadata: Metadata = ()) -> Any:
+        with self._lock:
+            sock = self._idle.pop() if self._idle else SchedulerSocket(self.path)
+        try:
+            answer = sock.call(method, request, timeout=timeout, metadata=metadata)
+        except BaseException:
+            sock.close()
+            raise
+        with self._lock:
+            self._idle.append(sock)
+        return answer
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for sock in idle:
+            sock.close()
+
+
+__all__ = ["SchedulerSocket", "SchedulerSockets"]

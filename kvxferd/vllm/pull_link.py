@@ -1,0 +1,196 @@
+"""The connector's pulls on its local daemon (no vLLM import): :class:`PullLink` starts each
+pull on the daemon's Scheduler service and reports it terminal to the worker.
+
+Two ways, by what the daemon serves (``PoolInfo.scheduler_socket``): on its scheduler socket
+(``server.scheduler_socket``, :mod:`kvxferd.wire.scheduler_socket`), one StartPull with
+``wait`` per pull on a background thread, answered with the terminal status; otherwise
+StartPull over gRPC, then ``WatchTransfers`` on a background thread until it is terminal.
+Failures carry the daemon's own explanation (:func:`kvxferd.vllm.daemon.rpc_error`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from kvxferd.v1 import scheduler_pb2, scheduler_pb2_grpc
+from kvxferd.vllm.daemon import (
+    CALL_TIMEOUT_S,
+    TERMINAL,
+    _metadata,
+    explain,
+    rpc_error,
+)
+from kvxferd.wire.codec import group_ids_from_proto, group_ids_to_proto
+from kvxferd.wire.peer_client import RpcFailure
+from kvxferd.wire.scheduler_socket import SchedulerSockets
+
+
+@dataclass
+class PullResult:
+    """A terminal pull."""
+
+    request_id: str
+    transfer_id: str
+    state: str
+    invalid_local: tuple[int, ...] = ()
+    error: str = ""
+    nbytes: int = 0
+    seconds: float = 0.0
+    local: tuple[tuple[int, ...], ...] = field(default=())
+
+
+def state_name(state: int) -> str:
+    return scheduler_pb2.TransferState.Name(state).removeprefix("TRANSFER_STATE_")  # type: ignore[arg-type]
+
+
+class PullLink:
+    """The local daemon's Scheduler service at ``address``, and its scheduler socket at
+    ``socket`` when it serves one (PoolInfo.scheduler_socket): a pull is then one StartPull
+    with ``wait`` on the socket, answered with its terminal status (no stream)."""
+
+    def __init__(self, address: str, *, token: str = "", socket: str = "") -> None:
+        self.address = address
+        self._md = _metadata(token)
+        self._channel = grpc.insecure_channel(address)
+        self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
+        self._sockets = SchedulerSockets(socket) if socket else None
+
+    def start(
+        self,
+        transfer_id: str,
+        request_id: str,
+        peer_address: str,
+        remote: Sequence[Sequence[int]],
+        local: Sequence[Sequence[int]],
+        *,
+        deadline_ms: int,
+        on_done: Callable[[PullResult], None],
+    ) -> None:
+        """StartPull, then follow it on a thread; ``on_done`` gets the terminal result (also
+        when StartPull itself is refused)."""
+        req = scheduler_pb2.StartPullRequest(
+            transfer_id=transfer_id,
+            request_id=request_id,
+            peer_address=peer_address,
+            remote_block_ids=group_ids_to_proto([list(g) for g in remote]),
+            local_block_ids=group_ids_to_proto([list(g) for g in local]),
+            deadline_ms=deadline_ms,
+        )
+        loc = tuple(tuple(int(b) for b in g) for g in local)
+        if self._sockets is not None:
+            target: Any = self._wait
+            args: tuple[Any, ...] = (req, loc, on_done)
+        else:
+            try:
+                st = self._stub.StartPull(req, timeout=CALL_TIMEOUT_S, metadata=self._md).status
+            except grpc.RpcError as exc:
+                err = rpc_error("Scheduler.StartPull", self.address, exc)
+                on_done(PullResult(request_id, transfer_id, "REFUSED", error=str(err), local=loc))
+                return
+            target, args = self._follow, (st, loc, on_done)
+        threading.Thread(
+            target=target, args=args, name=f"kvxferd-pull-{transfer_id[:24]}", daemon=True
+        ).start()
+
+    def _wait(
+        self,
+        req: scheduler_pb2.StartPullRequest,
+        local: tuple[tuple[int, ...], ...],
+        on_done: Callable[[PullResult], None],
+    ) -> None:
+        """StartPull with ``wait`` on the scheduler socket. A socket that breaks or times out
+        leaves it unknown whether the pull started: the same StartPull (idempotent on its
+        transfer_id) then goes over gRPC, and the pull is followed there."""
+        assert self._sockets is not None
+        timeout = req.deadline_ms / 1000 + CALL_TIMEOUT_S  # the pull ends by its deadline
+        lost = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+        try:
+            req.wait = True
+            resp = self._sockets.call("StartPull", req, timeout=timeout, metadata=self._md)
+            self._report(resp.status, local, on_done)
+            return
+        except RpcFailure as exc:
+            if exc.code() not in lost:
+                err = rpc_error("Scheduler.StartPull", self._sockets.path, exc)
+                on_done(
+                    PullResult(
+                        req.request_id, req.transfer_id, "REFUSED", error=str(err), local=local
+                    )
+                )
+                return
+        req.wait = False
+        try:
+            st = self._stub.StartPull(req, timeout=CALL_TIMEOUT_S, metadata=self._md).status
+        except grpc.RpcError as exc:
+            err = rpc_error("Scheduler.StartPull", self.address, exc)
+            on_done(
+                PullResult(req.request_id, req.transfer_id, "REFUSED", error=str(err), local=local)
+            )
+            return
+        self._follow(st, local, on_done)
+
+    def _follow(
+        self,
+        st: scheduler_pb2.TransferStatus,
+        local: tuple[tuple[int, ...], ...],
+        on_done: Callable[[PullResult], None],
+    ) -> None:
+        last = st
+        try:
+            if st.state not in TERMINAL:
+                for msg in self._stub.WatchTransfers(
+                    scheduler_pb2.WatchTransfersRequest(transfer_ids=[st.transfer_id]),
+                    metadata=self._md,
+                ):
+                    last = msg.status
+                    if last.state in TERMINAL:
+                        break
+            if last.state not in TERMINAL:  # the stream ended early: ask once more
+                last = self._stub.GetTransfer(
+                    scheduler_pb2.GetTransferRequest(transfer_id=st.transfer_id),
+                    timeout=CALL_TIMEOUT_S,
+                    metadata=self._md,
+                ).status
+        except grpc.RpcError as exc:
+            err = rpc_error("Scheduler.WatchTransfers", self.address, exc)
+            on_done(PullResult(st.request_id, st.transfer_id, "LOST", error=str(err), local=local))
+            return
+        self._report(last, local, on_done)
+
+    def _report(
+        self,
+        last: scheduler_pb2.TransferStatus,
+        local: tuple[tuple[int, ...], ...],
+        on_done: Callable[[PullResult], None],
+    ) -> None:
+        invalid = tuple(
+            int(b) for g in group_ids_from_proto(last.invalid_local_block_ids) for b in g
+        )
+        secs = (
+            (last.finished_unix_ns - last.created_unix_ns) / 1e9 if last.finished_unix_ns else 0.0
+        )
+        on_done(
+            PullResult(
+                last.request_id,
+                last.transfer_id,
+                state_name(last.state),
+                invalid,
+                explain(last.error) if last.HasField("error") else "",
+                int(last.nbytes),
+                secs,
+                local,
+            )
+        )
+
+    def close(self) -> None:
+        self._channel.close()
+        if self._sockets is not None:
+            self._sockets.close()
+
+
+__all__ = ["PullLink", "PullResult", "state_name"]
