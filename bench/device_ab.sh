@@ -16,7 +16,7 @@ for round in 1 2; do
   for side in base new; do
     dir=$ROOT; [ "$side" = base ] && dir=$ROOT/_base
     (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout 150 python3 -m kvxferd bench --device cuda \
-      --sizes 256,8192 --patterns fragmented --strategy "${STRATEGIES:-kernel,direct}" \
+      --sizes 256,8192 --patterns "${PATTERNS:-fragmented}" --strategy "${STRATEGIES:-kernel,direct}" \
       --repeat 3 --latency-pulls 200 --json "$OUT/$side-$round.json" > "$OUT/$side-$round.log" 2>&1)
     echo "== $side round $round"
     grep -E "kvxferd (kernel|direct|staged|auto)|small-request|where the" "$OUT/$side-$round.log"

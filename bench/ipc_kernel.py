@@ -13,6 +13,8 @@ layer over CUDA IPC; this process maps them (:class:`kvxferd.ipc.mapping.Mapping
 daemon's code) and copies into its own pool (a ``dense`` :class:`kvxferd.pool.KVPool`). Rows:
 
 * raw: torch ``copy_`` of one 1 GiB tensor, and of 32 per-layer 32 MiB slices (the limit);
+* copy, imported, group: ``kvxferd.kernels.copy_groups`` on the daemon's grouped pieces (the
+  runs once, repeated over the 32 layers by the kernel), per grid cap;
 * copy, imported: ``kvxferd.kernels.copy_ranges`` on the daemon's pieces, for each kernel
   (``stride``: grid-stride over the pieces end to end; ``cta``: one CTA per piece, the previous
   one) and grid cap (``transfer.kernel_max_ctas``, default 64; 0 = all resident CTAs);
@@ -21,7 +23,8 @@ daemon's code) and copies into its own pool (a ``dense`` :class:`kvxferd.pool.KV
 * torch index ops (index_select + index_copy_ per layer), the twin's way, for reference;
 * pull: ``KernelReader.pull`` end to end on an event loop, on plans made by the daemon's
   planner (``plan_pull``), 1 GiB random and contiguous and 16-block (32 MiB) random pulls, per
-  kernel at cap 64 and 0, with the reader's own split (``cut``: pieces; ``launch``: bounds
+  kernel at cap 64 and 0 (the stride kernel grouped, as the daemon runs it, and flattened),
+  with the reader's own split (``cut``: pieces; ``launch``: bounds
   checks, address table, upload, kernel launch; ``wait``: the event; ``hop``: the thread call
   seen from the loop minus those).
 
@@ -191,8 +194,8 @@ class Bench:
 
     def copies(self, pattern: str, caps: list[int]) -> None:
         from kvxferd.blocks.ranges import RegionRanges, TransferPlan
-        from kvxferd.ipc.reader import pieces
-        from kvxferd.kernels import CopyKernel, RangeCopy, Regions, copy_ranges
+        from kvxferd.ipc.reader import group_pieces, pieces
+        from kvxferd.kernels import CopyKernel, RangeCopy, Regions, copy_groups, copy_ranges
 
         local, remote = _ids(pattern, REQ, self.rng)
         ln = np.full(REQ, BLOCK, dtype=np.int64)
@@ -218,6 +221,16 @@ class Bench:
                     name = f"copy imported {pattern} {kernel.name.lower()} cap={cap}"
                     self.row(name, rc.nbytes, *t, kernel=kernel.name, cap=cap, **info)
                     self.rows[-1]["verified"] = self.verify(local, remote)
+            gs, _ = group_pieces(plan)
+            assert isinstance(gs, list)
+            for cap in caps:
+
+                def grouped(c: int = cap) -> str:
+                    return copy_groups(d, s, gs, max_ctas=c)
+
+                t = _time(grouped, self.repeat)
+                self.row(f"copy imported {pattern} group cap={cap}", rc.nbytes, *t, cap=cap, **info)
+                self.rows[-1]["verified"] = self.verify(local, remote)
             order = np.argsort(s.base[rc.region] + rc.src_offset, kind="stable")
             by_src = RangeCopy(
                 rc.region[order], rc.dst_offset[order], rc.src_offset[order], rc.length[order]
@@ -237,12 +250,14 @@ class Bench:
         t = _time(index_ops, max(3, self.repeat // 4))
         self.row(f"torch index ops {pattern}", rc.nbytes, *t, pattern=pattern)
 
-    def pulls(self, pattern: str, n: int, count: int, cap: int, kernel: Any) -> None:
+    def pulls(
+        self, pattern: str, n: int, count: int, cap: int, kernel: Any, *, grouped: bool = True
+    ) -> None:
         from kvxferd.blocks import plan_pull
         from kvxferd.ipc.reader import KernelJob, KernelReader
 
         spec = self.pool.spec
-        reader = KernelReader(self.pool, self.cache, max_ctas=cap, kernel=kernel)
+        reader = KernelReader(self.pool, self.cache, max_ctas=cap, kernel=kernel, grouped=grouped)
         assert reader.prepare(self.key, self.ipc) is None
         walls: list[float] = []
         split: dict[str, list[float]] = {k: [] for k in ("cut", "launch", "wait", "hop")}
@@ -274,7 +289,8 @@ class Bench:
         walls.sort()
         p99 = walls[min(len(walls) - 1, int(0.99 * len(walls)))]
         med = {k: statistics.median(v) * 1e3 for k, v in split.items()}
-        name = f"pull {pattern} {n} blocks {kernel.name.lower()} cap={cap}"
+        how = kernel.name.lower() + (" grouped" if reader.grouped and kernel.value == 0 else "")
+        name = f"pull {pattern} {n} blocks {how} cap={cap}"
         self.row(name, n * LAYERS * BLOCK, statistics.median(walls), pulls=count, verified=ok)
         self.rows[-1].update(p50_ms=statistics.median(walls) * 1e3, p99_ms=p99 * 1e3)
         self.rows[-1].update({f"{k}_ms": v for k, v in med.items()})
@@ -311,11 +327,15 @@ def main() -> int:
     caps = [int(c) for c in args.caps.split(",")]
     for pattern in ("random", "contiguous"):
         b.copies(pattern, caps)
-    for kernel in (CopyKernel.STRIDE, CopyKernel.CTA_PER_PIECE):
+    for kernel, grouped in (
+        (CopyKernel.STRIDE, True),
+        (CopyKernel.STRIDE, False),
+        (CopyKernel.CTA_PER_PIECE, False),
+    ):
         for cap in (64, 0):
-            b.pulls("random", REQ, max(5, args.repeat // 2), cap, kernel)
-            b.pulls("contiguous", REQ, max(5, args.repeat // 2), cap, kernel)
-            b.pulls("random", SMALL, args.pulls, cap, kernel)
+            b.pulls("random", REQ, max(5, args.repeat // 2), cap, kernel, grouped=grouped)
+            b.pulls("contiguous", REQ, max(5, args.repeat // 2), cap, kernel, grouped=grouped)
+            b.pulls("random", SMALL, args.pulls, cap, kernel, grouped=grouped)
     for r in b.rows:
         r["x_raw"] = r["gbps"] / raw
     print("")

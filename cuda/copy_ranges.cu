@@ -4,6 +4,7 @@
 // Op (namespace `kvxferd`, a fragment of the library that staging.cu defines; built into the
 // same extension by kvxferd.kernels.loader):
 //   kvxferd::copy_ranges(Tensor table, Tensor like, int max_ctas, int variant) -> str
+//   kvxferd::copy_group(Tensor table, int n_runs, int n_regions, Tensor like, int max_ctas) -> str
 // table: CPU int64 tensor (n, 3), contiguous: one row [dst_addr, src_addr, nbytes] per piece;
 // like: any CUDA tensor on the device that runs the copy (work is queued on its current stream);
 // max_ctas: cap on the grid (0: as many CTAs as are resident on the device at once); variant:
@@ -23,6 +24,15 @@
 // (piece = v >> shift, offset = v & mask) and its row in the table (read-only cache, shared by
 // the whole warp); vectors past a short piece's end are skipped. Every thread issues
 // kIpcUnroll independent loads before its first store; loads and stores are streaming (.cs).
+//
+// copy_group: the same copy for pieces that repeat over regions, as a pull of a per-layer cache
+// is (every layer reads the same block runs): the table is the runs once ([dst_off, src_off,
+// nbytes] per piece, offsets in bytes from a region's base) followed by one [dst_base,
+// src_base] per region, so the host builds and uploads n_runs + n_regions rows instead of
+// n_runs * n_regions. Kernel copy_group_kernel: the stride kernel over the runs, blockIdx.y
+// picks the region (each CTA reads its two bases once); the grid's x extent is the cap divided
+// by the region count. The caller (kvxferd.kernels.cuda_ops.copy_groups) checks every run
+// against every region of the group before calling.
 //
 // kCtaPerPiece (the first kernel, kept for the benchmark's comparison): CTA b copies pieces
 // b, b + grid, ... each by all its kThreads threads in tiles.
@@ -75,6 +85,39 @@ __global__ void __launch_bounds__(kStrideThreads)
         if (off < __ldg(row + 2) / V) {
           dst[u] = reinterpret_cast<Vec*>(__ldg(row)) + off;
           tmp[u] = __ldcs(reinterpret_cast<const Vec*>(__ldg(row + 1)) + off);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kIpcUnroll; ++u) {
+      if (dst[u] != nullptr) __stcs(dst[u], tmp[u]);
+    }
+  }
+}
+
+template <int V>
+__global__ void __launch_bounds__(kStrideThreads)
+    copy_group_kernel(const int64_t* __restrict__ runs, const int64_t* __restrict__ bases,
+                      int64_t total, int shift) {
+  using Vec = typename VecOf<V>::T;
+  const int64_t mask = (int64_t{1} << shift) - 1;
+  constexpr int64_t kTile = int64_t{kStrideThreads} * kIpcUnroll;
+  const int64_t step = int64_t{gridDim.x} * kTile;
+  char* dst_base = reinterpret_cast<char*>(__ldg(bases + 2 * blockIdx.y));
+  const char* src_base = reinterpret_cast<const char*>(__ldg(bases + 2 * blockIdx.y + 1));
+  for (int64_t t0 = int64_t{blockIdx.x} * kTile; t0 < total; t0 += step) {
+    Vec tmp[kIpcUnroll];
+    Vec* dst[kIpcUnroll];
+#pragma unroll
+    for (int u = 0; u < kIpcUnroll; ++u) {
+      const int64_t v = t0 + u * kStrideThreads + threadIdx.x;
+      dst[u] = nullptr;
+      if (v < total) {
+        const int64_t* row = runs + 3 * (v >> shift);
+        const int64_t off = v & mask;
+        if (off < __ldg(row + 2) / V) {
+          dst[u] = reinterpret_cast<Vec*>(dst_base + __ldg(row)) + off;
+          tmp[u] = __ldcs(reinterpret_cast<const Vec*>(src_base + __ldg(row + 1)) + off);
         }
       }
     }
@@ -238,6 +281,105 @@ std::string copy_ranges(at::Tensor table, at::Tensor like, int64_t max_ctas, int
   return {};
 }
 
+// Resident CTAs per SM of a stride-kernel instance (registers bound it, not threads).
+template <typename K>
+int resident(K kernel) {
+  int per_sm = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kStrideThreads, 0) !=
+          cudaSuccess ||
+      per_sm <= 0) {
+    per_sm = 1;
+  }
+  return per_sm;
+}
+
+template <int V>
+void launch_group(const int64_t* runs, const int64_t* bases, int64_t n_runs, int64_t n_regions,
+                  int64_t longest, int64_t cap, int sms, cudaStream_t stream) {
+  int shift = 0;
+  while ((int64_t{1} << shift) < longest / V) ++shift;
+  const int64_t total = n_runs << shift;
+  const int64_t tiles = (total + int64_t{kStrideThreads} * kIpcUnroll - 1) /
+                        (int64_t{kStrideThreads} * kIpcUnroll);
+  const int64_t c = cap > 0 ? cap : int64_t{sms} * resident(copy_group_kernel<V>);
+  const int64_t per_region = std::max<int64_t>(1, c / n_regions);
+  const dim3 grid(static_cast<unsigned>(std::min<int64_t>(std::min(tiles, per_region), 65535)),
+                  static_cast<unsigned>(n_regions));
+  copy_group_kernel<V><<<grid, kStrideThreads, 0, stream>>>(runs, bases, total, shift);
+}
+
+std::string copy_group(at::Tensor table, int64_t n_runs, int64_t n_regions, at::Tensor like,
+                       int64_t max_ctas) {
+  if (!table.defined() || !table.device().is_cpu() || table.scalar_type() != at::kLong ||
+      table.dim() != 1 || !table.is_contiguous()) {
+    return msg("copy_group: the table must be a contiguous 1-D int64 CPU tensor");
+  }
+  if (n_runs <= 0 || n_regions <= 0 || n_regions > 65535 || n_runs >= (int64_t{1} << 31)) {
+    return msg("copy_group: bad counts (runs ", n_runs, ", regions in 1..65535)");
+  }
+  if (table.numel() != 3 * n_runs + 2 * n_regions) {
+    return msg("copy_group: the table holds ", table.numel(),
+               " values; it must hold 3 per run and 2 per region");
+  }
+  if (!like.defined() || !like.is_cuda()) {
+    return msg("copy_group: `like` must be a CUDA tensor on the device that copies");
+  }
+  if (max_ctas < 0) return msg("copy_group: max_ctas must be >= 0, got ", max_ctas, "");
+  const int64_t* rows = table.data_ptr<int64_t>();
+  Scan s;  // the runs: offsets from the bases (0 is fine), lengths, alignment
+  uint64_t bits = 0;
+  for (int64_t i = 0; i < n_runs; ++i) {
+    const int64_t dst = rows[3 * i], src = rows[3 * i + 1], len = rows[3 * i + 2];
+    if (dst < 0 || src < 0) return msg("copy_group: run ", i, " has a negative offset");
+    if (len <= 0) return msg("copy_group: run ", i, " is empty or negative");
+    bits |= static_cast<uint64_t>(dst) | static_cast<uint64_t>(src) | static_cast<uint64_t>(len);
+    s.longest = std::max(s.longest, len);
+  }
+  const int64_t* bases = rows + 3 * n_runs;
+  for (int64_t r = 0; r < 2 * n_regions; ++r) {
+    if (bases[r] == 0) return msg("copy_group: region ", r / 2, " has a null base address");
+    bits |= static_cast<uint64_t>(bases[r]);
+  }
+  while (bits % static_cast<uint64_t>(s.v)) s.v >>= 1;
+  if (s.longest / s.v > (int64_t{1} << 40) / n_runs) {
+    return msg("copy_group: the runs span too many vectors for one launch (",
+               s.longest, " bytes in the longest run); cut runs into smaller pieces");
+  }
+  const c10::cuda::CUDAGuard guard(like.device());
+  const int dev = like.device().index();
+  cudaStream_t stream =
+      c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(dev)).stream();
+  int sms = 0;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || sms <= 0) {
+    sms = 1;
+  }
+  const int64_t n = table.numel();
+  auto host = at::empty({n}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  std::copy(rows, rows + n, host.data_ptr<int64_t>());
+  auto on_dev = at::empty({n}, at::TensorOptions().dtype(at::kLong).device(like.device()));
+  on_dev.copy_(host, /*non_blocking=*/true);
+  const int64_t* d = on_dev.data_ptr<int64_t>();
+  switch (s.v) {
+#define KVX_CASE(W)                                                                        \
+  case W:                                                                                  \
+    launch_group<W>(d, d + 3 * n_runs, n_runs, n_regions, s.longest, max_ctas, sms, stream); \
+    break;
+    KVX_CASE(16)
+    KVX_CASE(8)
+    KVX_CASE(4)
+    KVX_CASE(2)
+    KVX_CASE(1)
+#undef KVX_CASE
+    default:
+      return msg("copy_group: bad vector width ", s.v, "");
+  }
+  const cudaError_t launched = cudaGetLastError();
+  if (launched != cudaSuccess) {
+    return std::string("copy_group: kernel launch failed: ") + cudaGetErrorString(launched);
+  }
+  return {};
+}
+
 // Which vector width a table would use (tests and the bench's log); 0 for a bad table.
 int64_t copy_vector_width(at::Tensor table) {
   if (!check_table(table).empty()) return 0;
@@ -252,4 +394,6 @@ TORCH_LIBRARY_FRAGMENT(kvxferd, m) {
   m.def("copy_ranges(Tensor table, Tensor like, int max_ctas, int variant) -> str",
         &kvxferd::copy_ranges);
   m.def("copy_vector_width(Tensor table) -> int", &kvxferd::copy_vector_width);
+  m.def("copy_group(Tensor table, int n_runs, int n_regions, Tensor like, int max_ctas) -> str",
+        &kvxferd::copy_group);
 }

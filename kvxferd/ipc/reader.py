@@ -4,12 +4,14 @@
 like a DIRECT post): it takes the peer generation's mappings (:mod:`.mapping`; opened once),
 turns the plan's ranges into pieces (every (region, block run) coalesced as DIRECT would post
 it, runs cut at one power-of-two size, :func:`piece_size`), checks every piece against the
-local regions and the *mapped* sizes (:func:`kvxferd.kernels.ranges.check_ranges`; both sides'
+local regions and the *mapped* sizes (:func:`kvxferd.kernels.ranges.check_groups`; both sides'
 base addresses and sizes are arrays prepared once: the pool's at start, a peer generation's
 when it is mapped, at handshake time through :meth:`KernelReader.prepare`), and copies them
-all with one kernel launch (``cuda/copy_ranges.cu``; the piece table uploaded to the GPU with
-it) on a side stream, grid capped at ``max_ctas`` so decode keeps SMs. The host work is a fixed
-number of NumPy operations over the pull's ranges, no Python loop per piece or region.
+with one kernel launch per distinct run array (``cuda/copy_ranges.cu``, copy_group: its table
+is the runs once and each region's two base addresses, uploaded with it; a per-layer cache has
+one) on a side stream, grid capped at ``max_ctas`` so decode keeps SMs. The host work is a fixed
+number of NumPy operations over the pull's distinct runs, no Python loop per piece or region,
+and never the region-by-run product (``grouped=False`` flattens it, for comparison).
 Completion is a CUDA event recorded after the launch.
 
 A small pull (:data:`INLINE_MAX_BYTES`, :data:`INLINE_MAX_RANGES`) does its host work on the
@@ -45,7 +47,7 @@ from kvxferd.errors import DeadlineExceeded, KvxferdError, TransportError
 from kvxferd.ipc.completion import settle, wait_event
 from kvxferd.ipc.mapping import Key, MappingCache, PeerMaps
 from kvxferd.ipc.publish import IpcPool
-from kvxferd.kernels import CopyKernel, RangeCopy, Regions, copy_ranges
+from kvxferd.kernels import CopyKernel, GroupCopy, RangeCopy, Regions, copy_groups, copy_ranges
 from kvxferd.logs import kv
 from kvxferd.pool import KVPool
 from kvxferd.transfer.descriptors import RunGroup, flatten, run_groups, split_runs
@@ -105,13 +107,17 @@ def piece_size(
     return 1 << int(ks[int(np.argmin(cost))])
 
 
-def pieces(plan: TransferPlan, piece_bytes: int = MAX_PIECE_BYTES) -> tuple[RangeCopy, int]:
+def group_pieces(
+    plan: TransferPlan, piece_bytes: int = MAX_PIECE_BYTES
+) -> tuple[list[GroupCopy] | RangeCopy, int]:
     """The plan's ranges as kernel pieces, and the number of (region, run) pairs before the
     cut (what DIRECT would post as descriptors): every region's ranges coalesced as DIRECT
     does, the runs cut at one power-of-two size (:func:`piece_size`, at most
     ``piece_bytes``). Regions sharing the planner's arrays (:func:`run_groups`: typically
-    every layer) are coalesced, sized and cut once, then repeated over the regions: a fixed
-    number of NumPy operations per distinct array, and no loop over pieces or regions."""
+    every layer) are coalesced, sized and cut once and kept as one :class:`GroupCopy` per
+    distinct array, which the kernel repeats over the regions (``copy_group``); when regions
+    share too little, one flat :class:`RangeCopy`. A fixed number of NumPy operations per
+    distinct array, and no loop over pieces or regions."""
     got = run_groups(plan)
     if isinstance(got, tuple):  # little sharing: every range coalesced at once
         region, lo, ro, ln = got
@@ -119,7 +125,7 @@ def pieces(plan: TransferPlan, piece_bytes: int = MAX_PIECE_BYTES) -> tuple[Rang
             return RangeCopy.empty(), 0
         return RangeCopy(*split_runs(region, lo, ro, ln, piece_size(ln, piece_bytes))), int(ln.size)
     if not got:
-        return RangeCopy.empty(), 0
+        return [], 0
     runs = sum(g.length.size * g.regions.size for g in got)
     if len(got) == 1:  # one weight for every run: it cannot change the cheapest size
         size = piece_size(got[0].length, piece_bytes)
@@ -127,11 +133,22 @@ def pieces(plan: TransferPlan, piece_bytes: int = MAX_PIECE_BYTES) -> tuple[Rang
         lengths = np.concatenate([g.length for g in got])
         weights = np.concatenate([np.full(g.length.size, g.regions.size) for g in got])
         size = piece_size(lengths, piece_bytes, weights.astype(np.int64))
-    cut = []
+    out = []
     for g in got:
         zeros = np.zeros(g.length.size, dtype=np.int64)
         _, lo, ro, ln = split_runs(zeros, g.local_offset, g.remote_offset, g.length, size)
-        cut.append(RunGroup(g.regions, lo, ro, ln))
+        out.append(GroupCopy(g.regions, lo, ro, ln))
+    return out, runs
+
+
+def pieces(plan: TransferPlan, piece_bytes: int = MAX_PIECE_BYTES) -> tuple[RangeCopy, int]:
+    """:func:`group_pieces` flattened: one piece per (region, cut run)."""
+    got, runs = group_pieces(plan, piece_bytes)
+    if isinstance(got, RangeCopy):
+        return got, runs
+    if not got:
+        return RangeCopy.empty(), 0
+    cut = [RunGroup(g.regions, g.dst_offset, g.src_offset, g.length) for g in got]
     return RangeCopy(*flatten(cut)), runs
 
 
@@ -176,8 +193,10 @@ class KernelReader:
         max_ctas: int = 0,
         piece_bytes: int = MAX_PIECE_BYTES,
         kernel: CopyKernel = CopyKernel.STRIDE,
+        grouped: bool = True,
     ) -> None:
         self.pool = pool
+        self.grouped = grouped  # pieces kept per shared array (copy_group); else flattened
         self.cache = cache
         self.max_ctas = max_ctas
         self.piece_bytes = piece_bytes
@@ -311,6 +330,11 @@ class KernelReader:
             times.wait = time.perf_counter() - t
         return ran, runs
 
+    def _run(self, src: Regions, rc: list[GroupCopy] | RangeCopy) -> str:
+        if isinstance(rc, RangeCopy):
+            return copy_ranges(self.local, src, rc, max_ctas=self.max_ctas, kernel=self.kernel)
+        return copy_groups(self.local, src, rc, max_ctas=self.max_ctas)
+
     def _launch(
         self, src: Regions, plan: TransferPlan, times: PullTimes
     ) -> tuple[str, int, torch.cuda.Event | None]:
@@ -318,16 +342,21 @@ class KernelReader:
         twin has copied when it returns). Returns which implementation ran, the run count and
         the event."""
         t0 = time.perf_counter()
-        rc, runs = pieces(plan, self.piece_bytes)
+        if self.grouped and self.kernel is CopyKernel.STRIDE:
+            rc, runs = group_pieces(plan, self.piece_bytes)
+        else:
+            rc, runs = pieces(plan, self.piece_bytes)
         t1 = time.perf_counter()
-        times.cut, times.pieces = t1 - t0, rc.pieces
+        times.cut = t1 - t0
+        times.pieces = rc.pieces if isinstance(rc, RangeCopy) else sum(g.pieces for g in rc)
         if self._stream is None:
-            ran = copy_ranges(self.local, src, rc, max_ctas=self.max_ctas, kernel=self.kernel)
+            ran = self._run(src, rc)
             times.launch = time.perf_counter() - t1
             return ran, runs, None
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
-            # copy_ranges checks every piece against both sides before it launches anything.
-            ran = copy_ranges(self.local, src, rc, max_ctas=self.max_ctas, kernel=self.kernel)
+            # copy_ranges / copy_groups check every piece against both sides before they
+            # launch anything.
+            ran = self._run(src, rc)
             done = torch.cuda.Event()  # type: ignore[no-untyped-call]
             done.record(self._stream)
         times.launch = time.perf_counter() - t1

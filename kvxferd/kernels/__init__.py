@@ -36,19 +36,21 @@ from kvxferd.kernels.geometry import (
     row_bytes,
 )
 from kvxferd.kernels.loader import Backend, BackendName, active_backend
-from kvxferd.kernels.ranges import CopyKernel, RangeCopy, Regions, RegionsLike
+from kvxferd.kernels.ranges import CopyKernel, GroupCopy, RangeCopy, Regions, RegionsLike
 
 __all__ = [
     "Backend",
     "BackendName",
     "BlockIds",
     "CopyKernel",
+    "GroupCopy",
     "HeadOrder",
     "KVPermute",
     "RangeCopy",
     "Regions",
     "active_backend",
     "block_view",
+    "copy_groups",
     "copy_ranges",
     "gather_blocks",
     "row_bytes",
@@ -117,4 +119,20 @@ def copy_ranges(
         cuda_ops.copy_ranges(d, src, ranges, max_ctas=max_ctas, kernel=kernel)
         return BackendName.CUDA.value
     twin.copy_ranges(d, src, ranges, max_ctas=max_ctas)
+    return BackendName.TORCH.value
+
+
+def copy_groups(
+    dst: RegionsLike, src: RegionsLike, groups: Sequence[GroupCopy], *, max_ctas: int = 0
+) -> str:
+    """:func:`copy_ranges` for pieces that repeat over regions (:class:`GroupCopy`): one launch
+    per group, its table the runs once and the regions' bases (``cuda/copy_ranges.cu``,
+    copy_group), so the host never builds the region-by-run product. Returns which ran."""
+    d = Regions.of("dst", dst)
+    if len(d) and _use_cuda(d.tensors[0]):
+        from kvxferd.kernels import cuda_ops
+
+        cuda_ops.copy_groups(d, src, groups, max_ctas=max_ctas)
+        return BackendName.CUDA.value
+    twin.copy_groups(d, src, groups, max_ctas=max_ctas)
     return BackendName.TORCH.value

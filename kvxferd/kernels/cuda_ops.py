@@ -16,10 +16,13 @@ from kvxferd.kernels.geometry import BlockIds, KVPermute, check_call
 from kvxferd.kernels.loader import cuda_ops
 from kvxferd.kernels.ranges import (
     CopyKernel,
+    GroupCopy,
     RangeCopy,
     RegionsLike,
     address_table,
+    check_groups,
     check_ranges,
+    group_table,
 )
 
 
@@ -94,6 +97,21 @@ def copy_ranges(
         return
     table = address_table(d, s, ranges)
     _raise_if(cuda_ops().copy_ranges(table, d.tensors[0], int(max_ctas), int(kernel)))
+
+
+def copy_groups(
+    dst: RegionsLike, src: RegionsLike, groups: Sequence[GroupCopy], *, max_ctas: int = 0
+) -> None:
+    """Copy every group's pieces in every region of the group, one launch per group on the
+    current stream of the destination's device (``copy_group`` in ``cuda/copy_ranges.cu``);
+    every group is checked (:func:`check_groups`) before the first launch."""
+    d, s = check_groups(dst, src, groups)
+    _require_cuda(d.tensors[0], "copy_groups")
+    for g in groups:
+        if g.pieces:
+            table = group_table(d, s, g)
+            n, k = int(g.length.shape[0]), int(g.regions.shape[0])
+            _raise_if(cuda_ops().copy_group(table, n, k, d.tensors[0], int(max_ctas)))
 
 
 def copy_vector_width(dst: RegionsLike, src: RegionsLike, ranges: RangeCopy) -> int:

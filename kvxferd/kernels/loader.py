@@ -29,7 +29,14 @@ from kvxferd.logs import kv
 log = logging.getLogger(__name__)
 
 SOURCES = ("staging.cu", "copy_ranges.cu")
-_OPS = ("gather_blocks", "scatter_blocks", "vector_width", "copy_ranges", "copy_vector_width")
+_OPS = (
+    "gather_blocks",
+    "scatter_blocks",
+    "vector_width",
+    "copy_ranges",
+    "copy_vector_width",
+    "copy_group",
+)
 
 
 class BackendName(StrEnum):

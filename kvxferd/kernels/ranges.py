@@ -63,6 +63,41 @@ class RangeCopy:
         return cls(z, z, z, z)
 
 
+@dataclass(frozen=True)
+class GroupCopy:
+    """Pieces that every region of ``regions`` copies alike: piece ``i`` copies ``length[i]``
+    bytes from ``src[r]`` at ``src_offset[i]`` to ``dst[r]`` at ``dst_offset[i]`` for each
+    ``r`` in ``regions`` (a per-layer cache's pull: every layer reads the same block runs).
+    Flattened, it is the :class:`RangeCopy` of ``regions.size * pieces`` pieces, region by
+    region (:meth:`flat`)."""
+
+    regions: Int64Array
+    dst_offset: Int64Array
+    src_offset: Int64Array
+    length: Int64Array
+
+    def __post_init__(self) -> None:
+        n = self.length.shape
+        if self.regions.ndim != 1 or any(
+            a.ndim != 1 or a.shape != n for a in (self.dst_offset, self.src_offset)
+        ):
+            raise InvalidRequest("group copy arrays must be 1-D, the runs of equal length")
+
+    @property
+    def pieces(self) -> int:
+        """Pieces once flattened."""
+        return int(self.regions.shape[0]) * int(self.length.shape[0])
+
+    def flat(self) -> RangeCopy:
+        k, n = int(self.regions.shape[0]), int(self.length.shape[0])
+        return RangeCopy(
+            np.repeat(self.regions, n),
+            np.tile(self.dst_offset, k),
+            np.tile(self.src_offset, k),
+            np.tile(self.length, k),
+        )
+
+
 @dataclass(frozen=True, eq=False)
 class Regions:
     """One side's regions, checked once: the tensors, their base addresses and byte sizes."""
@@ -107,19 +142,7 @@ RegionsLike = Sequence[torch.Tensor] | Regions
 def check_ranges(dst: RegionsLike, src: RegionsLike, rc: RangeCopy) -> tuple[Regions, Regions]:
     """Refuse anything outside a region, before any copy runs (typed errors); returns both
     sides as :class:`Regions`."""
-    d, s = Regions.of("dst", dst), Regions.of("src", src)
-    if len(d) != len(s) or not len(d):
-        raise InvalidRequest(
-            f"copy_ranges: {len(d)} destination and {len(s)} source regions",
-            field="regions",
-            fix="pass one source region per destination region, in region order",
-        )
-    if s.device != d.device:
-        raise InvalidRequest(
-            f"copy_ranges: the source regions are on {s.device}, the destination on {d.device}",
-            field="src[0]",
-            fix="map or allocate every region on the device that runs the copy",
-        )
+    d, s = _pair(dst, src)
     if rc.pieces == 0:
         return d, s
     r = rc.region
@@ -142,6 +165,71 @@ def check_ranges(dst: RegionsLike, src: RegionsLike, rc: RangeCopy) -> tuple[Reg
                 fix="the peer's regions changed: re-handshake (its generation) and plan again",
             )
     return d, s
+
+
+def _pair(dst: RegionsLike, src: RegionsLike) -> tuple[Regions, Regions]:
+    """Both sides as checked :class:`Regions`: as many of each, on one device."""
+    d, s = Regions.of("dst", dst), Regions.of("src", src)
+    if len(d) != len(s) or not len(d):
+        raise InvalidRequest(
+            f"copy_ranges: {len(d)} destination and {len(s)} source regions",
+            field="regions",
+            fix="pass one source region per destination region, in region order",
+        )
+    if s.device != d.device:
+        raise InvalidRequest(
+            f"copy_ranges: the source regions are on {s.device}, the destination on {d.device}",
+            field="src[0]",
+            fix="map or allocate every region on the device that runs the copy",
+        )
+    return d, s
+
+
+def check_groups(
+    dst: RegionsLike, src: RegionsLike, groups: Sequence[GroupCopy]
+) -> tuple[Regions, Regions]:
+    """:func:`check_ranges` for :class:`GroupCopy` pieces, without flattening them: every
+    region named exists, every length is positive, and each group's furthest byte on each side
+    lies within the *smallest* of its regions there, so no run leaves any region it is copied
+    in. Refuses exactly what :func:`check_ranges` refuses on the flattened pieces."""
+    d, s = _pair(dst, src)
+    for k, g in enumerate(groups):
+        if not g.pieces:
+            continue
+        r = g.regions
+        if int(r.min()) < 0 or int(r.max()) >= len(d):
+            raise BlockRangeError(
+                f"copy_ranges: group {k} names region {int(r.max())} of {len(d)}",
+                field="ranges",
+            )
+        if int(g.length.min()) <= 0:
+            raise BlockRangeError(
+                f"copy_ranges: a piece of group {k} is empty or negative", field="ranges"
+            )
+        for name, off, size in (("dst", g.dst_offset, d.size), ("src", g.src_offset, s.size)):
+            low, end = int(off.min()), int((off + g.length).max())
+            small = int(np.argmin(size[r]))
+            if low < 0 or end > int(size[r[small]]):
+                raise BlockRangeError(
+                    f"copy_ranges: group {k} reads bytes [{low}, {end}) of {name} regions,"
+                    f" but {name} region {int(r[small])} has {int(size[r[small]])} bytes",
+                    field="ranges",
+                    fix="the peer's regions changed: re-handshake (its generation) and plan again",
+                )
+    return d, s
+
+
+def group_table(d: Regions, s: Regions, g: GroupCopy) -> torch.Tensor:
+    """1-D int64 CPU tensor: ``[dst_offset, src_offset, length]`` per run, then ``[dst_base,
+    src_base]`` per region of the group (``cuda/copy_ranges.cu``, copy_group; call after
+    :func:`check_groups`)."""
+    n, k = int(g.length.shape[0]), int(g.regions.shape[0])
+    out = np.empty(3 * n + 2 * k, dtype=np.int64)
+    runs = out[: 3 * n].reshape(n, 3)
+    runs[:, 0], runs[:, 1], runs[:, 2] = g.dst_offset, g.src_offset, g.length
+    bases = out[3 * n :].reshape(k, 2)
+    bases[:, 0], bases[:, 1] = d.base[g.regions], s.base[g.regions]
+    return torch.from_numpy(out)
 
 
 def address_table(dst: RegionsLike, src: RegionsLike, rc: RangeCopy) -> torch.Tensor:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from kvxferd.kernels.geometry import BlockIds, KVPermute, check_call
-from kvxferd.kernels.ranges import RangeCopy, RegionsLike, check_ranges
+from kvxferd.kernels.ranges import GroupCopy, RangeCopy, RegionsLike, check_groups, check_ranges
 
 
 def _permuted(blocks: torch.Tensor, p: KVPermute) -> torch.Tensor:
@@ -111,3 +111,13 @@ def copy_ranges(
         strict=True,
     ):
         d.tensors[r][a : a + n].copy_(s.tensors[r][b : b + n])
+
+
+def copy_groups(
+    dst: RegionsLike, src: RegionsLike, groups: Sequence[GroupCopy], *, max_ctas: int = 0
+) -> None:
+    """Copy every group's pieces in every region of the group (checked first, all groups)."""
+    d, s = check_groups(dst, src, groups)
+    for g in groups:
+        if g.pieces:
+            copy_ranges(d, s, g.flat(), max_ctas=max_ctas)

@@ -20,7 +20,7 @@ from kvxferd.errors import BlockRangeError
 from kvxferd.ipc.host import device_uuid
 from kvxferd.ipc.mapping import MappingCache
 from kvxferd.ipc.publish import IpcPool, IpcRegion
-from kvxferd.kernels import BackendName, CopyKernel, RangeCopy, active_backend, twin
+from kvxferd.kernels import BackendName, CopyKernel, GroupCopy, RangeCopy, active_backend, twin
 from kvxferd.kernels.ranges import address_table
 from kvxferd.scenario.daemons import DaemonOptions
 from kvxferd.v1 import scheduler_pb2
@@ -132,6 +132,81 @@ def test_a_pull_planned_by_the_reader_is_copied_exactly(ops: Any) -> None:
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
+def _groups(seed: int, align: int) -> list[GroupCopy]:
+    """Two groups: runs shared by regions {0, 2} and runs of region 1 alone, every run inside
+    the smallest region of its group, destinations not overlapping."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for regions, top in (([0, 2], min(SIZES[0], SIZES[2])), ([1], SIZES[1])):
+        slots = rng.choice(top // 8192, 30, replace=False)
+        ln = rng.integers(1, 8192 // align, size=slots.size) * align
+        dst = slots * 8192
+        src = rng.integers(0, (top - 8192) // align, size=slots.size) * align
+        out.append(GroupCopy(np.array(regions, np.int64), dst, src, np.minimum(ln, 8192)))
+    return out
+
+
+@pytest.mark.parametrize("align", [16, 4, 1], ids=["v16", "v4", "v1"])
+@pytest.mark.parametrize("max_ctas", [1, 7, 0])
+def test_the_group_kernel_matches_the_twin(ops: Any, align: int, max_ctas: int) -> None:
+    """copy_group: the runs once, repeated over each group's regions, as the twin copies the
+    flattened pieces."""
+    src = [_random(n, 20 + i) for i, n in enumerate(SIZES)]
+    gs = _groups(seed=align * 10 + max_ctas, align=align)
+    want = [torch.full((n,), 0x5A, dtype=torch.uint8, device="cuda") for n in SIZES]
+    got = [t.clone() for t in want]
+    twin.copy_groups(want, src, gs)
+    ops.copy_groups(got, src, gs, max_ctas=max_ctas)
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_group_bounds_and_bad_tables_are_refused_before_launch(ops: Any) -> None:
+    src = [_random(1024, 1), _random(512, 2)]
+    dst = [torch.zeros(1024, dtype=torch.uint8, device="cuda") for _ in range(2)]
+    run = np.array([0], dtype=np.int64)
+    past = GroupCopy(np.array([0, 1]), run, np.array([500]), np.array([100]))  # fits 0, not 1
+    with pytest.raises(BlockRangeError, match="src region 1 has 512 bytes"):
+        ops.copy_groups(dst, src, [past])
+    assert int(dst[0].sum()) == 0 and int(dst[1].sum()) == 0
+    from kvxferd.kernels.loader import cuda_ops
+    from kvxferd.kernels.ranges import Regions, group_table
+
+    d, s = Regions.of("dst", dst), Regions.of("src", src)
+    table = group_table(d, s, GroupCopy(np.array([0]), run, run, np.array([8])))
+    assert "3 per run and 2 per region" in cuda_ops().copy_group(table, 2, 1, dst[0], 0)
+    table[2] = 0
+    assert "empty" in cuda_ops().copy_group(table, 1, 1, dst[0], 0)
+    table[2], table[0] = 8, -8
+    assert "negative offset" in cuda_ops().copy_group(table, 1, 1, dst[0], 0)
+    table[0], table[4] = 0, 0
+    assert "null base" in cuda_ops().copy_group(table, 1, 1, dst[0], 0)
+    assert "CPU" in cuda_ops().copy_group(table.cuda(), 1, 1, dst[0], 0)
+    assert int(dst[0].sum()) == 0
+
+
+def test_a_pull_planned_by_the_reader_is_copied_exactly_grouped(ops: Any) -> None:
+    """The same miniature pull as above through group_pieces (one group of 8 regions)."""
+    from kvxferd.blocks.ranges import RegionRanges, TransferPlan
+    from kvxferd.ipc.reader import group_pieces
+
+    rng = np.random.default_rng(12)
+    block, blocks = 4096, 256
+    src = [_random(block * blocks, 40 + i) for i in range(8)]
+    want = [torch.zeros(block * blocks, dtype=torch.uint8, device="cuda") for _ in range(8)]
+    got = [t.clone() for t in want]
+    local = np.concatenate([rng.choice(200, 64, replace=False), [201, 202, 203]])
+    remote = np.concatenate([rng.choice(blocks, 64, replace=False), [9, 10, 11]])
+    arrays = (local * block, remote * block, np.full(local.size, block))
+    plan = TransferPlan(tuple(RegionRanges(i, f"l{i}", *arrays) for i in range(8)))
+    gs, _ = group_pieces(plan)
+    assert isinstance(gs, list) and len(gs) == 1 and gs[0].regions.size == 8
+    ops.copy_groups(got, src, gs)
+    twin.copy_groups(want, src, gs)
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
 # -- memory imported over CUDA IPC from another process -------------------------------------
 
 
@@ -177,12 +252,18 @@ def test_kernel_matches_the_twin_on_imported_memory(ops: Any, owner: Owner) -> N
     maps = cache.get(("owner", "i1", 1), owner.ipc)
     rc = _pieces(SIZES, 60, seed=3, align=16)
     got = [torch.zeros(n, dtype=torch.uint8, device="cuda") for n in SIZES]
+    gs = _groups(seed=5, align=16)
+    grouped = [torch.zeros(n, dtype=torch.uint8, device="cuda") for n in SIZES]
     with maps.use() as src:
         ops.copy_ranges(got, src, rc, max_ctas=16)
+        ops.copy_groups(grouped, src, gs, max_ctas=16)
         torch.cuda.synchronize()
     want = [torch.zeros(n, dtype=torch.uint8) for n in SIZES]
     twin.copy_ranges(want, owner.data, rc)
     assert all(torch.equal(a.cpu(), b) for a, b in zip(got, want, strict=True))
+    want_g = [torch.zeros(n, dtype=torch.uint8) for n in SIZES]
+    twin.copy_groups(want_g, owner.data, gs)
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(grouped, want_g, strict=True))
     cache.close()
     assert maps.closed
 

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvxferd.errors import BlockRangeError, InvalidRequest
-from kvxferd.kernels import RangeCopy, Regions, copy_ranges, twin
-from kvxferd.kernels.ranges import address_table, check_ranges
+from kvxferd.kernels import GroupCopy, RangeCopy, Regions, copy_groups, copy_ranges, twin
+from kvxferd.kernels.ranges import address_table, check_groups, check_ranges, group_table
 
 SIZES = [4096, 1000, 2048]
 
@@ -89,3 +89,69 @@ def test_mismatched_sides_and_pieces_outside_a_region_are_refused_before_any_cop
     with pytest.raises(BlockRangeError, match="names region 3 of 3"):
         copy_ranges(dst, src, RangeCopy(region, one, one, one))
     assert all(torch.equal(a, b) for a, b in zip(dst, before, strict=True))
+
+
+@st.composite
+def groups(draw: st.DrawFn) -> list[GroupCopy]:
+    """Groups of runs over subsets of the regions; offsets may reach past a small region (the
+    checks must refuse exactly those), lengths may be zero (refused too)."""
+    out = []
+    for _ in range(draw(st.integers(0, 3))):
+        regions = draw(st.lists(st.integers(0, len(SIZES) - 1), min_size=0, max_size=3))
+        n = draw(st.integers(0, 4))
+        cols = [
+            [draw(st.integers(0, 4200)) for _ in range(n)],
+            [draw(st.integers(0, 4200)) for _ in range(n)],
+            [draw(st.integers(0, 120)) for _ in range(n)],
+        ]
+        out.append(
+            GroupCopy(np.array(regions, dtype=np.int64), *(np.array(c, np.int64) for c in cols))
+        )
+    return out
+
+
+def _flat(gs: list[GroupCopy]) -> RangeCopy:
+    parts = [g.flat() for g in gs if g.pieces]
+    if not parts:
+        return RangeCopy.empty()
+    return RangeCopy(*(np.concatenate([getattr(p, f) for p in parts]) for f in FIELDS))
+
+
+FIELDS = ("region", "dst_offset", "src_offset", "length")
+
+
+@settings(max_examples=300, deadline=None)
+@given(groups())
+def test_group_checks_refuse_exactly_what_the_flat_checks_refuse(gs: list[GroupCopy]) -> None:
+    dst, src = _regions(1), _regions(2)
+    try:
+        check_ranges(dst, src, _flat(gs))
+        flat_ok = True
+    except BlockRangeError:
+        flat_ok = False
+    try:
+        check_groups(dst, src, gs)
+        group_ok = True
+    except BlockRangeError:
+        group_ok = False
+    assert group_ok == flat_ok
+
+
+@settings(max_examples=100, deadline=None)
+@given(copies(), st.lists(st.integers(0, len(SIZES) - 1), min_size=1, max_size=3, unique=True))
+def test_a_group_copies_what_its_flat_pieces_copy(rc: RangeCopy, regions: list[int]) -> None:
+    # The runs of region 1 (the smallest) fit every region: repeat them over ``regions``.
+    keep = rc.region == 1
+    g = GroupCopy(
+        np.array(regions, dtype=np.int64), rc.dst_offset[keep], rc.src_offset[keep], rc.length[keep]
+    )
+    src = _regions(3)
+    want, got = _regions(4), _regions(4)
+    twin.copy_ranges(want, src, g.flat() if g.pieces else RangeCopy.empty())
+    assert copy_groups(got, src, [g]) == "torch"  # CPU tensors: the twin
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    if g.pieces:
+        table = group_table(Regions.of("dst", got), Regions.of("src", src), g)
+        n, k = int(g.length.size), len(regions)
+        assert table.numel() == 3 * n + 2 * k  # the runs once, then each region's two bases
+        assert table[3 * n :].view(k, 2)[:, 0].tolist() == [got[r].data_ptr() for r in regions]
