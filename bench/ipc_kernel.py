@@ -198,13 +198,9 @@ class Bench:
         from kvxferd.kernels import CopyKernel, RangeCopy, Regions, copy_groups, copy_ranges
 
         local, remote = _ids(pattern, REQ, self.rng)
-        ln = np.full(REQ, BLOCK, dtype=np.int64)
-        plan = TransferPlan(
-            tuple(
-                RegionRanges(i, f"layer.{i}", local * BLOCK, remote * BLOCK, ln)
-                for i in range(LAYERS)
-            )
-        )
+        arrays = (local * BLOCK, remote * BLOCK, np.full(REQ, BLOCK, dtype=np.int64))
+        # Every layer shares one set of arrays, as the daemon's planner makes them.
+        plan = TransferPlan(tuple(RegionRanges(i, f"layer.{i}", *arrays) for i in range(LAYERS)))
         rc, runs = pieces(plan)
         info: dict[str, Any] = {"pattern": pattern, "pieces": rc.pieces, "runs": runs}
         info["piece_bytes"] = int(rc.length.max())
