@@ -62,14 +62,16 @@ MIN_PIECE_BYTES = 512
 # work, its row lookups on the GPU (an estimate; it only steers the piece size).
 PIECE_COST_BYTES = 16 << 10
 # Pulls up to this many bytes run inline on the event loop (host work, launch, event polled;
-# KernelReader.pull). Their copy is short: on an H100 the stride kernel read 1 GiB of random
-# 64 KiB blocks over CUDA IPC in ~0.8 ms, so 64 MiB takes ~0.05 ms, well within the polls'
-# bound (completion.POLL_LIMIT_S) even on a busy GPU, and less than the worker-thread hop it
-# saves (~0.25 ms). Bigger pulls keep the worker thread: their host work (~0.75 ms for 1 GiB
-# of random blocks) and their copy must not hold the loop.
-INLINE_MAX_BYTES = 64 << 20
-# ... and at most this many ranges: the host work grows with the ranges, not the bytes (on the
-# same H100 host, cut + launch took ~0.4 ms for 512 ranges and ~0.75 ms for 16384).
+# KernelReader.pull). On an H100 the grouped copy reads 1 GiB of random 64 KiB blocks over CUDA
+# IPC in ~0.76 ms, within the polls' bound (completion.POLL_LIMIT_S; a slower copy moves its
+# wait to a thread there), and its host work is ~0.35 ms (cut 0.14, launch 0.21): less than
+# the worker-thread hop it saves (~0.3 ms), and short enough to hold the loop for
+# (docs/benchmarks.md, "Session 9").
+INLINE_MAX_BYTES = 1 << 30
+# ... and at most this many ranges the host handles: the host work grows with them, not with
+# the bytes. Grouped (the default), the distinct ranges (shared arrays counted once: 512 for
+# 1 GiB of random blocks of a per-layer cache); flattened, every range (16,384 there; cut +
+# launch ~0.75 ms on the same host).
 INLINE_MAX_RANGES = 8192
 
 
@@ -150,6 +152,15 @@ def pieces(plan: TransferPlan, piece_bytes: int = MAX_PIECE_BYTES) -> tuple[Rang
         return RangeCopy.empty(), 0
     cut = [RunGroup(g.regions, g.dst_offset, g.src_offset, g.length) for g in got]
     return RangeCopy(*flatten(cut)), runs
+
+
+def distinct_ranges(plan: TransferPlan) -> int:
+    """The plan's ranges with the arrays regions share counted once: the grouped copy's host
+    work (:func:`group_pieces`) handles each shared array once."""
+    seen: dict[tuple[int, int, int], int] = {}
+    for rr in plan.ranges:
+        seen[id(rr.local_offset), id(rr.remote_offset), id(rr.length)] = rr.num_ranges
+    return sum(seen.values())
 
 
 def region_bytes(pool: KVPool) -> list[torch.Tensor]:
@@ -306,8 +317,12 @@ class KernelReader:
 
     def inline(self, plan: TransferPlan) -> bool:
         """Whether ``plan`` is small enough to run on the event loop (:data:`INLINE_MAX_BYTES`,
-        :data:`INLINE_MAX_RANGES`)."""
-        return plan.nbytes <= INLINE_MAX_BYTES and plan.num_ranges <= INLINE_MAX_RANGES
+        :data:`INLINE_MAX_RANGES`, counted as this reader's host work sees them)."""
+        if plan.nbytes > INLINE_MAX_BYTES:
+            return False
+        if self.grouped and self.kernel is CopyKernel.STRIDE:
+            return distinct_ranges(plan) <= INLINE_MAX_RANGES
+        return plan.num_ranges <= INLINE_MAX_RANGES
 
     async def _copy_inline(
         self, src: Regions, plan: TransferPlan, times: PullTimes

@@ -87,10 +87,17 @@ def test_small_pulls_run_on_the_loop_and_big_ones_in_a_thread(
 
 
 def test_the_range_count_also_bounds_inline_pulls(monkeypatch: pytest.MonkeyPatch) -> None:
-    owner, _, reader, _ = _setup()
+    owner, pool, reader, _ = _setup()
     part = plan_pull(owner.spec, owner.spec, [[1, 2]], [[3, 5]], prefix_caching=False).per_rank[0]
+    distinct = reader_module.distinct_ranges(part)
+    assert 0 < distinct < part.num_ranges  # every layer shares the planner's arrays
     assert reader.inline(part)
-    monkeypatch.setattr(reader_module, "INLINE_MAX_RANGES", part.num_ranges - 1)
+    # Grouped (the default), the host handles the shared ranges once: they are what counts.
+    monkeypatch.setattr(reader_module, "INLINE_MAX_RANGES", distinct)
+    assert reader.inline(part)
+    flat = KernelReader(pool, reader.cache, max_ctas=4, grouped=False)
+    assert not flat.inline(part)  # flattened, it handles every range
+    monkeypatch.setattr(reader_module, "INLINE_MAX_RANGES", distinct - 1)
     assert not reader.inline(part)
 
 
