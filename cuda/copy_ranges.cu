@@ -55,6 +55,7 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <type_traits>
 
 #include "staging.cuh"
 
@@ -198,6 +199,64 @@ Scan scan(const int64_t* rows, int64_t n) {
   return s;
 }
 
+// Where a launch runs: the current stream of `like`'s device (call under a CUDAGuard of it) and
+// the device's SM count (the default grid caps scale with it).
+struct Target {
+  cudaStream_t stream;
+  int sms;
+};
+
+Target target(const at::Tensor& like) {
+  const int dev = like.device().index();
+  Target t{c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(dev)).stream(), 0};
+  if (cudaDeviceGetAttribute(&t.sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+      t.sms <= 0) {
+    t.sms = 1;
+  }
+  return t;
+}
+
+// One upload of `n` table values from pinned memory, ordered on the current stream; the caching
+// host allocator keeps the pinned block alive until the copy has run.
+at::Tensor upload(const int64_t* rows, int64_t n, const at::Tensor& like) {
+  auto host = at::empty({n}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  std::copy(rows, rows + n, host.data_ptr<int64_t>());
+  auto on_dev = at::empty({n}, at::TensorOptions().dtype(at::kLong).device(like.device()));
+  on_dev.copy_(host, /*non_blocking=*/true);
+  return on_dev;
+}
+
+// Calls f(std::integral_constant<int, V>) for the vector width v (16, 8, 4, 2 or 1), then says
+// whether the launch it queued failed; "" on success.
+template <typename F>
+std::string with_width(const char* op, int v, F&& f) {
+  switch (v) {
+    case 16: f(std::integral_constant<int, 16>{}); break;
+    case 8: f(std::integral_constant<int, 8>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    default: return std::string(op) + ": bad vector width " + std::to_string(v);
+  }
+  const cudaError_t launched = cudaGetLastError();
+  if (launched != cudaSuccess) {
+    return std::string(op) + ": kernel launch failed: " + cudaGetErrorString(launched);
+  }
+  return {};
+}
+
+// Resident CTAs per SM of a stride-kernel instance (registers bound it, not threads).
+template <typename K>
+int resident(K kernel) {
+  int per_sm = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kStrideThreads, 0) !=
+          cudaSuccess ||
+      per_sm <= 0) {
+    per_sm = 1;
+  }
+  return per_sm;
+}
+
 template <int V>
 void launch(int64_t variant, const int64_t* d, int64_t n, int64_t longest, int64_t cap,
             int sms, cudaStream_t stream) {
@@ -212,13 +271,7 @@ void launch(int64_t variant, const int64_t* d, int64_t n, int64_t longest, int64
   const int64_t total = n << shift;
   const int64_t tiles = (total + int64_t{kStrideThreads} * kIpcUnroll - 1) /
                         (int64_t{kStrideThreads} * kIpcUnroll);
-  int per_sm = 0;  // resident CTAs per SM for this instance (registers bound it, not threads)
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, copy_stride_kernel<V>,
-                                                    kStrideThreads, 0) != cudaSuccess ||
-      per_sm <= 0) {
-    per_sm = 1;
-  }
-  const int64_t c = cap > 0 ? cap : int64_t{sms} * per_sm;
+  const int64_t c = cap > 0 ? cap : int64_t{sms} * resident(copy_stride_kernel<V>);
   const auto grid = static_cast<unsigned>(std::min<int64_t>(std::min<int64_t>(tiles, c), 65535));
   copy_stride_kernel<V><<<grid, kStrideThreads, 0, stream>>>(d, total, shift);
 }
@@ -246,51 +299,12 @@ std::string copy_ranges(at::Tensor table, at::Tensor like, int64_t max_ctas, int
                s.longest, " bytes in the longest piece); cut runs into smaller pieces");
   }
   const c10::cuda::CUDAGuard guard(like.device());
-  const int dev = like.device().index();
-  cudaStream_t stream =
-      c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(dev)).stream();
-  int sms = 0;
-  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || sms <= 0) {
-    sms = 1;
-  }
-  // One upload of the table from pinned memory, ordered on this stream; the caching host
-  // allocator keeps the pinned block alive until the copy has run.
-  auto host = at::empty({n, 3}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
-  std::copy(rows, rows + 3 * n, host.data_ptr<int64_t>());
-  auto on_dev = at::empty({n, 3}, at::TensorOptions().dtype(at::kLong).device(like.device()));
-  on_dev.copy_(host, /*non_blocking=*/true);
+  const Target t = target(like);
+  const at::Tensor on_dev = upload(rows, 3 * n, like);
   const int64_t* d = on_dev.data_ptr<int64_t>();
-  switch (s.v) {
-#define KVX_CASE(W)                                                  \
-  case W:                                                            \
-    launch<W>(variant, d, n, s.longest, max_ctas, sms, stream);      \
-    break;
-    KVX_CASE(16)
-    KVX_CASE(8)
-    KVX_CASE(4)
-    KVX_CASE(2)
-    KVX_CASE(1)
-#undef KVX_CASE
-    default:
-      return msg("copy_ranges: bad vector width ", s.v, "");
-  }
-  const cudaError_t launched = cudaGetLastError();
-  if (launched != cudaSuccess) {
-    return std::string("copy_ranges: kernel launch failed: ") + cudaGetErrorString(launched);
-  }
-  return {};
-}
-
-// Resident CTAs per SM of a stride-kernel instance (registers bound it, not threads).
-template <typename K>
-int resident(K kernel) {
-  int per_sm = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kStrideThreads, 0) !=
-          cudaSuccess ||
-      per_sm <= 0) {
-    per_sm = 1;
-  }
-  return per_sm;
+  return with_width("copy_ranges", s.v, [&](auto w) {
+    launch<decltype(w)::value>(variant, d, n, s.longest, max_ctas, t.sms, t.stream);
+  });
 }
 
 template <int V>
@@ -346,38 +360,13 @@ std::string copy_group(at::Tensor table, int64_t n_runs, int64_t n_regions, at::
                s.longest, " bytes in the longest run); cut runs into smaller pieces");
   }
   const c10::cuda::CUDAGuard guard(like.device());
-  const int dev = like.device().index();
-  cudaStream_t stream =
-      c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(dev)).stream();
-  int sms = 0;
-  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || sms <= 0) {
-    sms = 1;
-  }
-  const int64_t n = table.numel();
-  auto host = at::empty({n}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
-  std::copy(rows, rows + n, host.data_ptr<int64_t>());
-  auto on_dev = at::empty({n}, at::TensorOptions().dtype(at::kLong).device(like.device()));
-  on_dev.copy_(host, /*non_blocking=*/true);
+  const Target t = target(like);
+  const at::Tensor on_dev = upload(rows, table.numel(), like);
   const int64_t* d = on_dev.data_ptr<int64_t>();
-  switch (s.v) {
-#define KVX_CASE(W)                                                                        \
-  case W:                                                                                  \
-    launch_group<W>(d, d + 3 * n_runs, n_runs, n_regions, s.longest, max_ctas, sms, stream); \
-    break;
-    KVX_CASE(16)
-    KVX_CASE(8)
-    KVX_CASE(4)
-    KVX_CASE(2)
-    KVX_CASE(1)
-#undef KVX_CASE
-    default:
-      return msg("copy_group: bad vector width ", s.v, "");
-  }
-  const cudaError_t launched = cudaGetLastError();
-  if (launched != cudaSuccess) {
-    return std::string("copy_group: kernel launch failed: ") + cudaGetErrorString(launched);
-  }
-  return {};
+  return with_width("copy_group", s.v, [&](auto w) {
+    launch_group<decltype(w)::value>(d, d + 3 * n_runs, n_runs, n_regions, s.longest, max_ctas,
+                                     t.sms, t.stream);
+  });
 }
 
 // Which vector width a table would use (tests and the bench's log); 0 for a bad table.

@@ -48,6 +48,17 @@ def state_name(state: int) -> str:
     return scheduler_pb2.TransferState.Name(state).removeprefix("TRANSFER_STATE_")  # type: ignore[arg-type]
 
 
+def _refused(
+    req: scheduler_pb2.StartPullRequest,
+    where: str,
+    exc: grpc.RpcError,
+    local: tuple[tuple[int, ...], ...],
+) -> PullResult:
+    """A StartPull the daemon at ``where`` refused, with its explanation."""
+    err = rpc_error("Scheduler.StartPull", where, exc)
+    return PullResult(req.request_id, req.transfer_id, "REFUSED", error=str(err), local=local)
+
+
 class PullLink:
     """The local daemon's Scheduler service at ``address``, and its scheduler socket at
     ``socket`` when it serves one (PoolInfo.scheduler_socket): a pull is then one StartPull
@@ -89,8 +100,7 @@ class PullLink:
             try:
                 st = self._stub.StartPull(req, timeout=CALL_TIMEOUT_S, metadata=self._md).status
             except grpc.RpcError as exc:
-                err = rpc_error("Scheduler.StartPull", self.address, exc)
-                on_done(PullResult(request_id, transfer_id, "REFUSED", error=str(err), local=loc))
+                on_done(_refused(req, self.address, exc, loc))
                 return
             target, args = self._follow, (st, loc, on_done)
         threading.Thread(
@@ -116,21 +126,13 @@ class PullLink:
             return
         except RpcFailure as exc:
             if exc.code() not in lost:
-                err = rpc_error("Scheduler.StartPull", self._sockets.path, exc)
-                on_done(
-                    PullResult(
-                        req.request_id, req.transfer_id, "REFUSED", error=str(err), local=local
-                    )
-                )
+                on_done(_refused(req, self._sockets.path, exc, local))
                 return
         req.wait = False
         try:
             st = self._stub.StartPull(req, timeout=CALL_TIMEOUT_S, metadata=self._md).status
         except grpc.RpcError as exc:
-            err = rpc_error("Scheduler.StartPull", self.address, exc)
-            on_done(
-                PullResult(req.request_id, req.transfer_id, "REFUSED", error=str(err), local=local)
-            )
+            on_done(_refused(req, self.address, exc, local))
             return
         self._follow(st, local, on_done)
 

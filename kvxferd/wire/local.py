@@ -159,6 +159,16 @@ def parse_answer(
     return _CODES.get(code, grpc.StatusCode.UNKNOWN), text, trailer, body[at + n_text + n_trail :]
 
 
+def answer_message(body: bytes, answer_type: type[Any]) -> Any:
+    """The answer message of an ANSWER body, or the call's failure as :class:`RpcFailure`."""
+    code, details, trailer, answer = parse_answer(body)
+    if code is not grpc.StatusCode.OK:
+        raise RpcFailure(code, details, trailer)
+    msg = answer_type()
+    msg.ParseFromString(answer)
+    return msg
+
+
 PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
@@ -252,12 +262,7 @@ class LocalTransport:
         except asyncio.CancelledError:
             self._cancel(call_id)
             raise
-        code, details, trailer, answer = parse_answer(body)
-        if code is not grpc.StatusCode.OK:
-            raise RpcFailure(code, details, trailer)
-        msg = types[1]()
-        msg.ParseFromString(answer)
-        return msg
+        return answer_message(body, types[1])
 
     def current(self, connection: int) -> bool:
         """Whether connection number ``connection`` is the one open now."""

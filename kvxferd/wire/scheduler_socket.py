@@ -30,7 +30,7 @@ from kvxferd.wire.local import (
     HEADER,
     MAX_FRAME,
     SCHEDULER_METHODS,
-    parse_answer,
+    answer_message,
     request_frame,
 )
 from kvxferd.wire.peer_client import Metadata, RpcFailure
@@ -97,12 +97,7 @@ class SchedulerSocket:
                             (),
                         ) from exc
             body = self._answer(sock, call_id, deadline)
-        code, details, trailer, answer = parse_answer(body)
-        if code is not grpc.StatusCode.OK:
-            raise RpcFailure(code, details, trailer)
-        msg = types[1]()
-        msg.ParseFromString(answer)
-        return msg
+        return answer_message(body, types[1])
 
     def _answer(self, sock: socket.socket, call_id: int, deadline: float) -> bytes:
         """The body of ``call_id``'s answer (answers to earlier calls that timed out are

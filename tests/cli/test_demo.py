@@ -173,9 +173,21 @@ def test_bench_smoke(tmp_path: Path) -> None:
     floor_ms = 32 * 16 * 65536 / (rows[FRAGMENTED]["floor"]["median_gbps"] * 1e9) * 1e3
     assert lat["floor_ms"] == pytest.approx(floor_ms)
     assert waited["added_p50_ms"] == pytest.approx(waited["p50_ms"] - floor_ms)
-    rpc = lat["rpc"]  # the control path's floor: one GetTransfer after each pull, both ways
+    on_socket = lat["socket"]  # the same pulls with wait on the scheduler socket
+    assert len(on_socket["client_ms"]) == 3 and 0 < on_socket["p50_ms"] <= on_socket["p99_ms"]
+    assert on_socket["added_p50_ms"] == pytest.approx(on_socket["p50_ms"] - floor_ms)
+    assert "StartPull with wait (scheduler socket)" in proc.stdout
+    # The control path's floor: one GetTransfer after each pull, the way the pull was asked
+    # (gRPC after the watch and wait pulls, the socket after the socket's).
+    rpc, sock_rpc = lat["rpc"], lat["socket_rpc"]
     assert len(rpc["ms"]) == 6 and 0 < rpc["p50_ms"] <= rpc["p99_ms"]
-    assert "control floor: one GetTransfer round trip" in proc.stdout
+    assert len(sock_rpc["ms"]) == 3 and 0 < sock_rpc["p50_ms"] <= sock_rpc["p99_ms"]
+    assert "control floor, gRPC: one GetTransfer round trip" in proc.stdout
+    assert "control floor, scheduler socket: one GetTransfer round trip" in proc.stdout
+    # Every cell records the daemon's stages of each of its pulls.
+    for r in rows.values():
+        stages = r["strategy"]["stage_seconds"]
+        assert {"decode", "plan", "confirm", "publish"} <= set(stages), stages
 
 
 # ---- without daemons ------------------------------------------------------------------------

@@ -6,6 +6,7 @@ Started through :mod:`kvxferd.scenario.daemons`, the launcher the demo uses.
 from __future__ import annotations
 
 import dataclasses
+import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,23 @@ class Daemons:
         self.set.stop()
         problems = self.set.stop_problems()
         assert not problems, problems
+
+
+def raw_exchange(path: str, data: bytes) -> bytes:
+    """Send ``data`` on a fresh connection to the Unix socket at ``path`` and read until the
+    daemon answers one frame (kvxferd/wire/local.py) or closes the connection."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(10)
+        s.connect(path)
+        s.sendall(data)
+        got = b""
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                return got
+            got += chunk
+            if len(got) >= 9 and len(got) >= 9 + int.from_bytes(got[:4], "big"):
+                return got
 
 
 def launch(tmp: Path, *options: DaemonOptions) -> Daemons:

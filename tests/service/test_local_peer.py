@@ -23,7 +23,7 @@ from kvxferd.scenario.puller import DaemonPuller
 from kvxferd.v1 import peer_pb2
 from kvxferd.wire.local import LocalTransport
 from kvxferd.wire.peer_client import RpcFailure
-from tests.service.conftest import Daemons, launch
+from tests.service.conftest import Daemons, launch, raw_exchange
 
 TOKEN = "s3cret-local"
 
@@ -88,22 +88,6 @@ def test_same_host_pulls_confirm_over_the_socket_and_move_the_right_bytes(pair: 
     assert confirms and confirms[0] >= 1, confirms
 
 
-def _raw(path: str, data: bytes) -> bytes:
-    """Send ``data`` on a fresh connection and read until the daemon answers or closes."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(10)
-        s.connect(path)
-        s.sendall(data)
-        got = b""
-        while True:
-            chunk = s.recv(65536)
-            if not chunk:
-                return got
-            got += chunk
-            if len(got) >= 9 and len(got) >= 9 + int.from_bytes(got[:4], "big"):
-                return got
-
-
 async def _call(
     path: str, method: str, msg: object, md: tuple[tuple[str, str], ...] = ()
 ) -> object:
@@ -125,7 +109,7 @@ def test_a_malformed_frame_closes_only_that_connection(
     pair: Daemons, data: bytes, why: str
 ) -> None:
     path = _socket(pair, "prefill")
-    assert _raw(path, data) == b"", why
+    assert raw_exchange(path, data) == b"", why
     # The daemon still answers on a new connection and over gRPC.
     with pytest.raises(RpcFailure) as err:
         asyncio.run(_call(path, "Heartbeat", peer_pb2.HeartbeatRequest()))
@@ -136,11 +120,11 @@ def test_a_malformed_frame_closes_only_that_connection(
 def test_garbage_request_bodies_are_invalid_argument(pair: Daemons) -> None:
     path = _socket(pair, "prefill")
     short = struct.pack("!IIB", 2, 5, 1) + b"\x00\x07"
-    got = _raw(path, short)
+    got = raw_exchange(path, short)
     assert got[9] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     name = b"Heartbeat"
     body = struct.pack("!HHI", len(name), 0, 1_000_000) + name + b"\xff\xff\xff"
-    got = _raw(path, struct.pack("!IIB", len(body), 6, 1) + body)
+    got = raw_exchange(path, struct.pack("!IIB", len(body), 6, 1) + body)
     assert got[9] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     assert b"does not decode as HeartbeatRequest" in got
 
@@ -149,7 +133,7 @@ def test_calls_the_socket_does_not_serve_are_unimplemented(pair: Daemons) -> Non
     path = _socket(pair, "prefill")
     name = b"Handshake"
     body = struct.pack("!HHI", len(name), 0, 1_000_000) + name
-    got = _raw(path, struct.pack("!IIB", len(body), 8, 1) + body)
+    got = raw_exchange(path, struct.pack("!IIB", len(body), 8, 1) + body)
     assert got[9] == grpc.StatusCode.UNIMPLEMENTED.value[0]
     assert b"on the gRPC port" in got
 
@@ -244,7 +228,9 @@ def test_a_path_another_daemon_serves_is_not_taken_over(tmp_path: Path) -> None:
         assert stat.S_ISSOCK(os.stat(path).st_mode)
         name = b"Handshake"  # still the first one's socket: it answers
         body = struct.pack("!HHI", len(name), 0, 1_000_000) + name
-        got = await asyncio.to_thread(_raw, path, struct.pack("!IIB", len(body), 1, 1) + body)
+        got = await asyncio.to_thread(
+            raw_exchange, path, struct.pack("!IIB", len(body), 1, 1) + body
+        )
         assert got[9] == grpc.StatusCode.UNIMPLEMENTED.value[0]
         await first.close()
         assert not os.path.exists(path)

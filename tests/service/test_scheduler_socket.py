@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import stat
 import struct
 import time
@@ -27,7 +26,7 @@ from kvxferd.scenario.daemons import DaemonOptions
 from kvxferd.v1 import scheduler_pb2
 from kvxferd.wire.peer_client import RpcFailure
 from kvxferd.wire.scheduler_socket import SchedulerSocket
-from tests.service.conftest import Daemons, launch
+from tests.service.conftest import Daemons, launch, raw_exchange
 
 TOKEN = "s3cret-sched"
 MD = (("authorization", f"Bearer {TOKEN}"),)
@@ -164,22 +163,6 @@ def test_the_token_is_checked_on_the_socket(pair: tuple[Daemons, str]) -> None:
         s.close()
 
 
-def _raw(path: str, data: bytes) -> bytes:
-    """Send ``data`` on a fresh connection and read until the daemon answers or closes."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(10)
-        s.connect(path)
-        s.sendall(data)
-        got = b""
-        while True:
-            chunk = s.recv(65536)
-            if not chunk:
-                return got
-            got += chunk
-            if len(got) >= 9 and len(got) >= 9 + int.from_bytes(got[:4], "big"):
-                return got
-
-
 def _request(method: bytes, body: bytes, call_id: int = 4) -> bytes:
     meta = json.dumps([list(MD[0])]).encode()
     head = struct.pack("!HHI", len(method), len(meta), 1_000_000) + method + meta + body
@@ -189,14 +172,14 @@ def _request(method: bytes, body: bytes, call_id: int = 4) -> bytes:
 def test_hostile_frames_are_refused_and_the_daemon_serves_on(pair: tuple[Daemons, str]) -> None:
     ds, path = pair
     for method in (b"WatchTransfers", b"Checksum", b"ConfirmLease", b"Nope"):
-        got = _raw(path, _request(method, b""))
+        got = raw_exchange(path, _request(method, b""))
         assert got[9] == grpc.StatusCode.UNIMPLEMENTED.value[0], method
         assert b"StartPull" in got and b"gRPC port" in got  # what it serves, and where else
-    got = _raw(path, _request(b"StartPull", b"\xff\xff\xff"))
+    got = raw_exchange(path, _request(b"StartPull", b"\xff\xff\xff"))
     assert got[9] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     assert b"does not decode as StartPullRequest" in got
-    assert _raw(path, struct.pack("!IIB", 1 << 30, 1, 1)) == b""  # over the limit: closed
-    assert _raw(path, struct.pack("!IIB", 0, 1, 9)) == b""  # an unknown kind: closed
+    assert raw_exchange(path, struct.pack("!IIB", 1 << 30, 1, 1)) == b""  # over the limit: closed
+    assert raw_exchange(path, struct.pack("!IIB", 0, 1, 9)) == b""  # an unknown kind: closed
     assert ds["decode"].alive()  # type: ignore[operator]
     s = SchedulerSocket(path)
     try:
