@@ -1,6 +1,9 @@
 # Sourced by the bench/device_*.sh scripts on the lent GPU machine: $OUT, unbuffered Python,
 # and the wheels the machine lacks (carried in .whl/, see bench/device_session.sh) installed
-# into /tmp/site ahead of the repository on PYTHONPATH.
+# into /tmp/site ahead of the repository on PYTHONPATH. Since session 9 the nixl-cu13 wheel is
+# carried without its expert-parallel builds for other torch versions (zip -d the wheel
+# 'nixl_ep_cu13/nixl_ep_cpp_torch21*': the machine's torch 2.11 cannot load them, and with them
+# the tree, .whl and py-spy's wheel exceed the 64 MiB carry).
 set -u
 OUT=${OUT:-/tmp/kvxferd-device}
 mkdir -p "$OUT"
