@@ -18,10 +18,17 @@ from kvxferd.client.values import (
     TransferStatus,
 )
 from kvxferd.v1 import scheduler_pb2, scheduler_pb2_grpc
+from kvxferd.wire.peer_client import RpcFailure
+from kvxferd.wire.scheduler_socket import AsyncSchedulerSocket
+
+# What a failed call raises: grpc.aio's error, or on the scheduler socket RpcFailure.
+_FAILED = (aio.AioRpcError, RpcFailure)
 
 
 class AsyncSchedulerClient:
-    """:class:`SchedulerClient` for asyncio (``grpc.aio``); create it inside the loop."""
+    """:class:`SchedulerClient` for asyncio (``grpc.aio``); create it inside the loop.
+    ``socket``: as for :class:`SchedulerClient`, the unary calls on the daemon's scheduler
+    socket (concurrent calls share one connection)."""
 
     def __init__(
         self,
@@ -32,6 +39,7 @@ class AsyncSchedulerClient:
         timeout_s: float = 30.0,
         retry: bool = True,
         options: Sequence[tuple[str, Any]] = (),
+        socket: str = "",
     ) -> None:
         opts = channel_options(retry, options)
         self._channel = (
@@ -40,6 +48,8 @@ class AsyncSchedulerClient:
             else aio.insecure_channel(target, options=opts)
         )
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
+        self._socket = AsyncSchedulerSocket(socket) if socket else None
+        self._unary: Any = self._socket or self._stub
         self._md = metadata(token)
         self.timeout_s = timeout_s
 
@@ -56,6 +66,8 @@ class AsyncSchedulerClient:
 
     async def close(self) -> None:
         await self._channel.close(None)
+        if self._socket is not None:
+            await self._socket.close()
 
     async def start_pull(
         self,
@@ -78,8 +90,8 @@ class AsyncSchedulerClient:
             skip_notify=skip_notify,
         )
         try:
-            resp = await self._stub.StartPull(req, timeout=self.timeout_s, metadata=self._md)
-        except aio.AioRpcError as exc:
+            resp = await self._unary.StartPull(req, timeout=self.timeout_s, metadata=self._md)
+        except _FAILED as exc:
             raise KvxferdRpcError.wrap("StartPull", exc) from exc
         return StartedPull(TransferStatus.from_proto(resp.status), resp.created)
 
@@ -110,8 +122,8 @@ class AsyncSchedulerClient:
             wait=True,
         )
         try:
-            resp = await self._stub.StartPull(req, timeout=timeout_s, metadata=self._md)
-        except aio.AioRpcError as exc:
+            resp = await self._unary.StartPull(req, timeout=timeout_s, metadata=self._md)
+        except _FAILED as exc:
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise TimeoutError(f"{req.transfer_id} not terminal after {timeout_s} s") from exc
             raise KvxferdRpcError.wrap("StartPull", exc) from exc
@@ -119,23 +131,23 @@ class AsyncSchedulerClient:
 
     async def get_transfer(self, transfer_id: str) -> TransferStatus:
         try:
-            resp = await self._stub.GetTransfer(
+            resp = await self._unary.GetTransfer(
                 scheduler_pb2.GetTransferRequest(transfer_id=transfer_id),
                 timeout=self.timeout_s,
                 metadata=self._md,
             )
-        except aio.AioRpcError as exc:
+        except _FAILED as exc:
             raise KvxferdRpcError.wrap("GetTransfer", exc) from exc
         return TransferStatus.from_proto(resp.status)
 
     async def cancel_transfer(self, transfer_id: str) -> TransferStatus:
         try:
-            resp = await self._stub.CancelTransfer(
+            resp = await self._unary.CancelTransfer(
                 scheduler_pb2.CancelTransferRequest(transfer_id=transfer_id),
                 timeout=self.timeout_s,
                 metadata=self._md,
             )
-        except aio.AioRpcError as exc:
+        except _FAILED as exc:
             raise KvxferdRpcError.wrap("CancelTransfer", exc) from exc
         return TransferStatus.from_proto(resp.status)
 
@@ -149,7 +161,7 @@ class AsyncSchedulerClient:
         try:
             async for msg in call:
                 yield TransferStatus.from_proto(msg.status)
-        except aio.AioRpcError as exc:
+        except _FAILED as exc:
             raise KvxferdRpcError.wrap("WatchTransfers", exc) from exc
         finally:
             call.cancel()
@@ -165,7 +177,7 @@ class AsyncSchedulerClient:
                 status = TransferStatus.from_proto(msg.status)
                 if status.terminal:
                     return status
-        except aio.AioRpcError as exc:
+        except _FAILED as exc:
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise TimeoutError(f"{transfer_id} not terminal after {timeout_s} s") from exc
             raise KvxferdRpcError.wrap("WatchTransfers", exc) from exc
@@ -175,10 +187,10 @@ class AsyncSchedulerClient:
 
     async def list_peers(self) -> list[PeerStatus]:
         try:
-            resp = await self._stub.ListPeers(
+            resp = await self._unary.ListPeers(
                 scheduler_pb2.ListPeersRequest(), timeout=self.timeout_s, metadata=self._md
             )
-        except aio.AioRpcError as exc:
+        except _FAILED as exc:
             raise KvxferdRpcError.wrap("ListPeers", exc) from exc
         return [PeerStatus.from_proto(p) for p in resp.peers]
 
@@ -201,7 +213,7 @@ class AsyncSchedulerClient:
                 timeout=self.timeout_s,
                 metadata=self._md,
             )
-        except aio.AioRpcError as exc:
+        except _FAILED as exc:
             raise KvxferdRpcError.wrap("Checksum", exc) from exc
         return list(resp.digests)
 

@@ -192,8 +192,11 @@ class LocalTransport:
     holds the kernel's credentials of the process at its other end (``SO_PEERCRED``; None
     while no connection is open): CMA pulls read that process (:mod:`kvxferd.ipc.cma`)."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(
+        self, path: str, methods: dict[str, tuple[type[Any], type[Any]]] = METHODS
+    ) -> None:
         self.path = path
+        self._methods = methods  # the calls this socket serves (the Scheduler's: SCHEDULER_METHODS)
         self.connection = 0
         self.peer: tuple[int, int, int] | None = None
         self._ids = itertools.count(1)
@@ -239,7 +242,7 @@ class LocalTransport:
     async def __call__(
         self, method: str, request: Any, *, timeout: float, metadata: Metadata
     ) -> Any:
-        types = METHODS.get(method)
+        types = self._methods.get(method)
         if types is None:
             raise RpcFailure(
                 grpc.StatusCode.UNIMPLEMENTED, f"{method} is not served on the local socket", ()

@@ -30,6 +30,7 @@ from kvxferd.wire.local import (
     HEADER,
     MAX_FRAME,
     SCHEDULER_METHODS,
+    LocalTransport,
     answer_message,
     request_frame,
 )
@@ -179,4 +180,32 @@ class SchedulerSockets:
             sock.close()
 
 
-__all__ = ["SchedulerSocket", "SchedulerSockets"]
+class AsyncSchedulerSocket:
+    """The same calls for asyncio (:class:`~kvxferd.client.async_client.AsyncSchedulerClient`):
+    one connection multiplexing concurrent calls by ID (:class:`kvxferd.wire.local.LocalTransport`
+    with the Scheduler's methods), the generated aio stub's unary methods' shape."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._transport = LocalTransport(path, SCHEDULER_METHODS)
+
+    async def close(self) -> None:
+        await self._transport.close()
+
+    async def _call(self, method: str, request: Any, timeout: float, metadata: Metadata) -> Any:
+        return await self._transport(method, request, timeout=timeout, metadata=metadata)
+
+    async def StartPull(self, request: Any, *, timeout: float, metadata: Metadata = ()) -> Any:  # noqa: N802
+        return await self._call("StartPull", request, timeout, metadata)
+
+    async def GetTransfer(self, request: Any, *, timeout: float, metadata: Metadata = ()) -> Any:  # noqa: N802
+        return await self._call("GetTransfer", request, timeout, metadata)
+
+    async def CancelTransfer(self, request: Any, *, timeout: float, metadata: Metadata = ()) -> Any:  # noqa: N802
+        return await self._call("CancelTransfer", request, timeout, metadata)
+
+    async def ListPeers(self, request: Any, *, timeout: float, metadata: Metadata = ()) -> Any:  # noqa: N802
+        return await self._call("ListPeers", request, timeout, metadata)
+
+
+__all__ = ["AsyncSchedulerSocket", "SchedulerSocket", "SchedulerSockets"]

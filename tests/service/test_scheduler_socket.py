@@ -6,6 +6,7 @@ crashed daemon."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import stat
@@ -19,7 +20,7 @@ import grpc
 import numpy as np
 import pytest
 
-from kvxferd.client import KvxferdRpcError, SchedulerClient
+from kvxferd.client import AsyncSchedulerClient, KvxferdRpcError, SchedulerClient
 from kvxferd.client.values import TransferState
 from kvxferd.scenario.client import DaemonClient
 from kvxferd.scenario.daemons import DaemonOptions
@@ -230,3 +231,38 @@ def test_a_daemon_without_the_socket_is_named_in_the_error(tmp_path: Path) -> No
         assert "server.scheduler_socket" in err.details
     finally:
         client.close()
+
+
+def test_the_async_client_pulls_on_the_socket_and_shares_one_connection(
+    pair: tuple[Daemons, str],
+) -> None:
+    ds, path = pair
+    pre, dec = ds["prefill"], ds["decode"]
+    prefill = DaemonClient("prefill", pre.grpc, pre.engine_socket, TOKEN)
+    try:
+        hold = prefill.hold("sock-async", [np.array([8, 9, 10], np.int64)])
+    finally:
+        prefill.close()
+
+    async def run() -> tuple[TransferState, list[KvxferdRpcError], int]:
+        async with AsyncSchedulerClient(dec.grpc, token=TOKEN, socket=path) as c:
+            st = await c.pull(
+                request_id="sock-async",
+                peer_address=hold.peer_address,
+                remote_block_ids=[list(hold.remote_block_ids.groups[0].ids)],
+                local_block_ids=[[12, 13, 14]],
+                transfer_id="sock-async-pull",
+            )
+            asks = [c.get_transfer("sock-async-pull") for _ in range(4)]
+            asks += [c.get_transfer(f"nope-{i}") for i in range(4)]
+            got = await asyncio.gather(*asks, return_exceptions=True)
+            refused = [g for g in got if isinstance(g, KvxferdRpcError)]
+            done = sum(1 for g in got if not isinstance(g, BaseException) and g.state is st.state)
+            assert c._socket is not None and c._socket._transport.connection == 1
+            return st.state, refused, done
+
+    state, refused, done = asyncio.run(run())
+    assert state is TransferState.DONE
+    assert done == 4  # concurrent calls on one connection, each answered
+    assert len(refused) == 4 and all(e.code is grpc.StatusCode.NOT_FOUND for e in refused)
+    assert _checksums(ds, "decode", [12, 13, 14]) == _checksums(ds, "prefill", [8, 9, 10])
