@@ -30,8 +30,8 @@
 // nbytes] per piece, offsets in bytes from a region's base) followed by one [dst_base,
 // src_base] per region, so the host builds and uploads n_runs + n_regions rows instead of
 // n_runs * n_regions. Kernel copy_group_kernel: the stride kernel over the runs, blockIdx.y
-// picks the region (each CTA reads its two bases once); the grid's x extent is the cap divided
-// by the region count. The caller (kvxferd.kernels.cuda_ops.copy_groups) checks every run
+// picks the region (each CTA reads its two bases once per region); the grid never exceeds the
+// cap: min(regions, cap) rows of cap / rows CTAs, rows striding over the regions. The caller (kvxferd.kernels.cuda_ops.copy_groups) checks every run
 // against every region of the group before calling.
 //
 // kCtaPerPiece (the first kernel, kept for the benchmark's comparison): CTA b copies pieces
@@ -99,32 +99,35 @@ __global__ void __launch_bounds__(kStrideThreads)
 template <int V>
 __global__ void __launch_bounds__(kStrideThreads)
     copy_group_kernel(const int64_t* __restrict__ runs, const int64_t* __restrict__ bases,
-                      int64_t total, int shift) {
+                      int64_t n_regions, int64_t total, int shift) {
   using Vec = typename VecOf<V>::T;
   const int64_t mask = (int64_t{1} << shift) - 1;
   constexpr int64_t kTile = int64_t{kStrideThreads} * kIpcUnroll;
   const int64_t step = int64_t{gridDim.x} * kTile;
-  char* dst_base = reinterpret_cast<char*>(__ldg(bases + 2 * blockIdx.y));
-  const char* src_base = reinterpret_cast<const char*>(__ldg(bases + 2 * blockIdx.y + 1));
-  for (int64_t t0 = int64_t{blockIdx.x} * kTile; t0 < total; t0 += step) {
-    Vec tmp[kIpcUnroll];
-    Vec* dst[kIpcUnroll];
+  // Regions blockIdx.y, blockIdx.y + gridDim.y, ...: a capped grid has fewer rows than regions.
+  for (int64_t r = blockIdx.y; r < n_regions; r += gridDim.y) {
+    char* dst_base = reinterpret_cast<char*>(__ldg(bases + 2 * r));
+    const char* src_base = reinterpret_cast<const char*>(__ldg(bases + 2 * r + 1));
+    for (int64_t t0 = int64_t{blockIdx.x} * kTile; t0 < total; t0 += step) {
+      Vec tmp[kIpcUnroll];
+      Vec* dst[kIpcUnroll];
 #pragma unroll
-    for (int u = 0; u < kIpcUnroll; ++u) {
-      const int64_t v = t0 + u * kStrideThreads + threadIdx.x;
-      dst[u] = nullptr;
-      if (v < total) {
-        const int64_t* row = runs + 3 * (v >> shift);
-        const int64_t off = v & mask;
-        if (off < __ldg(row + 2) / V) {
-          dst[u] = reinterpret_cast<Vec*>(dst_base + __ldg(row)) + off;
-          tmp[u] = __ldcs(reinterpret_cast<const Vec*>(src_base + __ldg(row + 1)) + off);
+      for (int u = 0; u < kIpcUnroll; ++u) {
+        const int64_t v = t0 + u * kStrideThreads + threadIdx.x;
+        dst[u] = nullptr;
+        if (v < total) {
+          const int64_t* row = runs + 3 * (v >> shift);
+          const int64_t off = v & mask;
+          if (off < __ldg(row + 2) / V) {
+            dst[u] = reinterpret_cast<Vec*>(dst_base + __ldg(row)) + off;
+            tmp[u] = __ldcs(reinterpret_cast<const Vec*>(src_base + __ldg(row + 1)) + off);
+          }
         }
       }
-    }
 #pragma unroll
-    for (int u = 0; u < kIpcUnroll; ++u) {
-      if (dst[u] != nullptr) __stcs(dst[u], tmp[u]);
+      for (int u = 0; u < kIpcUnroll; ++u) {
+        if (dst[u] != nullptr) __stcs(dst[u], tmp[u]);
+      }
     }
   }
 }
@@ -315,11 +318,14 @@ void launch_group(const int64_t* runs, const int64_t* bases, int64_t n_runs, int
   const int64_t total = n_runs << shift;
   const int64_t tiles = (total + int64_t{kStrideThreads} * kIpcUnroll - 1) /
                         (int64_t{kStrideThreads} * kIpcUnroll);
+  // At most c CTAs in all: a row of CTAs per region while c allows, else c rows of one CTA
+  // each striding over the regions.
   const int64_t c = cap > 0 ? cap : int64_t{sms} * resident(copy_group_kernel<V>);
-  const int64_t per_region = std::max<int64_t>(1, c / n_regions);
-  const dim3 grid(static_cast<unsigned>(std::min<int64_t>(std::min(tiles, per_region), 65535)),
-                  static_cast<unsigned>(n_regions));
-  copy_group_kernel<V><<<grid, kStrideThreads, 0, stream>>>(runs, bases, total, shift);
+  const int64_t rows = std::min(n_regions, c);
+  const int64_t per_row = std::max<int64_t>(1, c / rows);
+  const dim3 grid(static_cast<unsigned>(std::min<int64_t>(std::min(tiles, per_row), 65535)),
+                  static_cast<unsigned>(rows));
+  copy_group_kernel<V><<<grid, kStrideThreads, 0, stream>>>(runs, bases, n_regions, total, shift);
 }
 
 std::string copy_group(at::Tensor table, int64_t n_runs, int64_t n_regions, at::Tensor like,

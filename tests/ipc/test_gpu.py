@@ -150,7 +150,7 @@ def _groups(seed: int, align: int) -> list[GroupCopy]:
 @pytest.mark.parametrize("max_ctas", [1, 7, 0])
 def test_the_group_kernel_matches_the_twin(ops: Any, align: int, max_ctas: int) -> None:
     """copy_group: the runs once, repeated over each group's regions, as the twin copies the
-    flattened pieces."""
+    flattened pieces (cap 1: one CTA strides over both regions of the first group)."""
     src = [_random(n, 20 + i) for i, n in enumerate(SIZES)]
     gs = _groups(seed=align * 10 + max_ctas, align=align)
     want = [torch.full((n,), 0x5A, dtype=torch.uint8, device="cuda") for n in SIZES]
