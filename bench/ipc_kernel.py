@@ -285,7 +285,7 @@ class Bench:
         walls.sort()
         p99 = walls[min(len(walls) - 1, int(0.99 * len(walls)))]
         med = {k: statistics.median(v) * 1e3 for k, v in split.items()}
-        how = kernel.name.lower() + (" grouped" if reader.grouped and kernel.value == 0 else "")
+        how = kernel.name.lower() + (" grouped" if reader.grouped else "")
         name = f"pull {pattern} {n} blocks {how} cap={cap}"
         self.row(name, n * LAYERS * BLOCK, statistics.median(walls), pulls=count, verified=ok)
         self.rows[-1].update(p50_ms=statistics.median(walls) * 1e3, p99_ms=p99 * 1e3)

@@ -50,7 +50,7 @@ from kvxferd.ipc.publish import IpcPool
 from kvxferd.kernels import CopyKernel, GroupCopy, RangeCopy, Regions, copy_groups, copy_ranges
 from kvxferd.logs import kv
 from kvxferd.pool import KVPool
-from kvxferd.transfer.descriptors import RunGroup, flatten, run_groups, split_runs
+from kvxferd.transfer.descriptors import run_groups, split_runs
 from kvxferd.transfer.state import TransferResult, TransferStatus
 
 Int64Array = npt.NDArray[np.int64]
@@ -148,10 +148,7 @@ def pieces(plan: TransferPlan, piece_bytes: int = MAX_PIECE_BYTES) -> tuple[Rang
     got, runs = group_pieces(plan, piece_bytes)
     if isinstance(got, RangeCopy):
         return got, runs
-    if not got:
-        return RangeCopy.empty(), 0
-    cut = [RunGroup(g.regions, g.dst_offset, g.src_offset, g.length) for g in got]
-    return RangeCopy(*flatten(cut)), runs
+    return RangeCopy.concat([g.flat() for g in got]), runs
 
 
 def distinct_ranges(plan: TransferPlan) -> int:
@@ -207,7 +204,9 @@ class KernelReader:
         grouped: bool = True,
     ) -> None:
         self.pool = pool
-        self.grouped = grouped  # pieces kept per shared array (copy_group); else flattened
+        # Pieces kept per shared array (copy_group), which only the stride kernel runs; else
+        # flattened.
+        self.grouped = grouped and kernel is CopyKernel.STRIDE
         self.cache = cache
         self.max_ctas = max_ctas
         self.piece_bytes = piece_bytes
@@ -320,7 +319,7 @@ class KernelReader:
         :data:`INLINE_MAX_RANGES`, counted as this reader's host work sees them)."""
         if plan.nbytes > INLINE_MAX_BYTES:
             return False
-        if self.grouped and self.kernel is CopyKernel.STRIDE:
+        if self.grouped:
             return distinct_ranges(plan) <= INLINE_MAX_RANGES
         return plan.num_ranges <= INLINE_MAX_RANGES
 
@@ -357,10 +356,7 @@ class KernelReader:
         twin has copied when it returns). Returns which implementation ran, the run count and
         the event."""
         t0 = time.perf_counter()
-        if self.grouped and self.kernel is CopyKernel.STRIDE:
-            rc, runs = group_pieces(plan, self.piece_bytes)
-        else:
-            rc, runs = pieces(plan, self.piece_bytes)
+        rc, runs = (group_pieces if self.grouped else pieces)(plan, self.piece_bytes)
         t1 = time.perf_counter()
         times.cut = t1 - t0
         times.pieces = rc.pieces if isinstance(rc, RangeCopy) else sum(g.pieces for g in rc)

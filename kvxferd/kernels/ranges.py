@@ -62,6 +62,18 @@ class RangeCopy:
         z = np.zeros(0, dtype=np.int64)
         return cls(z, z, z, z)
 
+    @classmethod
+    def concat(cls, parts: Sequence[RangeCopy]) -> RangeCopy:
+        """The pieces of ``parts``, in order."""
+        if not parts:
+            return cls.empty()
+        return cls(
+            *(
+                np.concatenate([getattr(p, f) for p in parts])
+                for f in ("region", "dst_offset", "src_offset", "length")
+            )
+        )
+
 
 @dataclass(frozen=True)
 class GroupCopy:

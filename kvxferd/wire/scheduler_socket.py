@@ -101,16 +101,14 @@ class SchedulerSocket:
         return answer_message(body, types[1])
 
     def _answer(self, sock: socket.socket, call_id: int, deadline: float) -> bytes:
-        """The body of ``call_id``'s answer (answers to earlier calls that timed out are
-        skipped); DEADLINE_EXCEEDED when it does not come in time."""
+        """The body of ``call_id``'s answer, the next frame on the connection (calls on it are
+        serialized, and one that timed out closed it); DEADLINE_EXCEEDED when it does not come
+        in time."""
         try:
-            while True:
-                size, got, kind = HEADER.unpack(self._read(sock, HEADER.size, deadline))
-                if size > MAX_FRAME:
-                    raise OSError(f"an answer frame of {size} bytes")
-                body = self._read(sock, size, deadline) if size else b""
-                if kind == ANSWER and got == call_id:
-                    return body
+            size, got, kind = HEADER.unpack(self._read(sock, HEADER.size, deadline))
+            if size > MAX_FRAME or kind != ANSWER or got != call_id:
+                raise OSError(f"an unexpected frame (kind {kind}, call {got}, {size} bytes)")
+            return self._read(sock, size, deadline) if size else b""
         except TimeoutError:
             # Closing the connection ends the call on the daemon (a pull it started goes on,
             # as when a gRPC caller gives up) and drops any part of a frame read so far.

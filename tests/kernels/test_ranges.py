@@ -111,13 +111,7 @@ def groups(draw: st.DrawFn) -> list[GroupCopy]:
 
 
 def _flat(gs: list[GroupCopy]) -> RangeCopy:
-    parts = [g.flat() for g in gs if g.pieces]
-    if not parts:
-        return RangeCopy.empty()
-    return RangeCopy(*(np.concatenate([getattr(p, f) for p in parts]) for f in FIELDS))
-
-
-FIELDS = ("region", "dst_offset", "src_offset", "length")
+    return RangeCopy.concat([g.flat() for g in gs if g.pieces])
 
 
 @settings(max_examples=300, deadline=None)
