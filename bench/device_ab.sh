@@ -6,13 +6,13 @@
 #   run: bash bench/device_ab.sh   (carry: [".whl", "_base"]; .whl as bench/device_session.sh
 #   says, without py-spy.xz: the 64 MiB carry limit)
 # Each side runs `kvxferd bench` (16-block latency for the first strategy, and 32 MiB and 1 GiB
-# random rows for each) twice; JSON and logs go under $OUT.
+# random rows for each) in each of $ROUNDS (default "1 2"); JSON and logs go under $OUT.
 set -u
 OUT=${OUT:-/tmp/ab}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl >/dev/null 2>&1 || echo "wheel install failed"
 ROOT=$PWD
-for round in 1 2; do
+for round in ${ROUNDS:-1 2}; do
   for side in base new; do
     dir=$ROOT; [ "$side" = base ] && dir=$ROOT/_base
     (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout 150 python3 -m kvxferd bench --device cuda \

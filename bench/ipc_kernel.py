@@ -24,9 +24,13 @@ daemon's code) and copies into its own pool (a ``dense`` :class:`kvxferd.pool.KV
 * pull: ``KernelReader.pull`` end to end on an event loop, on plans made by the daemon's
   planner (``plan_pull``), 1 GiB random and contiguous and 16-block (32 MiB) random pulls, per
   kernel at cap 64 and 0 (the stride kernel grouped, as the daemon runs it, and flattened),
-  with the reader's own split (``cut``: pieces; ``launch``: bounds
-  checks, address table, upload, kernel launch; ``wait``: the event; ``hop``: the thread call
-  seen from the loop minus those).
+  with the reader's own split (``cut``: pieces; ``check``: bounds checks and launch tables;
+  ``launch``: checks, tables, upload and kernel launch; ``wait``: the event; ``hop``: the
+  thread call seen from the loop minus those); ``ready`` rows do the cut and checks first
+  (:meth:`KernelReader.ready`, as the daemon does while the lease confirmation is in flight)
+  and time only the pull that follows;
+* launch parts: a ready 16-block pull's launch taken apart (a device and stream context
+  entered, the op call, the completion event), synchronised between repeats.
 
 Copy rows: median of ``--repeat`` of ``wall`` (host clock around the call and a
 synchronisation: table build and upload included) and ``gpu`` (CUDA events around it). Every
@@ -194,7 +198,7 @@ class Bench:
 
     def copies(self, pattern: str, caps: list[int]) -> None:
         from kvxferd.blocks.ranges import RegionRanges, TransferPlan
-        from kvxferd.ipc.reader import group_pieces, pieces
+        from kvxferd.ipc.pieces import group_pieces, pieces
         from kvxferd.kernels import CopyKernel, RangeCopy, Regions, copy_groups, copy_ranges
 
         local, remote = _ids(pattern, REQ, self.rng)
@@ -247,7 +251,15 @@ class Bench:
         self.row(f"torch index ops {pattern}", rc.nbytes, *t, pattern=pattern)
 
     def pulls(
-        self, pattern: str, n: int, count: int, cap: int, kernel: Any, *, grouped: bool = True
+        self,
+        pattern: str,
+        n: int,
+        count: int,
+        cap: int,
+        kernel: Any,
+        *,
+        grouped: bool = True,
+        ready: bool = False,
     ) -> None:
         from kvxferd.blocks import plan_pull
         from kvxferd.ipc.reader import KernelJob, KernelReader
@@ -256,7 +268,7 @@ class Bench:
         reader = KernelReader(self.pool, self.cache, max_ctas=cap, kernel=kernel, grouped=grouped)
         assert reader.prepare(self.key, self.ipc) is None
         walls: list[float] = []
-        split: dict[str, list[float]] = {k: [] for k in ("cut", "launch", "wait", "hop")}
+        split: dict[str, list[float]] = {k: [] for k in ("cut", "check", "launch", "wait", "hop")}
         ok = True
 
         async def run() -> None:
@@ -266,18 +278,22 @@ class Bench:
                 # The daemon's planner: every layer shares one set of offset arrays.
                 plan = plan_pull(spec, spec, [local], [remote], prefix_caching=False).per_rank[0]
                 job = KernelJob("t", "owner", "-", self.key, self.ipc, time.monotonic() + 10)
+                done = reader.ready(self.key, self.ipc, plan) if ready else None
                 t0 = time.perf_counter()
-                res = await reader.pull(job, plan, (local,))
+                res = await reader.pull(job, plan, (local,), done)
                 wall = time.perf_counter() - t0
                 assert res.status.name == "DONE", res.reason
                 if i < 3:
                     continue  # warm-up
                 walls.append(wall)
                 last = reader.last
+                assert last.ready is ready
                 split["cut"].append(last.cut)
+                split["check"].append(last.check)
                 split["launch"].append(last.launch)
                 split["wait"].append(last.wait)
-                split["hop"].append(last.call - last.cut - last.launch - last.wait)
+                ahead = 0.0 if ready else last.cut  # check is part of launch
+                split["hop"].append(last.call - ahead - last.launch - last.wait)
                 if i == 3:
                     ok = self.verify(local, remote)
 
@@ -286,6 +302,7 @@ class Bench:
         p99 = walls[min(len(walls) - 1, int(0.99 * len(walls)))]
         med = {k: statistics.median(v) * 1e3 for k, v in split.items()}
         how = kernel.name.lower() + (" grouped" if reader.grouped else "")
+        how += " ready" if ready else ""
         name = f"pull {pattern} {n} blocks {how} cap={cap}"
         self.row(name, n * LAYERS * BLOCK, statistics.median(walls), pulls=count, verified=ok)
         self.rows[-1].update(p50_ms=statistics.median(walls) * 1e3, p99_ms=p99 * 1e3)
@@ -293,6 +310,58 @@ class Bench:
         print(
             f"  {'':52s} p50 {statistics.median(walls) * 1e3:.3f} ms p99 {p99 * 1e3:.3f};"
             + "".join(f" {k} {v:.3f}" for k, v in med.items()),
+            flush=True,
+        )
+
+    def launch_parts(self, n: int, count: int, cap: int) -> None:
+        """A ready random ``n``-block pull's launch, part by part (ms, medians; synchronised
+        between repeats): entering and leaving a device and stream context (what the reader
+        saves by passing its stream to the op), the op call (the kernel launch, and for a
+        table too big to travel with it, the table's pinned copy and upload), the completion
+        event (created and recorded), and the event's first successful query."""
+        from kvxferd.blocks import plan_pull
+        from kvxferd.ipc.reader import KernelReader
+        from kvxferd.kernels import run_copy
+
+        reader = KernelReader(self.pool, self.cache, max_ctas=cap)
+        assert reader.prepare(self.key, self.ipc) is None
+        stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        parts: dict[str, list[float]] = {k: [] for k in ("contexts", "op", "event", "done")}
+        for i in range(count + 3):
+            local, remote = _ids("random", n, self.rng)
+            plan = plan_pull(
+                self.pool.spec, self.pool.spec, [local], [remote], prefix_caching=False
+            )
+            ready = reader.ready(self.key, self.ipc, plan.per_rank[0])
+            assert ready is not None
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            with torch.cuda.device(0), torch.cuda.stream(stream):
+                pass
+            t1 = time.perf_counter()
+            t2 = time.perf_counter()
+            run_copy(ready.copy, max_ctas=cap, stream=stream.cuda_stream)
+            t3 = time.perf_counter()
+            ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            ev.record(stream)
+            t4 = time.perf_counter()
+            while not ev.query():  # type: ignore[no-untyped-call]
+                pass
+            t5 = time.perf_counter()
+            if i >= 3:
+                for k, v in zip(parts, (t1 - t0, t3 - t2, t4 - t3, t5 - t4), strict=True):
+                    parts[k].append(v)
+        med = {k: statistics.median(v) * 1e3 for k, v in parts.items()}
+        self.rows.append(
+            {
+                "row": f"launch parts {n} blocks cap={cap}",
+                "gbps": 0.0,
+                **{f"{k}_ms": v for k, v in med.items()},
+            }
+        )
+        print(
+            f"launch parts, {n} random blocks, cap {cap} (ms):"
+            + "".join(f" {k} {v:.4f}" for k, v in med.items()),
             flush=True,
         )
 
@@ -332,6 +401,11 @@ def main() -> int:
             b.pulls("random", REQ, max(5, args.repeat // 2), cap, kernel, grouped=grouped)
             b.pulls("contiguous", REQ, max(5, args.repeat // 2), cap, kernel, grouped=grouped)
             b.pulls("random", SMALL, args.pulls, cap, kernel, grouped=grouped)
+    for cap in (64, 0):  # as the daemon runs them: cut and checked ahead
+        b.pulls("random", REQ, max(5, args.repeat // 2), cap, CopyKernel.STRIDE, ready=True)
+        b.pulls("random", SMALL, args.pulls, cap, CopyKernel.STRIDE, ready=True)
+    b.launch_parts(SMALL, args.pulls, 64)
+    b.rows = [r for r in b.rows if r["gbps"] > 0] + [r for r in b.rows if r["gbps"] <= 0]
     for r in b.rows:
         r["x_raw"] = r["gbps"] / raw
     print("")

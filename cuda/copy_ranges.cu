@@ -3,10 +3,13 @@
 //
 // Op (namespace `kvxferd`, a fragment of the library that staging.cu defines; built into the
 // same extension by kvxferd.kernels.loader):
-//   kvxferd::copy_ranges(Tensor table, Tensor like, int max_ctas, int variant) -> str
-//   kvxferd::copy_group(Tensor table, int n_runs, int n_regions, Tensor like, int max_ctas) -> str
+//   kvxferd::copy_ranges(Tensor table, Tensor like, int max_ctas, int variant, int stream=0) -> str
+//   kvxferd::copy_group(Tensor table, int n_runs, int n_regions, Tensor like, int max_ctas,
+//                       int stream=0) -> str
 // table: CPU int64 tensor (n, 3), contiguous: one row [dst_addr, src_addr, nbytes] per piece;
-// like: any CUDA tensor on the device that runs the copy (work is queued on its current stream);
+// like: any CUDA tensor on the device that runs the copy; stream: the cudaStream_t to queue the
+// work on, as an integer (torch.cuda.Stream.cuda_stream), or 0 for that device's current stream
+// (a caller that passes its stream needs no stream or device context around the call);
 // max_ctas: cap on the grid (0: as many CTAs as are resident on the device at once); variant:
 // which kernel (kStride or kCtaPerPiece below). Every address must be usable on that device:
 // its own memory, or memory mapped into its context (cuIpcOpenMemHandle). This op cannot know
@@ -31,8 +34,12 @@
 // src_base] per region, so the host builds and uploads n_runs + n_regions rows instead of
 // n_runs * n_regions. Kernel copy_group_kernel: the stride kernel over the runs, blockIdx.y
 // picks the region (each CTA reads its two bases once per region); the grid never exceeds the
-// cap: min(regions, cap) rows of cap / rows CTAs, rows striding over the regions. The caller (kvxferd.kernels.cuda_ops.copy_groups) checks every run
-// against every region of the group before calling.
+// cap: min(regions, cap) rows of cap / rows CTAs, rows striding over the regions. The caller
+// (kvxferd.kernels.cuda_ops.copy_groups) checks every run against every region of the group
+// before calling. A table of at most kInlineValues values (a 16-block pull of a 32-layer
+// cache: 112) is passed by value as the kernel's parameter (copy_group_inline_kernel), so the
+// launch needs no pinned copy, no device allocation and no upload: those took ~0.1 ms of a
+// small pull's ~0.13 ms op call on an H200 (bench/ipc_kernel.py, "launch parts").
 //
 // kCtaPerPiece (the first kernel, kept for the benchmark's comparison): CTA b copies pieces
 // b, b + grid, ... each by all its kThreads threads in tiles.
@@ -96,18 +103,29 @@ __global__ void __launch_bounds__(kStrideThreads)
   }
 }
 
-template <int V>
-__global__ void __launch_bounds__(kStrideThreads)
-    copy_group_kernel(const int64_t* __restrict__ runs, const int64_t* __restrict__ bases,
-                      int64_t n_regions, int64_t total, int shift) {
+// Table loads: through the read-only cache from global memory, or plain loads from a table
+// passed by value as the kernel's parameter (__grid_constant__: read in place, never copied).
+template <bool kGlobal>
+__device__ __forceinline__ int64_t table_at(const int64_t* p) {
+  if constexpr (kGlobal) {
+    return __ldg(p);
+  } else {
+    return *p;
+  }
+}
+
+template <int V, bool kGlobal>
+__device__ __forceinline__ void copy_group_body(const int64_t* __restrict__ runs,
+                                                const int64_t* __restrict__ bases,
+                                                int64_t n_regions, int64_t total, int shift) {
   using Vec = typename VecOf<V>::T;
   const int64_t mask = (int64_t{1} << shift) - 1;
   constexpr int64_t kTile = int64_t{kStrideThreads} * kIpcUnroll;
   const int64_t step = int64_t{gridDim.x} * kTile;
   // Regions blockIdx.y, blockIdx.y + gridDim.y, ...: a capped grid has fewer rows than regions.
   for (int64_t r = blockIdx.y; r < n_regions; r += gridDim.y) {
-    char* dst_base = reinterpret_cast<char*>(__ldg(bases + 2 * r));
-    const char* src_base = reinterpret_cast<const char*>(__ldg(bases + 2 * r + 1));
+    char* dst_base = reinterpret_cast<char*>(table_at<kGlobal>(bases + 2 * r));
+    const char* src_base = reinterpret_cast<const char*>(table_at<kGlobal>(bases + 2 * r + 1));
     for (int64_t t0 = int64_t{blockIdx.x} * kTile; t0 < total; t0 += step) {
       Vec tmp[kIpcUnroll];
       Vec* dst[kIpcUnroll];
@@ -118,9 +136,10 @@ __global__ void __launch_bounds__(kStrideThreads)
         if (v < total) {
           const int64_t* row = runs + 3 * (v >> shift);
           const int64_t off = v & mask;
-          if (off < __ldg(row + 2) / V) {
-            dst[u] = reinterpret_cast<Vec*>(dst_base + __ldg(row)) + off;
-            tmp[u] = __ldcs(reinterpret_cast<const Vec*>(src_base + __ldg(row + 1)) + off);
+          if (off < table_at<kGlobal>(row + 2) / V) {
+            dst[u] = reinterpret_cast<Vec*>(dst_base + table_at<kGlobal>(row)) + off;
+            tmp[u] = __ldcs(reinterpret_cast<const Vec*>(src_base + table_at<kGlobal>(row + 1)) +
+                            off);
           }
         }
       }
@@ -130,6 +149,28 @@ __global__ void __launch_bounds__(kStrideThreads)
       }
     }
   }
+}
+
+template <int V>
+__global__ void __launch_bounds__(kStrideThreads)
+    copy_group_kernel(const int64_t* __restrict__ runs, const int64_t* __restrict__ bases,
+                      int64_t n_regions, int64_t total, int shift) {
+  copy_group_body<V, true>(runs, bases, n_regions, total, shift);
+}
+
+// A table small enough to travel as the launch's parameter (the runs, then the bases): no
+// pinned copy, no upload, no allocation per launch. 480 values keep every parameter of the
+// launch within the 4 KiB any CUDA version accepts.
+constexpr int64_t kInlineValues = 480;
+struct InlineTable {
+  int64_t v[kInlineValues];
+};
+
+template <int V>
+__global__ void __launch_bounds__(kStrideThreads)
+    copy_group_inline_kernel(const __grid_constant__ InlineTable table, int64_t n_runs,
+                             int64_t n_regions, int64_t total, int shift) {
+  copy_group_body<V, false>(table.v, table.v + 3 * n_runs, n_regions, total, shift);
 }
 
 template <int V>
@@ -202,12 +243,20 @@ Scan scan(const int64_t* rows, int64_t n) {
   return s;
 }
 
-// Where a launch runs: the current stream of `like`'s device (call under a CUDAGuard of it) and
-// the device's SM count (the default grid caps scale with it).
+// Where a launch runs: the stream the caller passed (a cudaStream_t as an integer), or with 0 the
+// current stream of `like`'s device (call under a CUDAGuard of it and a CUDAStreamGuard of the
+// stream, so the upload queues on it too), and the device's SM count (the default grid caps
+// scale with it).
 struct Target {
   cudaStream_t stream;
   int sms;
 };
+
+c10::cuda::CUDAStream stream_of(const at::Tensor& like, int64_t stream) {
+  const auto dev = static_cast<c10::DeviceIndex>(like.device().index());
+  if (stream == 0) return c10::cuda::getCurrentCUDAStream(dev);
+  return c10::cuda::getStreamFromExternal(reinterpret_cast<cudaStream_t>(stream), dev);
+}
 
 Target target(const at::Tensor& like) {
   const int dev = like.device().index();
@@ -279,7 +328,8 @@ void launch(int64_t variant, const int64_t* d, int64_t n, int64_t longest, int64
   copy_stride_kernel<V><<<grid, kStrideThreads, 0, stream>>>(d, total, shift);
 }
 
-std::string copy_ranges(at::Tensor table, at::Tensor like, int64_t max_ctas, int64_t variant) {
+std::string copy_ranges(at::Tensor table, at::Tensor like, int64_t max_ctas, int64_t variant,
+                        int64_t stream) {
   if (auto bad = check_table(table); !bad.empty()) return bad;
   if (!like.defined() || !like.is_cuda()) {
     return msg("copy_ranges: `like` must be a CUDA tensor on the device that copies");
@@ -302,6 +352,7 @@ std::string copy_ranges(at::Tensor table, at::Tensor like, int64_t max_ctas, int
                s.longest, " bytes in the longest piece); cut runs into smaller pieces");
   }
   const c10::cuda::CUDAGuard guard(like.device());
+  const c10::cuda::CUDAStreamGuard on_stream(stream_of(like, stream));
   const Target t = target(like);
   const at::Tensor on_dev = upload(rows, 3 * n, like);
   const int64_t* d = on_dev.data_ptr<int64_t>();
@@ -310,26 +361,43 @@ std::string copy_ranges(at::Tensor table, at::Tensor like, int64_t max_ctas, int
   });
 }
 
+// The grid of a copy_group launch: at most `cap` CTAs in all (0: every resident CTA), a row of
+// CTAs per region while the cap allows, else `cap` rows of one CTA each striding over the
+// regions.
+template <typename K>
+dim3 group_grid(K kernel, int64_t total, int64_t n_regions, int64_t cap, int sms) {
+  const int64_t tiles = (total + int64_t{kStrideThreads} * kIpcUnroll - 1) /
+                        (int64_t{kStrideThreads} * kIpcUnroll);
+  const int64_t c = cap > 0 ? cap : int64_t{sms} * resident(kernel);
+  const int64_t rows = std::min(n_regions, c);
+  const int64_t per_row = std::max<int64_t>(1, c / rows);
+  return dim3(static_cast<unsigned>(std::min<int64_t>(std::min(tiles, per_row), 65535)),
+              static_cast<unsigned>(rows));
+}
+
 template <int V>
 void launch_group(const int64_t* runs, const int64_t* bases, int64_t n_runs, int64_t n_regions,
                   int64_t longest, int64_t cap, int sms, cudaStream_t stream) {
   int shift = 0;
   while ((int64_t{1} << shift) < longest / V) ++shift;
   const int64_t total = n_runs << shift;
-  const int64_t tiles = (total + int64_t{kStrideThreads} * kIpcUnroll - 1) /
-                        (int64_t{kStrideThreads} * kIpcUnroll);
-  // At most c CTAs in all: a row of CTAs per region while c allows, else c rows of one CTA
-  // each striding over the regions.
-  const int64_t c = cap > 0 ? cap : int64_t{sms} * resident(copy_group_kernel<V>);
-  const int64_t rows = std::min(n_regions, c);
-  const int64_t per_row = std::max<int64_t>(1, c / rows);
-  const dim3 grid(static_cast<unsigned>(std::min<int64_t>(std::min(tiles, per_row), 65535)),
-                  static_cast<unsigned>(rows));
+  const dim3 grid = group_grid(copy_group_kernel<V>, total, n_regions, cap, sms);
   copy_group_kernel<V><<<grid, kStrideThreads, 0, stream>>>(runs, bases, n_regions, total, shift);
 }
 
+template <int V>
+void launch_group_inline(const InlineTable& table, int64_t n_runs, int64_t n_regions,
+                         int64_t longest, int64_t cap, int sms, cudaStream_t stream) {
+  int shift = 0;
+  while ((int64_t{1} << shift) < longest / V) ++shift;
+  const int64_t total = n_runs << shift;
+  const dim3 grid = group_grid(copy_group_inline_kernel<V>, total, n_regions, cap, sms);
+  copy_group_inline_kernel<V>
+      <<<grid, kStrideThreads, 0, stream>>>(table, n_runs, n_regions, total, shift);
+}
+
 std::string copy_group(at::Tensor table, int64_t n_runs, int64_t n_regions, at::Tensor like,
-                       int64_t max_ctas) {
+                       int64_t max_ctas, int64_t stream) {
   if (!table.defined() || !table.device().is_cpu() || table.scalar_type() != at::kLong ||
       table.dim() != 1 || !table.is_contiguous()) {
     return msg("copy_group: the table must be a contiguous 1-D int64 CPU tensor");
@@ -366,7 +434,16 @@ std::string copy_group(at::Tensor table, int64_t n_runs, int64_t n_regions, at::
                s.longest, " bytes in the longest run); cut runs into smaller pieces");
   }
   const c10::cuda::CUDAGuard guard(like.device());
+  const c10::cuda::CUDAStreamGuard on_stream(stream_of(like, stream));
   const Target t = target(like);
+  if (table.numel() <= kInlineValues) {  // the table travels with the launch
+    InlineTable inline_table;
+    std::copy(rows, rows + table.numel(), inline_table.v);
+    return with_width("copy_group", s.v, [&](auto w) {
+      launch_group_inline<decltype(w)::value>(inline_table, n_runs, n_regions, s.longest,
+                                              max_ctas, t.sms, t.stream);
+    });
+  }
   const at::Tensor on_dev = upload(rows, table.numel(), like);
   const int64_t* d = on_dev.data_ptr<int64_t>();
   return with_width("copy_group", s.v, [&](auto w) {
@@ -386,9 +463,12 @@ int64_t copy_vector_width(at::Tensor table) {
 }  // namespace kvxferd
 
 TORCH_LIBRARY_FRAGMENT(kvxferd, m) {
-  m.def("copy_ranges(Tensor table, Tensor like, int max_ctas, int variant) -> str",
-        &kvxferd::copy_ranges);
+  m.def(
+      "copy_ranges(Tensor table, Tensor like, int max_ctas, int variant, int stream=0) -> str",
+      &kvxferd::copy_ranges);
   m.def("copy_vector_width(Tensor table) -> int", &kvxferd::copy_vector_width);
-  m.def("copy_group(Tensor table, int n_runs, int n_regions, Tensor like, int max_ctas) -> str",
-        &kvxferd::copy_group);
+  m.def(
+      "copy_group(Tensor table, int n_runs, int n_regions, Tensor like, int max_ctas,"
+      " int stream=0) -> str",
+      &kvxferd::copy_group);
 }

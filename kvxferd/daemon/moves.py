@@ -23,6 +23,7 @@ from kvxferd.daemon.peers import PeerLink, RemoteDescription
 from kvxferd.daemon.pulls import PullBook, PullRecord, PullRequest, PullState, Stages
 from kvxferd.daemon.receiver import PushReceiver
 from kvxferd.ipc.eligibility import kernel_only_refusal
+from kvxferd.ipc.reader import ReadyPull
 from kvxferd.logs import kv
 from kvxferd.metrics import Metrics
 from kvxferd.staging.reader import StagedJob
@@ -93,6 +94,22 @@ class Mover:
         staged = decision if decision and decision.choice.strategy in _NOT_NIXL_READ else None
         return decision, staged
 
+    def prepare(
+        self, req: PullRequest, link: PeerLink, part: TransferPlan, staged: Decision | None
+    ) -> Prepared | ReadyPull | None:
+        """The host work a pull can do before its lease is confirmed (the READ or copy itself
+        waits for the confirmation): DIRECT's descriptor lists, KERNEL's checked pieces and
+        launch tables; None for the other strategies and in push mode."""
+        remote = link.remote
+        assert remote is not None
+        if self.receiver is not None:
+            return None
+        if staged is None:
+            return self.p.engine.prepare(req.transfer_id, remote.agent_name, part)
+        if staged.choice.strategy is Strategy.KERNEL and self.p.staging is not None:
+            return self.p.staging.kernel_ready(remote, part)
+        return None
+
     async def move(
         self,
         req: PullRequest,
@@ -102,7 +119,7 @@ class Mover:
         *,
         deadline: float,
         stages: Stages,
-        prepared: Prepared | None,
+        prepared: Prepared | ReadyPull | None,
         staged: Decision | None,
         remote_blocks: tuple[Int64Array, ...],
     ) -> TransferResult:
@@ -131,6 +148,7 @@ class Mover:
                 plan=plan,
                 local_blocks=local_blocks,
                 deadline=deadline,
+                ready=prepared if isinstance(prepared, ReadyPull) else None,
             )
         elif staged is not None and staged.choice.strategy is Strategy.CMA:
             # CMA (kvxferd.ipc.cma_reader): process_vm_readv from the owner's process, which
@@ -159,7 +177,7 @@ class Mover:
             result = await self._staged_pull(job, plan)
         else:
             agent = link.remote.agent_name if link.remote else ""
-            if prepared is None or prepared.peer != agent:
+            if not isinstance(prepared, Prepared) or prepared.peer != agent:
                 # Built before the confirmation, which may have found a restarted owner
                 # (a new NIXL agent): build against the peer we confirmed with.
                 prepared = self.p.engine.prepare(req.transfer_id, agent, plan)

@@ -35,6 +35,7 @@ from kvxferd.errors import (
     PeerUnavailable,
     ResourceExhausted,
 )
+from kvxferd.ipc.reader import ReadyPull
 from kvxferd.logs import kv
 from kvxferd.staging.setup import Decision
 from kvxferd.transfer import TransferStatus
@@ -136,11 +137,7 @@ class Reader:
             plan, part = self._mover.plan(req, remote)
             decision, staged = self._mover.choose(req, link, plan, part)
             stages.mark("plan")
-            prepared = (
-                None
-                if staged is not None or self.push
-                else self.p.engine.prepare(req.transfer_id, remote.agent_name, part)
-            )
+            prepared = self._mover.prepare(req, link, part, staged)
             stages.mark("build")
             existing = self.pulls.find(req.transfer_id)  # a twin raced us through the handshake
             if existing is not None:
@@ -208,7 +205,7 @@ class Reader:
         deadline: float,
         confirming: asyncio.Future[Share],
         stages: Stages,
-        prepared: Prepared | None,
+        prepared: Prepared | ReadyPull | None,
         staged: Decision | None = None,
         remote_blocks: tuple[Int64Array, ...] = (),
     ) -> None:

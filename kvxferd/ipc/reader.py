@@ -1,26 +1,29 @@
 """KERNEL pulls: copy a pull's byte ranges out of the owner's regions mapped over CUDA IPC.
 
-:meth:`KernelReader.pull` runs after the lease is confirmed (the daemon's one decision point,
-like a DIRECT post): it takes the peer generation's mappings (:mod:`.mapping`; opened once),
-turns the plan's ranges into pieces (every (region, block run) coalesced as DIRECT would post
-it, runs cut at one power-of-two size, :func:`piece_size`), checks every piece against the
-local regions and the *mapped* sizes (:func:`kvxferd.kernels.ranges.check_groups`; both sides'
-base addresses and sizes are arrays prepared once: the pool's at start, a peer generation's
-when it is mapped, at handshake time through :meth:`KernelReader.prepare`), and copies them
-with one kernel launch per distinct run array (``cuda/copy_ranges.cu``, copy_group: its table
-is the runs once and each region's two base addresses, uploaded with it; a per-layer cache has
-one) on a side stream, grid capped at ``max_ctas`` so decode keeps SMs. The host work is a fixed
-number of NumPy operations over the pull's distinct runs, no Python loop per piece or region,
-and never the region-by-run product (``grouped=False`` flattens it, for comparison).
-Completion is a CUDA event recorded after the launch.
+A pull's host work comes first: the peer generation's mappings (:mod:`.mapping`; opened once),
+the plan's ranges cut into pieces (:mod:`.pieces`: coalesced as DIRECT would post them, cut at
+one power-of-two size, kept per array the regions share), every piece checked against the
+local regions and the *mapped* sizes (:func:`kvxferd.kernels.prepare_copy`; both sides' base
+addresses and sizes are arrays prepared once: the pool's at start, a peer generation's when it
+is mapped, at handshake time through :meth:`KernelReader.prepare`) and the launch tables built.
+The daemon does it while the pull's lease confirmation is in flight (:meth:`KernelReader.ready`),
+so that once the confirmation succeeded (the daemon's one decision point, like a DIRECT post)
+:meth:`KernelReader.pull` only launches: one kernel per distinct run array
+(``cuda/copy_ranges.cu``, copy_group: its table is the runs once and each region's two base
+addresses; a per-layer cache has one) on a side stream, grid capped at ``max_ctas`` so decode
+keeps SMs. A pull whose mappings changed meanwhile (the confirmation found a new generation)
+does the host work again. The host work is a fixed number of NumPy operations over the pull's
+distinct runs, no Python loop per piece or region, and never the region-by-run product
+(``grouped=False`` flattens it, for comparison). Completion is a CUDA event recorded after
+the launch.
 
-A small pull (:data:`INLINE_MAX_BYTES`, :data:`INLINE_MAX_RANGES`) does its host work on the
-event loop and polls the event between turns of the loop (:func:`.completion.wait_event`; a
-worker thread only if the copy outlasts the polls): its copy takes tens of microseconds, less
-than a hop to a worker thread and back. A bigger pull does the host work, the launch and the
-wait in one worker-thread call, so the loop is never blocked for long. :attr:`KernelReader.last`
-keeps the last pull's cut, launch and wait times. On CPU (tests, or no CUDA build) the torch
-twin copies the same pieces.
+A small pull (:data:`INLINE_MAX_BYTES`, :data:`INLINE_MAX_RANGES`) runs on the event loop and
+polls the event between turns of the loop (:func:`.completion.wait_event`; a worker thread
+only if the copy outlasts the polls): its copy takes tens of microseconds, less than a hop to a
+worker thread and back. A bigger pull does the host work, the launch and the wait in one
+worker-thread call, so the loop is never blocked for long. :attr:`KernelReader.last` keeps the
+last pull's cut, check, launch and wait times. On CPU (tests, or no CUDA build) the torch twin
+copies the same pieces.
 
 A running copy cannot be interrupted: cancel and deadline take effect when it ends (it moves a
 pull's bytes at memory speed, milliseconds), and a copy that ends after the deadline is
@@ -46,21 +49,24 @@ from kvxferd.blocks.ranges import TransferPlan
 from kvxferd.errors import DeadlineExceeded, KvxferdError, TransportError
 from kvxferd.ipc.completion import settle, wait_event
 from kvxferd.ipc.mapping import Key, MappingCache, PeerMaps
+from kvxferd.ipc.pieces import MAX_PIECE_BYTES, distinct_ranges, group_pieces, pieces
 from kvxferd.ipc.publish import IpcPool
-from kvxferd.kernels import CopyKernel, GroupCopy, RangeCopy, Regions, copy_groups, copy_ranges
+from kvxferd.kernels import (
+    CheckedCopy,
+    CopyKernel,
+    GroupCopy,
+    RangeCopy,
+    Regions,
+    prepare_copy,
+    run_copy,
+)
 from kvxferd.logs import kv
 from kvxferd.pool import KVPool
-from kvxferd.transfer.descriptors import run_groups, split_runs
 from kvxferd.transfer.state import TransferResult, TransferStatus
 
 Int64Array = npt.NDArray[np.int64]
 log = logging.getLogger(__name__)
 
-MAX_PIECE_BYTES = 1 << 20
-MIN_PIECE_BYTES = 512
-# What one more piece costs, in bytes of copy: its table row, its share of the host's NumPy
-# work, its row lookups on the GPU (an estimate; it only steers the piece size).
-PIECE_COST_BYTES = 16 << 10
 # Pulls up to this many bytes run inline on the event loop (host work, launch, event polled;
 # KernelReader.pull). On an H100 the grouped copy reads 1 GiB of random 64 KiB blocks over CUDA
 # IPC in ~0.76 ms, within the polls' bound (completion.POLL_LIMIT_S; a slower copy moves its
@@ -87,79 +93,6 @@ class KernelJob:
     deadline: float  # monotonic
 
 
-def piece_size(
-    lengths: Int64Array, largest: int = MAX_PIECE_BYTES, weights: Int64Array | None = None
-) -> int:
-    """The power-of-two piece size (at most ``largest``) for runs of ``lengths`` bytes (run
-    ``i`` counted ``weights[i]`` times, once without ``weights``): the copy kernel gives every
-    piece a slot of that size (the part past a short piece's end is skipped), so the size
-    minimises slots times (slot + :data:`PIECE_COST_BYTES`). Only the sizes between the
-    shortest and the longest run (rounded up) are tried."""
-    top = max(MIN_PIECE_BYTES, int(largest)).bit_length() - 1  # largest, rounded down
-    if lengths.size == 0:
-        return 1 << top
-    lo = min(top, max(MIN_PIECE_BYTES.bit_length() - 1, (int(lengths.min()) - 1).bit_length()))
-    hi = min(top, max(lo, (int(lengths.max()) - 1).bit_length()))
-    if lo == hi:
-        return 1 << lo
-    ks = np.arange(lo, hi + 1, dtype=np.int64)
-    per_run = (lengths[:, None] + (np.int64(1) << ks) - 1) >> ks
-    slots = (per_run if weights is None else per_run * weights[:, None]).sum(axis=0)
-    cost = slots * ((np.int64(1) << ks) + PIECE_COST_BYTES)
-    return 1 << int(ks[int(np.argmin(cost))])
-
-
-def group_pieces(
-    plan: TransferPlan, piece_bytes: int = MAX_PIECE_BYTES
-) -> tuple[list[GroupCopy] | RangeCopy, int]:
-    """The plan's ranges as kernel pieces, and the number of (region, run) pairs before the
-    cut (what DIRECT would post as descriptors): every region's ranges coalesced as DIRECT
-    does, the runs cut at one power-of-two size (:func:`piece_size`, at most
-    ``piece_bytes``). Regions sharing the planner's arrays (:func:`run_groups`: typically
-    every layer) are coalesced, sized and cut once and kept as one :class:`GroupCopy` per
-    distinct array, which the kernel repeats over the regions (``copy_group``); when regions
-    share too little, one flat :class:`RangeCopy`. A fixed number of NumPy operations per
-    distinct array, and no loop over pieces or regions."""
-    got = run_groups(plan)
-    if isinstance(got, tuple):  # little sharing: every range coalesced at once
-        region, lo, ro, ln = got
-        if ln.size == 0:
-            return RangeCopy.empty(), 0
-        return RangeCopy(*split_runs(region, lo, ro, ln, piece_size(ln, piece_bytes))), int(ln.size)
-    if not got:
-        return [], 0
-    runs = sum(g.length.size * g.regions.size for g in got)
-    if len(got) == 1:  # one weight for every run: it cannot change the cheapest size
-        size = piece_size(got[0].length, piece_bytes)
-    else:
-        lengths = np.concatenate([g.length for g in got])
-        weights = np.concatenate([np.full(g.length.size, g.regions.size) for g in got])
-        size = piece_size(lengths, piece_bytes, weights.astype(np.int64))
-    out = []
-    for g in got:
-        zeros = np.zeros(g.length.size, dtype=np.int64)
-        _, lo, ro, ln = split_runs(zeros, g.local_offset, g.remote_offset, g.length, size)
-        out.append(GroupCopy(g.regions, lo, ro, ln))
-    return out, runs
-
-
-def pieces(plan: TransferPlan, piece_bytes: int = MAX_PIECE_BYTES) -> tuple[RangeCopy, int]:
-    """:func:`group_pieces` flattened: one piece per (region, cut run)."""
-    got, runs = group_pieces(plan, piece_bytes)
-    if isinstance(got, RangeCopy):
-        return got, runs
-    return RangeCopy.concat([g.flat() for g in got]), runs
-
-
-def distinct_ranges(plan: TransferPlan) -> int:
-    """The plan's ranges with the arrays regions share counted once: the grouped copy's host
-    work (:func:`group_pieces`) handles each shared array once."""
-    seen: dict[tuple[int, int, int], int] = {}
-    for rr in plan.ranges:
-        seen[id(rr.local_offset), id(rr.remote_offset), id(rr.length)] = rr.num_ranges
-    return sum(seen.values())
-
-
 def region_bytes(pool: KVPool) -> list[torch.Tensor]:
     """Each region of ``pool`` as a 1-D uint8 tensor over exactly its registered bytes."""
     out = []
@@ -171,14 +104,31 @@ def region_bytes(pool: KVPool) -> list[torch.Tensor]:
     return out
 
 
+@dataclass(frozen=True, eq=False)
+class ReadyPull:
+    """A KERNEL pull's host work, done before its lease is confirmed (:meth:`KernelReader.ready`):
+    the plan cut into pieces, checked against both sides and its launch tables built, for the
+    peer generation's mappings ``maps``. A pull of that plan from those same mappings only
+    launches; any other redoes the work (the regions it was checked against are gone)."""
+
+    plan: TransferPlan
+    maps: PeerMaps
+    copy: CheckedCopy
+    runs: int
+    cut: float  # seconds: the pieces cut
+    check: float  # seconds: checked and the tables built
+
+
 @dataclass
 class PullTimes:
     """Where the last KERNEL pull's time went (seconds): cutting the plan into pieces, the
-    launch (every piece checked against both sides' regions, the address table, its upload and
-    the kernel launch), the wait for the copy's event, and the whole pull seen from the event
-    loop (the rest of it is the thread hop, or the loop's turns between polls). ``inline``: the
-    host work ran on the loop; ``polls``: the loop turns it yielded while polling the event;
-    ``thread_wait``: the polls ran out and the wait ended in a worker thread."""
+    launch (every piece checked against both sides' regions and the launch tables built, unless
+    that was done before the confirmation, then the tables' upload and the kernel launch), the
+    wait for the copy's event, and the whole pull seen from the event loop (the rest of it is
+    the thread hop, or the loop's turns between polls). ``inline``: the host work ran on the
+    loop; ``polls``: the loop turns it yielded while polling the event; ``thread_wait``: the
+    polls ran out and the wait ended in a worker thread; ``ready``: cut and check ran before
+    the confirmation (:class:`ReadyPull`; ``cut`` and ``check`` are then its times)."""
 
     cut: float = 0.0
     launch: float = 0.0
@@ -188,6 +138,8 @@ class PullTimes:
     inline: bool = False
     polls: int = 0
     thread_wait: bool = False
+    check: float = 0.0  # the pieces checked and the tables built (part of launch before)
+    ready: bool = False  # cut and check were done before the confirmation (ReadyPull)
 
 
 class KernelReader:
@@ -264,10 +216,36 @@ class KernelReader:
 
     # -- pulls ----------------------------------------------------------------------------------
 
+    def ready(self, key: Key, ipc: IpcPool, plan: TransferPlan) -> ReadyPull | None:
+        """Do a pull's host work ahead (call before its lease is confirmed, while the
+        confirmation is in flight): the pieces cut and checked against the peer generation's
+        mapped regions, the launch tables built; :meth:`pull` then only launches. None when
+        the pull is too big to run inline (its host work stays in the worker thread) or
+        cannot be prepared (the pull redoes it, and fails with why)."""
+        if not self.inline(plan):
+            return None
+        try:
+            maps = self.cache.get(key, ipc)
+            with maps.use() as src:
+                t0 = time.perf_counter()
+                rc, runs = self._pieces(plan)
+                t1 = time.perf_counter()
+                copy = prepare_copy(self.local, self._regions(maps, src), rc)
+                t2 = time.perf_counter()
+        except KvxferdError:
+            return None
+        return ReadyPull(plan, maps, copy, runs, t1 - t0, t2 - t1)
+
     async def pull(
-        self, job: KernelJob, plan: TransferPlan, local_blocks: tuple[Int64Array, ...]
+        self,
+        job: KernelJob,
+        plan: TransferPlan,
+        local_blocks: tuple[Int64Array, ...],
+        ready: ReadyPull | None = None,
     ) -> TransferResult:
-        """Copy ``plan`` from the peer into the pool; a terminal :class:`TransferResult`."""
+        """Copy ``plan`` from the peer into the pool; a terminal :class:`TransferResult`.
+        ``ready``: its host work done ahead (:meth:`ready`), used when it was done for this
+        plan against the mappings the pull reads."""
         t0 = time.monotonic()
         status, runs = TransferStatus.DONE, 0
         err: KvxferdError | None = None
@@ -275,13 +253,15 @@ class KernelReader:
         try:
             maps = self.cache.get(job.key, job.ipc)
             with maps.use() as src:
-                # copy_ranges checks every piece against the local regions and the *mapped*
-                # sizes before anything is launched (kvxferd.kernels.ranges.check_ranges).
-                # Both paths return only once the copy has ended, even if this task is
-                # cancelled meanwhile: the mappings must outlive the copy.
+                # Every piece is checked against the local regions and the *mapped* sizes
+                # before anything is launched (kvxferd.kernels.ranges.check_copy), here or
+                # in ready(). Both paths return only once the copy has ended, even if this
+                # task is cancelled meanwhile: the mappings must outlive the copy.
                 regions = self._regions(maps, src)
+                if ready is not None and (ready.maps is not maps or ready.plan is not plan):
+                    ready = None  # prepared against another generation's mappings
                 if times.inline:
-                    self.backend, runs = await self._copy_inline(regions, plan, times)
+                    self.backend, runs = await self._copy_inline(regions, plan, times, ready)
                 else:
                     loop = asyncio.get_running_loop()
                     call = functools.partial(self._copy, regions, plan, times)
@@ -324,10 +304,11 @@ class KernelReader:
         return plan.num_ranges <= INLINE_MAX_RANGES
 
     async def _copy_inline(
-        self, src: Regions, plan: TransferPlan, times: PullTimes
+        self, src: Regions, plan: TransferPlan, times: PullTimes, ready: ReadyPull | None
     ) -> tuple[str, int]:
-        """Pieces, checks and the launch on the loop; the event polled between turns of it."""
-        ran, runs, done = self._launch(src, plan, times)
+        """Pieces, checks (unless ``ready``) and the launch on the loop; the event polled
+        between turns of it."""
+        ran, runs, done = self._launch(src, plan, times, ready)
         if done is not None:
             t = time.perf_counter()
             waited = await wait_event(done)
@@ -337,38 +318,41 @@ class KernelReader:
 
     def _copy(self, src: Regions, plan: TransferPlan, times: PullTimes) -> tuple[str, int]:
         """Pieces, checks, the launch and the wait for its event (worker thread)."""
-        ran, runs, done = self._launch(src, plan, times)
+        ran, runs, done = self._launch(src, plan, times, None)
         if done is not None:
             t = time.perf_counter()
             done.synchronize()
             times.wait = time.perf_counter() - t
         return ran, runs
 
-    def _run(self, src: Regions, rc: list[GroupCopy] | RangeCopy) -> str:
-        if isinstance(rc, RangeCopy):
-            return copy_ranges(self.local, src, rc, max_ctas=self.max_ctas, kernel=self.kernel)
-        return copy_groups(self.local, src, rc, max_ctas=self.max_ctas)
+    def _pieces(self, plan: TransferPlan) -> tuple[list[GroupCopy] | RangeCopy, int]:
+        return (group_pieces if self.grouped else pieces)(plan, self.piece_bytes)
 
     def _launch(
-        self, src: Regions, plan: TransferPlan, times: PullTimes
+        self, src: Regions, plan: TransferPlan, times: PullTimes, ready: ReadyPull | None
     ) -> tuple[str, int, torch.cuda.Event | None]:
-        """Pieces, checks and one launch followed by its completion event (none on CPU: the
-        twin has copied when it returns). Returns which implementation ran, the run count and
-        the event."""
+        """Pieces and checks (unless ``ready`` has them), then one launch per table followed
+        by its completion event (none on CPU: the twin has copied when it returns). Returns
+        which implementation ran, the run count and the event."""
         t0 = time.perf_counter()
-        rc, runs = (group_pieces if self.grouped else pieces)(plan, self.piece_bytes)
-        t1 = time.perf_counter()
-        times.cut = t1 - t0
-        times.pieces = rc.pieces if isinstance(rc, RangeCopy) else sum(g.pieces for g in rc)
+        if ready is None:
+            rc, runs = self._pieces(plan)
+            t1 = time.perf_counter()
+            copy = prepare_copy(self.local, src, rc)
+            times.cut, times.check = t1 - t0, time.perf_counter() - t1
+        else:
+            copy, runs, t1 = ready.copy, ready.runs, t0
+            times.cut, times.check, times.ready = ready.cut, ready.check, True
+        times.pieces = copy.pieces
         if self._stream is None:
-            ran = self._run(src, rc)
+            ran = run_copy(copy, max_ctas=self.max_ctas, kernel=self.kernel)
             times.launch = time.perf_counter() - t1
             return ran, runs, None
-        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
-            # copy_ranges / copy_groups check every piece against both sides before they
-            # launch anything.
-            ran = self._run(src, rc)
-            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            done.record(self._stream)
+        # The stream goes with the call: no device or stream context to enter (~0.04 ms).
+        ran = run_copy(
+            copy, max_ctas=self.max_ctas, kernel=self.kernel, stream=self._stream.cuda_stream
+        )
+        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        done.record(self._stream)
         times.launch = time.perf_counter() - t1
         return ran, runs, done

@@ -36,12 +36,21 @@ from kvxferd.kernels.geometry import (
     row_bytes,
 )
 from kvxferd.kernels.loader import Backend, BackendName, active_backend
-from kvxferd.kernels.ranges import CopyKernel, GroupCopy, RangeCopy, Regions, RegionsLike
+from kvxferd.kernels.ranges import (
+    CheckedCopy,
+    CopyKernel,
+    GroupCopy,
+    RangeCopy,
+    Regions,
+    RegionsLike,
+    check_copy,
+)
 
 __all__ = [
     "Backend",
     "BackendName",
     "BlockIds",
+    "CheckedCopy",
     "CopyKernel",
     "GroupCopy",
     "HeadOrder",
@@ -53,7 +62,9 @@ __all__ = [
     "copy_groups",
     "copy_ranges",
     "gather_blocks",
+    "prepare_copy",
     "row_bytes",
+    "run_copy",
     "scatter_blocks",
 ]
 
@@ -100,6 +111,31 @@ def scatter_blocks(
     twin.scatter_blocks(regions, block_ids, staging, permute=permute)
 
 
+def prepare_copy(
+    dst: RegionsLike, src: RegionsLike, pieces: RangeCopy | Sequence[GroupCopy]
+) -> CheckedCopy:
+    """Check ``pieces`` (flat, or :class:`GroupCopy` groups) against both sides and build what
+    the launch needs, so that :func:`run_copy` does nothing but launch: a KERNEL pull prepares
+    while its lease confirmation is in flight and launches once it succeeded."""
+    d = Regions.of("dst", dst)
+    return check_copy(d, src, pieces, tables=bool(len(d)) and _use_cuda(d.tensors[0]))
+
+
+def run_copy(
+    c: CheckedCopy, *, max_ctas: int = 0, kernel: CopyKernel = CopyKernel.STRIDE, stream: int = 0
+) -> str:
+    """Run a copy :func:`prepare_copy` returned: the CUDA kernels (one launch per table, on
+    ``stream``, a ``cudaStream_t`` as an integer, or with 0 the current stream) when it was
+    prepared for them, else the twin. Returns which ran (``"cuda"`` or ``"torch"``)."""
+    if c.cuda:
+        from kvxferd.kernels import cuda_ops
+
+        cuda_ops.run_copy(c, max_ctas=max_ctas, kernel=kernel, stream=stream)
+        return BackendName.CUDA.value
+    twin.run_copy(c)
+    return BackendName.TORCH.value
+
+
 def copy_ranges(
     dst: RegionsLike,
     src: RegionsLike,
@@ -112,14 +148,7 @@ def copy_ranges(
     :class:`Regions` checked once); the CUDA kernel (one launch, current stream) on CUDA tensors
     when :func:`active_backend` says so, else the twin. Returns which ran (``"cuda"`` or
     ``"torch"``)."""
-    d = Regions.of("dst", dst)
-    if len(d) and _use_cuda(d.tensors[0]):
-        from kvxferd.kernels import cuda_ops
-
-        cuda_ops.copy_ranges(d, src, ranges, max_ctas=max_ctas, kernel=kernel)
-        return BackendName.CUDA.value
-    twin.copy_ranges(d, src, ranges, max_ctas=max_ctas)
-    return BackendName.TORCH.value
+    return run_copy(prepare_copy(dst, src, ranges), max_ctas=max_ctas, kernel=kernel)
 
 
 def copy_groups(
@@ -128,11 +157,4 @@ def copy_groups(
     """:func:`copy_ranges` for pieces that repeat over regions (:class:`GroupCopy`): one launch
     per group, its table the runs once and the regions' bases (``cuda/copy_ranges.cu``,
     copy_group), so the host never builds the region-by-run product. Returns which ran."""
-    d = Regions.of("dst", dst)
-    if len(d) and _use_cuda(d.tensors[0]):
-        from kvxferd.kernels import cuda_ops
-
-        cuda_ops.copy_groups(d, src, groups, max_ctas=max_ctas)
-        return BackendName.CUDA.value
-    twin.copy_groups(d, src, groups, max_ctas=max_ctas)
-    return BackendName.TORCH.value
+    return run_copy(prepare_copy(dst, src, groups), max_ctas=max_ctas)

@@ -15,14 +15,14 @@ from kvxferd.errors import InvalidRequest
 from kvxferd.kernels.geometry import BlockIds, KVPermute, check_call
 from kvxferd.kernels.loader import cuda_ops
 from kvxferd.kernels.ranges import (
+    CheckedCopy,
     CopyKernel,
     GroupCopy,
     RangeCopy,
     RegionsLike,
     address_table,
-    check_groups,
+    check_copy,
     check_ranges,
-    group_table,
 )
 
 
@@ -91,12 +91,7 @@ def copy_ranges(
     """Copy every piece of ``ranges`` from ``src`` to ``dst`` in one launch on the current
     stream of the destination's device (``max_ctas``: grid cap, 0 for as many CTAs as fit on
     the device at once; ``kernel``: which copy kernel, see ``cuda/copy_ranges.cu``)."""
-    d, s = check_ranges(dst, src, ranges)
-    _require_cuda(d.tensors[0], "copy_ranges")
-    if ranges.pieces == 0:
-        return
-    table = address_table(d, s, ranges)
-    _raise_if(cuda_ops().copy_ranges(table, d.tensors[0], int(max_ctas), int(kernel)))
+    run_copy(check_copy(dst, src, ranges, tables=True), max_ctas=max_ctas, kernel=kernel)
 
 
 def copy_groups(
@@ -105,13 +100,26 @@ def copy_groups(
     """Copy every group's pieces in every region of the group, one launch per group on the
     current stream of the destination's device (``copy_group`` in ``cuda/copy_ranges.cu``);
     every group is checked (:func:`check_groups`) before the first launch."""
-    d, s = check_groups(dst, src, groups)
-    _require_cuda(d.tensors[0], "copy_groups")
-    for g in groups:
-        if g.pieces:
-            table = group_table(d, s, g)
-            n, k = int(g.length.shape[0]), int(g.regions.shape[0])
-            _raise_if(cuda_ops().copy_group(table, n, k, d.tensors[0], int(max_ctas)))
+    run_copy(check_copy(dst, src, groups, tables=True), max_ctas=max_ctas)
+
+
+def run_copy(
+    c: CheckedCopy, *, max_ctas: int = 0, kernel: CopyKernel = CopyKernel.STRIDE, stream: int = 0
+) -> None:
+    """Launch a copy :func:`check_copy` checked and built the tables of: one launch per table
+    on ``stream`` (a ``cudaStream_t`` as an integer, ``torch.cuda.Stream.cuda_stream``; 0 for
+    the current stream of the destination's device); no host work but the launches."""
+    _require_cuda(c.dst.tensors[0], "copy_ranges")
+    if not c.cuda:
+        raise InvalidRequest("run_copy: the copy was prepared for the twin (no launch tables)")
+    like = c.dst.tensors[0]
+    if c.ranges is not None:
+        for table in c.tables:
+            _raise_if(cuda_ops().copy_ranges(table, like, int(max_ctas), int(kernel), stream))
+        return
+    for g, table in zip(c.groups, c.tables, strict=True):
+        n, k = int(g.length.shape[0]), int(g.regions.shape[0])
+        _raise_if(cuda_ops().copy_group(table, n, k, like, int(max_ctas), stream))
 
 
 def copy_vector_width(dst: RegionsLike, src: RegionsLike, ranges: RangeCopy) -> int:

@@ -231,6 +231,49 @@ def check_groups(
     return d, s
 
 
+@dataclass(frozen=True, eq=False)
+class CheckedCopy:
+    """A copy checked against both sides (:func:`check_ranges` or :func:`check_groups`) with
+    its launch tables built when the CUDA kernel will run it (:func:`address_table`, one per
+    :class:`GroupCopy` with :func:`group_table`): running it costs the launch and nothing
+    else. Valid only while ``dst`` and ``src`` are (whoever holds it keeps the memory the
+    source regions view mapped)."""
+
+    dst: Regions
+    src: Regions
+    ranges: RangeCopy | None  # the flat pieces, or None for groups
+    groups: tuple[GroupCopy, ...]
+    tables: tuple[torch.Tensor, ...]  # CPU int64, one per launch (none without pieces)
+    cuda: bool  # the tables are built: the CUDA kernel runs it, else the twin
+
+    @property
+    def pieces(self) -> int:
+        if self.ranges is not None:
+            return self.ranges.pieces
+        return sum(g.pieces for g in self.groups)
+
+
+def check_copy(
+    dst: RegionsLike,
+    src: RegionsLike,
+    pieces: RangeCopy | Sequence[GroupCopy],
+    *,
+    tables: bool,
+) -> CheckedCopy:
+    """Check ``pieces`` (flat, or groups) against both sides, refusing anything outside a
+    region before any copy runs, and build the launch tables when ``tables``."""
+    if isinstance(pieces, RangeCopy):
+        d, s = check_ranges(dst, src, pieces)
+        flat: tuple[torch.Tensor, ...] = (
+            (address_table(d, s, pieces),) if tables and pieces.pieces else ()
+        )
+        return CheckedCopy(d, s, pieces, (), flat, tables)
+    groups = tuple(g for g in pieces if g.pieces)
+    d, s = check_groups(dst, src, groups)
+    built = tuple(group_table(d, s, g) for g in groups) if tables else ()
+    return CheckedCopy(d, s, None, groups, built, tables)
+
+
 def group_table(d: Regions, s: Regions, g: GroupCopy) -> torch.Tensor:
     """1-D int64 CPU tensor: ``[dst_offset, src_offset, length]`` per run, then ``[dst_base,
     src_base]`` per region of the group (``cuda/copy_ranges.cu``, copy_group; call after

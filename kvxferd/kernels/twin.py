@@ -11,7 +11,14 @@ from collections.abc import Sequence
 import torch
 
 from kvxferd.kernels.geometry import BlockIds, KVPermute, check_call
-from kvxferd.kernels.ranges import GroupCopy, RangeCopy, RegionsLike, check_groups, check_ranges
+from kvxferd.kernels.ranges import (
+    CheckedCopy,
+    GroupCopy,
+    RangeCopy,
+    RegionsLike,
+    check_groups,
+    check_ranges,
+)
 
 
 def _permuted(blocks: torch.Tensor, p: KVPermute) -> torch.Tensor:
@@ -121,3 +128,11 @@ def copy_groups(
     for g in groups:
         if g.pieces:
             copy_ranges(d, s, g.flat(), max_ctas=max_ctas)
+
+
+def run_copy(c: CheckedCopy) -> None:
+    """Copy what :func:`~kvxferd.kernels.ranges.check_copy` checked (its tables unused)."""
+    if c.ranges is not None:
+        copy_ranges(c.dst, c.src, c.ranges)
+    else:
+        copy_groups(c.dst, c.src, c.groups)

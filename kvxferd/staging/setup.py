@@ -23,7 +23,7 @@ from kvxferd.ipc.cma_reader import CmaReader
 from kvxferd.ipc.eligibility import kernel_ineligible, kernel_only_refusal
 from kvxferd.ipc.mapping import MappingCache, Opener, cuda_opener
 from kvxferd.ipc.publish import IpcPool, Publisher
-from kvxferd.ipc.reader import KernelJob, KernelReader
+from kvxferd.ipc.reader import KernelJob, KernelReader, ReadyPull
 from kvxferd.ipc.transport import refusal
 from kvxferd.layout.spec import KVCacheSpec, MemoryType
 from kvxferd.pool import KVPool
@@ -94,6 +94,13 @@ class Staging:
         if self.cma is not None:
             self.cma.close()
 
+    def kernel_ready(self, remote: RemoteDescription, plan: TransferPlan) -> ReadyPull | None:
+        """A KERNEL pull's host work, done ahead while its lease confirmation is in flight
+        (:meth:`KernelReader.ready`); None when it stays with the pull."""
+        if self.kernel is None or remote.ipc is None:
+            return None
+        return self.kernel.ready(remote.key, remote.ipc, plan)
+
     async def kernel_pull(
         self,
         transfer_id: str,
@@ -103,14 +110,16 @@ class Staging:
         plan: TransferPlan,
         local_blocks: tuple[Int64Array, ...],
         deadline: float,
+        ready: ReadyPull | None = None,
     ) -> TransferResult:
         """Run a KERNEL pull against ``remote`` as it is *now* (a re-registration during the
-        lease confirmation moved its regions: the new generation is mapped)."""
+        lease confirmation moved its regions: the new generation is mapped, and ``ready``,
+        done against the old, is not used)."""
         assert self.kernel is not None and remote.ipc is not None
         job = KernelJob(
             transfer_id, remote.agent_name, peer_address, remote.key, remote.ipc, deadline
         )
-        return await self.kernel.pull(job, plan, local_blocks)
+        return await self.kernel.pull(job, plan, local_blocks, ready)
 
     async def cma_pull(
         self,

@@ -4,16 +4,22 @@ speed unless transfer.allow_slow_transport."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from kvxferd.blocks import plan_pull
+from kvxferd.daemon.moves import Mover
+from kvxferd.daemon.pulls import PullBook, PullRequest
+from kvxferd.daemon.receiver import PushReceiver
 from kvxferd.errors import SlowTransport
 from kvxferd.ipc.mapping import MappingCache
 from kvxferd.ipc.publish import IpcPool
-from kvxferd.ipc.reader import KernelReader
+from kvxferd.ipc.reader import KernelReader, ReadyPull
 from kvxferd.ipc.transport import TransportReport, classify
 from kvxferd.layout.presets import preset
 from kvxferd.layout.spec import KVCacheSpec, MemoryType
@@ -21,6 +27,7 @@ from kvxferd.pool import KVPool
 from kvxferd.staging.facts import PairFacts
 from kvxferd.staging.setup import IpcSide, Staging, decide
 from kvxferd.staging.strategy import CostModel, Mode, Strategy
+from kvxferd.transfer.state import TransferStatus
 from tests.ipc.fakes import FakeHost, export_pool, ordinal_of
 
 TEXT = "dense:num_blocks=16,num_layers=2,num_kv_heads=1,head_size=16,block_size=4"
@@ -151,3 +158,48 @@ def test_a_full_prefix_hit_moves_nothing_and_is_never_refused() -> None:
     staging, link, _ = _setup(host="h2", transport=SLOW)
     d = _decide(staging, link, n=0)
     assert d.choice.strategy is Strategy.DIRECT
+
+
+def test_a_kernel_pull_is_prepared_while_its_lease_is_confirmed() -> None:
+    """The reader's Mover does a KERNEL pull's host work before the confirmation (pieces
+    checked, tables built) and the pull launches with it; in push mode nothing is prepared
+    (the owner WRITEs)."""
+    staging, link, fh = _setup()
+    owner_pool = KVPool.allocate(preset(TEXT))
+    owner_pool.fill_pattern(0, list(range(16)), seed=21)
+    link.remote.ipc = export_pool(fh, owner_pool, "filled")
+    plan = plan_pull(SPEC, SPEC, [[0, 1, 2]], [[8, 9, 10]], prefix_caching=False)
+    part = plan.per_rank[0]
+    decision = decide(
+        staging,
+        local=SPEC,
+        remote=SPEC,
+        local_tp_size=1,
+        remote_tp_size=1,
+        remote_ring=None,
+        plan=plan,
+        part=part,
+        peer="p:1",
+        link=link,  # type: ignore[arg-type]
+    )
+    assert decision.choice.strategy is Strategy.KERNEL
+    req = PullRequest("t1", "r1", "p:1", ([8, 9, 10],), ([0, 1, 2],), 30.0)  # type: ignore[arg-type]
+    parts = SimpleNamespace(staging=staging)
+    ready = Mover(parts, PullBook(), None).prepare(req, link, part, decision)  # type: ignore[arg-type]
+    assert isinstance(ready, ReadyPull) and ready.plan is part
+    result = asyncio.run(
+        staging.kernel_pull(
+            "t1",
+            link.remote,  # type: ignore[arg-type]
+            peer_address="p:1",
+            plan=part,
+            local_blocks=plan.local_kernel_blocks,
+            deadline=time.monotonic() + 30,
+            ready=ready,
+        )
+    )
+    assert result.status is TransferStatus.DONE, result.reason
+    assert staging.kernel is not None and staging.kernel.last.ready
+    assert staging.kernel.pool.checksums(0, [0, 1, 2]) == owner_pool.checksums(0, [8, 9, 10])
+    push = Mover(parts, PullBook(), PushReceiver())  # type: ignore[arg-type]
+    assert push.prepare(req, link, part, decision) is None  # type: ignore[arg-type]

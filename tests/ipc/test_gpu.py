@@ -110,7 +110,7 @@ def test_a_pull_planned_by_the_reader_is_copied_exactly(ops: Any) -> None:
     """1 GiB-shaped in miniature: 8 regions x 64 random 4 KiB blocks and a few 3-block runs,
     cut by pieces() and copied by the stride kernel, equal to the twin."""
     from kvxferd.blocks.ranges import RegionRanges, TransferPlan
-    from kvxferd.ipc.reader import pieces
+    from kvxferd.ipc.pieces import pieces
 
     rng = np.random.default_rng(11)
     block, blocks = 4096, 256
@@ -161,6 +161,38 @@ def test_the_group_kernel_matches_the_twin(ops: Any, align: int, max_ctas: int) 
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
+@pytest.mark.parametrize("runs", [100, 300], ids=["table-with-the-launch", "table-uploaded"])
+def test_group_tables_inline_or_uploaded_run_on_the_stream_passed(ops: Any, runs: int) -> None:
+    """A copy_group table of at most 480 values travels as the kernel's parameter, a bigger
+    one is uploaded; both copy what the twin copies, queued on the stream the caller passed:
+    behind 0.1 s of work already on that stream, not on the current stream."""
+    from kvxferd.kernels import prepare_copy, run_copy
+
+    rng = np.random.default_rng(runs)
+    slot, top = 2048, min(SIZES[0], SIZES[2])
+    slots = rng.choice(top // slot, runs, replace=False)
+    ln = rng.integers(1, slot // 16, size=runs) * 16
+    src_off = rng.integers(0, (top - slot) // 16, size=runs) * 16
+    g = GroupCopy(np.array([0, 2], np.int64), slots * slot, src_off, ln)
+    assert (3 * runs + 2 * 2 <= 480) is (runs == 100)
+    src = [_random(n, 60 + i) for i, n in enumerate(SIZES)]
+    want = [torch.full((n,), 0x33, dtype=torch.uint8, device="cuda") for n in SIZES]
+    got = [t.clone() for t in want]
+    before = [t.clone() for t in want]
+    twin.copy_groups(want, src, [g])
+    stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    # Once first: the first upload of a table this size allocates pinned memory, and
+    # cudaHostAlloc waits for the whole device (it would wait for the sleep below).
+    run_copy(prepare_copy([t.clone() for t in before], src, [g]), stream=stream.cuda_stream)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(200_000_000)
+    run_copy(prepare_copy(got, src, [g]), stream=stream.cuda_stream)
+    assert all(torch.equal(a, b) for a, b in zip(got, before, strict=True))  # not run yet
+    stream.synchronize()  # type: ignore[no-untyped-call]
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
 def test_group_bounds_and_bad_tables_are_refused_before_launch(ops: Any) -> None:
     src = [_random(1024, 1), _random(512, 2)]
     dst = [torch.zeros(1024, dtype=torch.uint8, device="cuda") for _ in range(2)]
@@ -188,7 +220,7 @@ def test_group_bounds_and_bad_tables_are_refused_before_launch(ops: Any) -> None
 def test_a_pull_planned_by_the_reader_is_copied_exactly_grouped(ops: Any) -> None:
     """The same miniature pull as above through group_pieces (one group of 8 regions)."""
     from kvxferd.blocks.ranges import RegionRanges, TransferPlan
-    from kvxferd.ipc.reader import group_pieces
+    from kvxferd.ipc.pieces import group_pieces
 
     rng = np.random.default_rng(12)
     block, blocks = 4096, 256

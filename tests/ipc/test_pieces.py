@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvxferd.blocks.ranges import RegionRanges, TransferPlan
-from kvxferd.ipc.reader import MIN_PIECE_BYTES, PIECE_COST_BYTES, piece_size, pieces
+from kvxferd.ipc.pieces import MIN_PIECE_BYTES, PIECE_COST_BYTES, piece_size, pieces
 from kvxferd.kernels import RangeCopy
 
 Interval = tuple[int, int, int, int]  # region, dst start, src start, length

@@ -15,8 +15,9 @@ from kvxferd.blocks import plan_pull
 from kvxferd.blocks.ranges import RegionRanges, TransferPlan
 from kvxferd.errors import BlockRangeError
 from kvxferd.ipc.mapping import MappingCache
+from kvxferd.ipc.pieces import piece_size, pieces
 from kvxferd.ipc.publish import IpcPool, IpcRegion
-from kvxferd.ipc.reader import KernelJob, KernelReader, piece_size, pieces
+from kvxferd.ipc.reader import KernelJob, KernelReader
 from kvxferd.layout.presets import preset
 from kvxferd.pool import KVPool
 from kvxferd.transfer.state import TransferStatus
