@@ -57,20 +57,29 @@ class TransferPlan:
     naive_descriptors: int = 0
 
     @cached_property
+    def shared(self) -> tuple[tuple[RegionRanges, ...], ...]:
+        """The non-empty regions grouped by the arrays they share (the planner gives regions
+        of one geometry the same arrays: typically every layer), each group in region order
+        and the groups in the order of their first region; found once per plan, by identity."""
+        groups: dict[tuple[int, int, int], list[RegionRanges]] = {}
+        for rr in self.ranges:
+            if rr.length.shape[0]:
+                key = (id(rr.local_offset), id(rr.remote_offset), id(rr.length))
+                members = groups.get(key)
+                if members is None:
+                    groups[key] = [rr]
+                else:
+                    members.append(rr)
+        return tuple(tuple(m) for m in groups.values())
+
+    @cached_property
     def num_ranges(self) -> int:
         return sum(r.num_ranges for r in self.ranges)
 
     @cached_property
     def nbytes(self) -> int:
-        # Regions of one geometry share the planner's arrays: sum each distinct array once.
-        sums: dict[int, int] = {}
-        total = 0
-        for r in self.ranges:
-            key = id(r.length)
-            if key not in sums:
-                sums[key] = r.nbytes
-            total += sums[key]
-        return total
+        # Regions sharing the planner's arrays: each distinct array summed once.
+        return sum(g[0].nbytes * len(g) for g in self.shared)
 
     @property
     def empty(self) -> bool:

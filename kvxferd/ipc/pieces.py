@@ -90,7 +90,4 @@ def pieces(plan: TransferPlan, piece_bytes: int = MAX_PIECE_BYTES) -> tuple[Rang
 def distinct_ranges(plan: TransferPlan) -> int:
     """The plan's ranges with the arrays regions share counted once: the grouped copy's host
     work (:func:`group_pieces`) handles each shared array once."""
-    seen: dict[tuple[int, int, int], int] = {}
-    for rr in plan.ranges:
-        seen[id(rr.local_offset), id(rr.remote_offset), id(rr.length)] = rr.num_ranges
-    return sum(seen.values())
+    return sum(g[0].num_ranges for g in plan.shared)

@@ -249,7 +249,9 @@ class KernelReader:
         t0 = time.monotonic()
         status, runs = TransferStatus.DONE, 0
         err: KvxferdError | None = None
-        times = self.last = PullTimes(inline=self.inline(plan))
+        # Work made ready for this plan was made because it runs inline.
+        inline = (ready is not None and ready.plan is plan) or self.inline(plan)
+        times = self.last = PullTimes(inline=inline)
         try:
             maps = self.cache.get(job.key, job.ipc)
             with maps.use() as src:

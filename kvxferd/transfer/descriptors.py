@@ -139,18 +139,18 @@ class RunGroup:
 
 def _parts(plan: TransferPlan) -> tuple[list[RegionRanges], list[list[RegionRanges]]]:
     """The plan's non-empty regions, and them grouped by the arrays they share (identity)."""
-    parts = [rr for rr in plan.ranges if rr.num_ranges]
-    shared: dict[tuple[int, int, int], list[RegionRanges]] = {}
-    for rr in parts:
-        shared.setdefault((id(rr.local_offset), id(rr.remote_offset), id(rr.length)), []).append(rr)
-    for members in shared.values():
+    shared = plan.shared
+    for members in shared:
         if int(members[0].length.min()) <= 0:
             r = members[0].region
             raise BlockRangeError(
                 f"the ranges of region {r} include an empty or negative range",
                 field=f"ranges[{r}].length",
             )
-    return parts, list(shared.values())
+    if len(shared) == 1:
+        return list(shared[0]), [list(shared[0])]
+    parts = [rr for rr in plan.ranges if rr.length.shape[0]]
+    return parts, [list(m) for m in shared]
 
 
 def run_groups(plan: TransferPlan) -> list[RunGroup] | Runs:

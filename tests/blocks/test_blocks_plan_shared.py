@@ -118,3 +118,26 @@ def test_region_segments_are_prepared_once_per_peer_and_read_only() -> None:
 
 def _seg_arrays(seg: RankSegments) -> tuple[Int64Array, Int64Array, Int64Array]:
     return seg.local_offset, seg.remote_offset, seg.length
+
+
+@pytest.mark.parametrize(("name", "pad"), CASES)
+def test_the_plans_shared_groups_cover_every_nonempty_region_once(
+    name: str, pad: int | None
+) -> None:
+    """TransferPlan.shared: every non-empty region in exactly one group, the members of a group
+    sharing all three arrays and regions of different arrays in different groups, groups in
+    region order; nbytes counts every region's bytes."""
+    local = preset(name)
+    remote = _padded(local, pad) if pad is not None else local
+    ids = _ids(local, seed=len(name) + (pad or 0))
+    for part in plan_pull(local, remote, ids, ids, prefix_caching=False).per_rank.values():
+        groups = part.shared
+        members = [rr.region for g in groups for rr in g]
+        assert sorted(members) == [rr.region for rr in part.ranges if rr.num_ranges]
+        for g in groups:
+            assert [rr.region for rr in g] == sorted(rr.region for rr in g)
+            assert all(a is b for rr in g for a, b in zip(_arrays(rr), _arrays(g[0]), strict=True))
+        firsts = [tuple(id(a) for a in _arrays(g[0])) for g in groups]
+        assert len(set(firsts)) == len(firsts)
+        assert [g[0].region for g in groups] == sorted(g[0].region for g in groups)
+        assert part.nbytes == sum(int(rr.length.sum()) for rr in part.ranges)
