@@ -177,7 +177,8 @@ class Metrics:
             pull_stage_seconds=Histogram(
                 "kvxferd_pull_stage_seconds",
                 "Where a pull's time went, per stage: decode (StartPull handler to request"
-                " checked), handshake (wait for a ready peer), plan, build (descriptors), confirm"
+                " checked), handshake (wait for a ready peer), plan, build (DIRECT's descriptors,"
+                " KERNEL's checked pieces and launch tables), confirm"
                 " (lease confirmation not hidden behind planning), post (queue to the NIXL thread"
                 " + post), transfer (post to completion seen; STAGED: all chunks), publish"
                 " (completion seen to status published), notify (status published to a"

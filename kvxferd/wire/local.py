@@ -258,7 +258,8 @@ class LocalTransport:
         self._waiting[call_id] = fut
         writer.write(request_frame(call_id, method, metadata, timeout, request))
         try:
-            body = await asyncio.wait_for(fut, timeout)
+            async with asyncio.timeout(timeout):  # awaits the answer itself: no wrapping future
+                body = await fut
         except TimeoutError:
             self._cancel(call_id)
             raise RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", ()) from None
