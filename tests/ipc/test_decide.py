@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from kvxferd.blocks import plan_pull
+from kvxferd.blocks.plan import PullPlan
 from kvxferd.daemon.moves import Mover
 from kvxferd.daemon.pulls import PullBook, PullRequest
 from kvxferd.daemon.receiver import PushReceiver
@@ -92,8 +93,13 @@ def _setup(
     return staging, link, fh
 
 
-def _decide(staging: Staging, link: _Link, n: int = 4):  # type: ignore[no-untyped-def]
-    plan = plan_pull(SPEC, SPEC, [list(range(n))], [list(range(8, 8 + n))], prefix_caching=False)
+def _decide(  # type: ignore[no-untyped-def]
+    staging: Staging, link: _Link, n: int = 4, plan: PullPlan | None = None
+):
+    if plan is None:
+        plan = plan_pull(
+            SPEC, SPEC, [list(range(n))], [list(range(8, 8 + n))], prefix_caching=False
+        )
     return decide(
         staging,
         local=SPEC,
@@ -170,18 +176,7 @@ def test_a_kernel_pull_is_prepared_while_its_lease_is_confirmed() -> None:
     link.remote.ipc = export_pool(fh, owner_pool, "filled")
     plan = plan_pull(SPEC, SPEC, [[0, 1, 2]], [[8, 9, 10]], prefix_caching=False)
     part = plan.per_rank[0]
-    decision = decide(
-        staging,
-        local=SPEC,
-        remote=SPEC,
-        local_tp_size=1,
-        remote_tp_size=1,
-        remote_ring=None,
-        plan=plan,
-        part=part,
-        peer="p:1",
-        link=link,  # type: ignore[arg-type]
-    )
+    decision = _decide(staging, link, plan=plan)
     assert decision.choice.strategy is Strategy.KERNEL
     req = PullRequest("t1", "r1", "p:1", ([8, 9, 10],), ([0, 1, 2],), 30.0)  # type: ignore[arg-type]
     parts = SimpleNamespace(staging=staging)
