@@ -73,9 +73,23 @@ constexpr int kStrideThreads = 512;
 constexpr int64_t kStride = 0;
 constexpr int64_t kCtaPerPiece = 1;
 
-template <int V>
-__global__ void __launch_bounds__(kStrideThreads)
-    copy_stride_kernel(const int64_t* __restrict__ table, int64_t total, int shift) {
+// Table loads: through the read-only cache from global memory, or plain loads from a table
+// passed by value as the kernel's parameter (__grid_constant__: read in place, never copied).
+template <bool kGlobal>
+__device__ __forceinline__ int64_t table_at(const int64_t* p) {
+  if constexpr (kGlobal) {
+    return __ldg(p);
+  } else {
+    return *p;
+  }
+}
+
+// The grid-stride copy of one array of runs, [dst, src, nbytes] per run, its addresses relative
+// to dst_base and src_base (both 0 when the rows hold absolute addresses): the body of every
+// stride kernel below.
+template <int V, bool kGlobal>
+__device__ __forceinline__ void copy_runs(const int64_t* __restrict__ runs, int64_t dst_base,
+                                          int64_t src_base, int64_t total, int shift) {
   using Vec = typename VecOf<V>::T;
   const int64_t mask = (int64_t{1} << shift) - 1;
   constexpr int64_t kTile = int64_t{kStrideThreads} * kIpcUnroll;
@@ -88,11 +102,12 @@ __global__ void __launch_bounds__(kStrideThreads)
       const int64_t v = t0 + u * kStrideThreads + threadIdx.x;
       dst[u] = nullptr;
       if (v < total) {
-        const int64_t* row = table + 3 * (v >> shift);
+        const int64_t* row = runs + 3 * (v >> shift);
         const int64_t off = v & mask;
-        if (off < __ldg(row + 2) / V) {
-          dst[u] = reinterpret_cast<Vec*>(__ldg(row)) + off;
-          tmp[u] = __ldcs(reinterpret_cast<const Vec*>(__ldg(row + 1)) + off);
+        if (off < table_at<kGlobal>(row + 2) / V) {
+          dst[u] = reinterpret_cast<Vec*>(dst_base + table_at<kGlobal>(row)) + off;
+          tmp[u] = __ldcs(reinterpret_cast<const Vec*>(src_base + table_at<kGlobal>(row + 1)) +
+                          off);
         }
       }
     }
@@ -103,51 +118,20 @@ __global__ void __launch_bounds__(kStrideThreads)
   }
 }
 
-// Table loads: through the read-only cache from global memory, or plain loads from a table
-// passed by value as the kernel's parameter (__grid_constant__: read in place, never copied).
-template <bool kGlobal>
-__device__ __forceinline__ int64_t table_at(const int64_t* p) {
-  if constexpr (kGlobal) {
-    return __ldg(p);
-  } else {
-    return *p;
-  }
+template <int V>
+__global__ void __launch_bounds__(kStrideThreads)
+    copy_stride_kernel(const int64_t* __restrict__ table, int64_t total, int shift) {
+  copy_runs<V, true>(table, 0, 0, total, shift);
 }
 
 template <int V, bool kGlobal>
 __device__ __forceinline__ void copy_group_body(const int64_t* __restrict__ runs,
                                                 const int64_t* __restrict__ bases,
                                                 int64_t n_regions, int64_t total, int shift) {
-  using Vec = typename VecOf<V>::T;
-  const int64_t mask = (int64_t{1} << shift) - 1;
-  constexpr int64_t kTile = int64_t{kStrideThreads} * kIpcUnroll;
-  const int64_t step = int64_t{gridDim.x} * kTile;
   // Regions blockIdx.y, blockIdx.y + gridDim.y, ...: a capped grid has fewer rows than regions.
   for (int64_t r = blockIdx.y; r < n_regions; r += gridDim.y) {
-    char* dst_base = reinterpret_cast<char*>(table_at<kGlobal>(bases + 2 * r));
-    const char* src_base = reinterpret_cast<const char*>(table_at<kGlobal>(bases + 2 * r + 1));
-    for (int64_t t0 = int64_t{blockIdx.x} * kTile; t0 < total; t0 += step) {
-      Vec tmp[kIpcUnroll];
-      Vec* dst[kIpcUnroll];
-#pragma unroll
-      for (int u = 0; u < kIpcUnroll; ++u) {
-        const int64_t v = t0 + u * kStrideThreads + threadIdx.x;
-        dst[u] = nullptr;
-        if (v < total) {
-          const int64_t* row = runs + 3 * (v >> shift);
-          const int64_t off = v & mask;
-          if (off < table_at<kGlobal>(row + 2) / V) {
-            dst[u] = reinterpret_cast<Vec*>(dst_base + table_at<kGlobal>(row)) + off;
-            tmp[u] = __ldcs(reinterpret_cast<const Vec*>(src_base + table_at<kGlobal>(row + 1)) +
-                            off);
-          }
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kIpcUnroll; ++u) {
-        if (dst[u] != nullptr) __stcs(dst[u], tmp[u]);
-      }
-    }
+    copy_runs<V, kGlobal>(runs, table_at<kGlobal>(bases + 2 * r),
+                          table_at<kGlobal>(bases + 2 * r + 1), total, shift);
   }
 }
 

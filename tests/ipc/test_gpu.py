@@ -106,25 +106,39 @@ def test_bounds_and_bad_tables_are_refused_before_launch(ops: Any) -> None:
     assert int(dst[0].sum()) == 0
 
 
-def test_a_pull_planned_by_the_reader_is_copied_exactly(ops: Any) -> None:
-    """1 GiB-shaped in miniature: 8 regions x 64 random 4 KiB blocks and a few 3-block runs,
-    cut by pieces() and copied by the stride kernel, equal to the twin."""
+def _miniature_pull(
+    seed: int, src_seed: int, *, shared: bool
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], Any]:
+    """1 GiB-shaped in miniature: 8 regions x 64 random 4 KiB blocks and a 3-block run, as the
+    planner lays it out (``shared``: every region the same arrays) or with arrays of their own.
+    Returns the source regions, two equal destinations (the kernel's and the twin's) and the
+    plan."""
     from kvxferd.blocks.ranges import RegionRanges, TransferPlan
-    from kvxferd.ipc.pieces import pieces
 
-    rng = np.random.default_rng(11)
+    rng = np.random.default_rng(seed)
     block, blocks = 4096, 256
-    src = [_random(block * blocks, 30 + i) for i in range(8)]
+    src = [_random(block * blocks, src_seed + i) for i in range(8)]
     want = [torch.zeros(block * blocks, dtype=torch.uint8, device="cuda") for _ in range(8)]
     got = [t.clone() for t in want]
     local = np.concatenate([rng.choice(200, 64, replace=False), [201, 202, 203]])
     remote = np.concatenate([rng.choice(blocks, 64, replace=False), [9, 10, 11]])
+
+    def arrays() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return local * block, remote * block, np.full(local.size, block)
+
+    one = arrays()
     plan = TransferPlan(
-        tuple(
-            RegionRanges(i, f"l{i}", local * block, remote * block, np.full(local.size, block))
-            for i in range(8)
-        )
+        tuple(RegionRanges(i, f"l{i}", *(one if shared else arrays())) for i in range(8))
     )
+    return src, want, got, plan
+
+
+def test_a_pull_planned_by_the_reader_is_copied_exactly(ops: Any) -> None:
+    """The miniature pull cut by pieces() and copied by the stride kernel, equal to the
+    twin."""
+    from kvxferd.ipc.pieces import pieces
+
+    src, want, got, plan = _miniature_pull(11, 30, shared=False)
     rc, _ = pieces(plan)
     ops.copy_ranges(got, src, rc)
     twin.copy_ranges(want, src, rc)
@@ -218,19 +232,11 @@ def test_group_bounds_and_bad_tables_are_refused_before_launch(ops: Any) -> None
 
 
 def test_a_pull_planned_by_the_reader_is_copied_exactly_grouped(ops: Any) -> None:
-    """The same miniature pull as above through group_pieces (one group of 8 regions)."""
-    from kvxferd.blocks.ranges import RegionRanges, TransferPlan
+    """The same miniature pull, its regions sharing the planner's arrays, through group_pieces
+    (one group of 8 regions)."""
     from kvxferd.ipc.pieces import group_pieces
 
-    rng = np.random.default_rng(12)
-    block, blocks = 4096, 256
-    src = [_random(block * blocks, 40 + i) for i in range(8)]
-    want = [torch.zeros(block * blocks, dtype=torch.uint8, device="cuda") for _ in range(8)]
-    got = [t.clone() for t in want]
-    local = np.concatenate([rng.choice(200, 64, replace=False), [201, 202, 203]])
-    remote = np.concatenate([rng.choice(blocks, 64, replace=False), [9, 10, 11]])
-    arrays = (local * block, remote * block, np.full(local.size, block))
-    plan = TransferPlan(tuple(RegionRanges(i, f"l{i}", *arrays) for i in range(8)))
+    src, want, got, plan = _miniature_pull(12, 40, shared=True)
     gs, _ = group_pieces(plan)
     assert isinstance(gs, list) and len(gs) == 1 and gs[0].regions.size == 8
     ops.copy_groups(got, src, gs)
