@@ -13,6 +13,7 @@ import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import cast
 
 import numpy as np
 
@@ -295,6 +296,7 @@ def plan_pull(
     # class's first region), share the read-only arrays.
     regions, n_regions = local.regions, len(local.regions)
     by_rank: dict[int, list[RegionRanges | None]] = {}
+    classes: dict[int, list[tuple[RegionRanges, ...]]] = {}  # TransferPlan.shared, per rank
     naive: dict[int, int] = {}
     groups_read: dict[int, set[int]] = {}
     for members in _geometry_classes(local.geometry_ids, remote.geometry_ids):
@@ -312,8 +314,13 @@ def plan_pull(
             slots = by_rank.get(rank)
             if slots is None:
                 slots = by_rank[rank] = [None] * n_regions
-            for j in members:
-                slots[j] = RegionRanges(j, regions[j].name, *arrays)
+            first = slots[i] = RegionRanges(i, lr.name, *arrays)
+            group = [first]
+            for j in members[1:]:
+                rr = slots[j] = RegionRanges.sharing(j, regions[j].name, first)
+                group.append(rr)
+            if first.num_ranges:
+                classes.setdefault(rank, []).append(tuple(group))
             naive[rank] = naive.get(rank, 0) + n_naive * len(members)
             groups_read.setdefault(rank, set()).add(lr.group)
 
@@ -321,12 +328,13 @@ def plan_pull(
     kernel = [_kernel_blocks(run) for run in runs]
     per_rank: dict[int, TransferPlan] = {}
     for r in sorted(by_rank):
-        ranges = tuple(
-            rg if rg is not None else RegionRanges(i, regions[i].name, empty, empty, empty)
-            for i, rg in enumerate(by_rank[r])
-        )
+        slots = by_rank[r]
+        for i, slot in enumerate(slots):
+            if slot is None:  # a region this rank reads nothing of (e.g. another rank's heads)
+                slots[i] = RegionRanges(i, regions[i].name, empty, empty, empty)
+        ranges = tuple(cast(list[RegionRanges], slots))
         blocks = tuple(kernel[g][0] if g in groups_read[r] else empty for g in range(n_groups))
-        per_rank[r] = TransferPlan(ranges, blocks, naive[r])
+        per_rank[r] = TransferPlan.grouped(ranges, blocks, naive[r], tuple(classes.get(r, ())))
 
     l_rank, l_size = local_tp
     notify = set(per_rank) | {r for r in range(remote_tp[1]) if r % l_size == l_rank}

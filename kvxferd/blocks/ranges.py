@@ -34,6 +34,21 @@ class RegionRanges:
         if self.local_offset.shape != (n,) or self.remote_offset.shape != (n,):
             raise ValueError("local_offset, remote_offset and length must be 1-D of equal length")
 
+    @classmethod
+    def sharing(cls, region: int, name: str, like: RegionRanges) -> RegionRanges:
+        """Region ``region``'s ranges over the very arrays of ``like`` (a region of the same
+        geometry): built without the shape check ``like`` already passed. The planner makes
+        one per layer, so a small pull's plan is not dominated by 32 identical checks."""
+        rr = object.__new__(cls)
+        rr.__dict__.update(
+            region=region,
+            name=name,
+            local_offset=like.local_offset,
+            remote_offset=like.remote_offset,
+            length=like.length,
+        )
+        return rr
+
     @property
     def num_ranges(self) -> int:
         return int(self.length.shape[0])
@@ -71,6 +86,20 @@ class TransferPlan:
                 else:
                     members.append(rr)
         return tuple(tuple(m) for m in groups.values())
+
+    @classmethod
+    def grouped(
+        cls,
+        ranges: tuple[RegionRanges, ...],
+        local_kernel_blocks: tuple[Int64Array, ...],
+        naive_descriptors: int,
+        shared: tuple[tuple[RegionRanges, ...], ...],
+    ) -> TransferPlan:
+        """A plan whose :attr:`shared` grouping its maker already knows (the planner: one group
+        per geometry class with ranges), so that it is not found again by identity."""
+        plan = cls(ranges, local_kernel_blocks, naive_descriptors)
+        plan.__dict__["shared"] = shared  # what the cached_property would store
+        return plan
 
     @cached_property
     def num_ranges(self) -> int:

@@ -63,6 +63,23 @@ class PullRecord:
     stages: tuple[tuple[str, float], ...] = ()  # (stage, seconds) in order; set at the end
 
 
+_FIELDS = frozenset(f.name for f in dataclasses.fields(PullRecord))
+
+
+def revised(rec: PullRecord, changes: dict[str, object]) -> PullRecord:
+    """``rec`` with ``changes``: what ``dataclasses.replace`` returns, without its generated
+    ``__init__`` setting all 20 frozen fields one by one (a pull revises its record ~5 times
+    on its hot path). Unknown field names raise ``TypeError``, as ``replace`` does."""
+    unknown = changes.keys() - _FIELDS
+    if unknown:
+        raise TypeError(f"PullRecord has no field {', '.join(sorted(unknown))}")
+    new = object.__new__(PullRecord)
+    values = new.__dict__
+    values.update(rec.__dict__)
+    values.update(changes)
+    return new
+
+
 class PullBook:
     """Pulls by transfer ID; keeps the last ``keep_finished`` terminal ones for lookups."""
 
@@ -77,7 +94,7 @@ class PullBook:
         return transfer_id in self._pulls
 
     def add(self, record: PullRecord) -> PullRecord:
-        rec = dataclasses.replace(record, created_ns=time.time_ns(), revision=1)
+        rec = revised(record, {"created_ns": time.time_ns(), "revision": 1})
         self._pulls[rec.transfer_id] = rec
         self._done_events[rec.transfer_id] = asyncio.Event()
         self._publish(rec)
@@ -100,9 +117,12 @@ class PullBook:
         old = self.get(transfer_id)
         if old.state.terminal:
             return old  # terminal states are final
-        rec = dataclasses.replace(old, revision=old.revision + 1, **changes)  # type: ignore[arg-type]
+        changes["revision"] = old.revision + 1
+        state = changes.get("state", old.state)
+        if isinstance(state, PullState) and state.terminal:
+            changes["finished_ns"] = time.time_ns()
+        rec = revised(old, changes)
         if rec.state.terminal:
-            rec = dataclasses.replace(rec, finished_ns=time.time_ns())
             self._done_events.pop(transfer_id).set()
             self._finished[transfer_id] = None
             while len(self._finished) > self._keep:

@@ -12,7 +12,7 @@ import pytest
 from kvxferd.blocks import plan as plan_module
 from kvxferd.blocks import plan_pull
 from kvxferd.blocks.coalesce import coalesce
-from kvxferd.blocks.ranges import Int64Array, RegionRanges
+from kvxferd.blocks.ranges import Int64Array, RegionRanges, TransferPlan
 from kvxferd.blocks.tp import RankSegments, region_segments
 from kvxferd.errors import InvalidRequest
 from kvxferd.layout import preset
@@ -141,3 +141,22 @@ def test_the_plans_shared_groups_cover_every_nonempty_region_once(
         assert len(set(firsts)) == len(firsts)
         assert [g[0].region for g in groups] == sorted(g[0].region for g in groups)
         assert part.nbytes == sum(int(rr.length.sum()) for rr in part.ranges)
+        # The planner hands its grouping over (TransferPlan.grouped): the one found by identity.
+        found = TransferPlan(part.ranges, part.local_kernel_blocks, part.naive_descriptors)
+        assert [[rr.region for rr in g] for g in groups] == [
+            [rr.region for rr in g] for g in found.shared
+        ]
+
+
+def test_a_region_sharing_anothers_arrays_is_an_ordinary_frozen_record() -> None:
+    """RegionRanges.sharing (the planner's per-layer copies): the given region and name over the
+    very arrays of the first, equal to one built the checked way, and still frozen."""
+    a = np.arange(3, dtype=np.int64)
+    first = RegionRanges(0, "layer.0", a, a + 10, a + 1)
+    other = RegionRanges.sharing(7, "layer.7", first)
+    assert (other.region, other.name) == (7, "layer.7")
+    assert all(x is y for x, y in zip(_arrays(other), _arrays(first), strict=True))
+    assert other.num_ranges == 3 and other.nbytes == first.nbytes == 6
+    assert repr(other) == repr(RegionRanges(7, "layer.7", *_arrays(first)))
+    with pytest.raises(AttributeError):
+        other.name = "x"  # type: ignore[misc]

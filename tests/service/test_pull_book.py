@@ -1,0 +1,56 @@
+"""The book of pulls (kvxferd/daemon/pulls.py): a record is revised as dataclasses.replace
+would, each change bumps the revision, a terminal state is stamped, wakes its waiters and is
+final, and watchers hear every change."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from kvxferd.daemon.pulls import PullBook, PullRecord, PullState, revised
+from kvxferd.errors import KvxferdError
+
+
+def _rec(tid: str = "t1") -> PullRecord:
+    return PullRecord(transfer_id=tid, request_id="r1", peer_address="127.0.0.1:1", nbytes=64)
+
+
+def test_revised_is_dataclasses_replace() -> None:
+    rec = _rec()
+    changes: dict[str, object] = {
+        "state": PullState.TRANSFERRING,
+        "posted_descriptors": 3,
+        "error": KvxferdError("x"),
+        "stages": (("plan", 0.1),),
+    }
+    got = revised(rec, dict(changes))
+    want = dataclasses.replace(rec, **changes)  # type: ignore[arg-type]
+    assert got == want and type(got) is PullRecord
+    assert rec.state is PullState.PENDING  # the old record is untouched
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        got.nbytes = 1  # type: ignore[misc]
+    with pytest.raises(TypeError, match="no field bogus"):
+        revised(rec, {"bogus": 1})
+
+
+def test_updates_bump_the_revision_and_a_terminal_state_is_final() -> None:
+    async def run() -> None:
+        book = PullBook()
+        q = book.watch(frozenset())
+        added = book.add(_rec())
+        assert added.revision == 1 and added.created_ns > 0 and added.finished_ns == 0
+        waiter = asyncio.ensure_future(book.wait_terminal("t1"))
+        moving = book.update("t1", state=PullState.TRANSFERRING)
+        assert moving.revision == 2 and moving.finished_ns == 0 and book.num_active == 1
+        await asyncio.sleep(0)
+        assert not waiter.done()
+        done = book.update("t1", state=PullState.DONE, posted_descriptors=5)
+        assert done.revision == 3 and done.finished_ns >= added.created_ns
+        assert (await waiter) is done and book.num_active == 0
+        assert book.update("t1", state=PullState.FAILED) is done  # terminal is final
+        heard = [q.get_nowait() for _ in range(q.qsize())]
+        assert [r.revision for r in heard] == [1, 2, 3]
+
+    asyncio.run(run())
