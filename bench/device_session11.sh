@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Session 11: an A/B on one warm machine of the daemons' per-pull cost, _base (prepare it as
+# bench/device_ab.sh says) against the working tree, alternating: bench.control_path (16-block
+# KERNEL pulls on the scheduler socket, the bench's llama-shaped pool on cuda:0, each daemon's
+# CPU per pull), then kvxferd bench's 16-block latency and 32 MiB / 1 GiB random KERNEL rows.
+# GPU_TESTS=1 first runs every gpu test. The base side runs this tree's bench/control_path.py
+# against its own kvxferd (run from its directory, so its daemons import it too).
+. bench/device_env.sh
+machine
+build_kernels
+[ "${GPU_TESTS:-0}" = 1 ] && TESTS_S=260 gpu_tests "every gpu test" tests
+ROOT=$PWD
+for round in ${ROUNDS:-1 2}; do
+  for side in base new; do
+    dir=$ROOT; [ "$side" = base ] && dir=$ROOT/_base
+    step "control path: $side, round $round"
+    (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout 120 python3 "$ROOT/bench/control_path.py" \
+      --device cuda --pool dense:num_blocks=600 --pulls "${PULLS:-2000}" \
+      --json "$OUT/cp-$side-$round.json")
+  done
+done
+[ "${BENCH:-1}" = 1 ] && ROUNDS="${BENCH_ROUNDS:-1}" STRATEGIES=kernel OUT=$OUT bash bench/device_ab.sh
+step "done"
