@@ -30,6 +30,10 @@ log = logging.getLogger(__name__)
 _REASONS = {v: k.removeprefix("RELEASE_REASON_") for k, v in common_pb2.ReleaseReason.items()}
 
 
+# How long ending an attachment waits for its session thread to leave the cancelled stream.
+SESSION_JOIN_S = 5.0
+
+
 @dataclass
 class Attachment:
     """A live attachment: tensors mapped on the shared memory, hold, releases, detach."""
@@ -130,6 +134,12 @@ class Attachment:
         segs = self._owned_shm
         self._owned_shm = []
         forget_shared(segs)
+        # The session's thread leaves gRPC's stream before we return: a process that exits
+        # with a thread still inside a gRPC call can abort in gRPC's native teardown
+        # ("terminate called without an active exception").
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(SESSION_JOIN_S)
 
     def _run_session(self, stream: Iterator[engine_pb2.SessionResponse]) -> None:
         why = "the daemon closed the session"

@@ -43,6 +43,7 @@ class EngineClient:
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._channel = grpc.insecure_channel(f"unix:{socket_path}")
         self._stub = engine_pb2_grpc.EngineStub(self._channel)
+        self._attachments: list[Attachment] = []  # their sessions end with the client
 
     def _call(self, method: str, req: Any) -> Any:
         try:
@@ -174,8 +175,15 @@ class EngineClient:
             target=att._run_session, args=(call,), name="kvxferd-session", daemon=True
         )
         att._thread.start()
+        self._attachments = [a for a in self._attachments if a.attached]
+        self._attachments.append(att)
 
     def close(self) -> None:
+        """Close the channel, ending first the session of each attachment still attached
+        (as the channel's close would break it), its thread joined."""
+        for att in self._attachments:
+            att._end("the engine client was closed")
+        self._attachments = []
         self._channel.close()
 
     def __enter__(self) -> EngineClient:

@@ -13,10 +13,9 @@ Every gRPC server gets :class:`~kvxferd.service.decode_guard.DecodeGuard`, so a 
 that is not the method's protobuf message is INVALID_ARGUMENT (grpc's own answer would be
 UNKNOWN).
 
-The parts live beside this module: :mod:`~kvxferd.service.listeners` (binding),
-:mod:`~kvxferd.service.memory` (pool, agent, registrations, engine),
-:mod:`~kvxferd.service.compose` (the daemon from its config sections),
-:mod:`~kvxferd.service.live` (what ``/metrics`` reads) and :mod:`~kvxferd.service.http`.
+The parts live beside this module: :mod:`~kvxferd.service.listeners` (binding), ``memory``
+(pool, agent, registrations, engine), ``compose`` (the daemon from its config sections),
+``live`` (what ``/metrics`` reads), ``http``, and ``heap`` (the collector while serving).
 """
 
 from __future__ import annotations
@@ -54,6 +53,7 @@ from kvxferd.netpolicy import PeerAllowList
 from kvxferd.nixl import MemType, NixlAgent
 from kvxferd.service.auth import call_metadata, channel_credentials
 from kvxferd.service.compose import compose_daemon
+from kvxferd.service.heap import serving_heap
 from kvxferd.service.listeners import GRPC_OPTIONS, Listeners, bind, hostport
 from kvxferd.service.live import live_source, observe_pulls
 from kvxferd.service.local_peer import LocalPeerServer, serve_sockets
@@ -382,9 +382,10 @@ async def serve_forever(cfg: Config, *, ready_file: str = "", fill_seed: int | N
             )
         )
         tmp.replace(ready_file)
-    await stop.wait()
-    log.info("stopping", extra=kv(drain_timeout_s=cfg.server.drain_timeout_s))
-    await running.stop()
+    with serving_heap():  # start-up's objects out of the collector's walks (heap.py)
+        await stop.wait()
+        log.info("stopping", extra=kv(drain_timeout_s=cfg.server.drain_timeout_s))
+        await running.stop()
     return 0
 
 
