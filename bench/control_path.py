@@ -1,4 +1,4 @@
-"""The daemons' own cost per small pull: 16-block pulls on the scheduler socket, one at a time.
+"""The daemons' own cost per pull: 16-block pulls on the scheduler socket, one at a time.
 
 A prefill and a decode daemon (``kvxferd serve``, the same-host Peer socket between them), a
 client that holds 16 random blocks on the prefill daemon and pulls them with StartPull and
@@ -51,8 +51,12 @@ def _pool_blocks(pool: str) -> int:
     raise SystemExit(f"--pool {pool!r} must name num_blocks (the random IDs are drawn from it)")
 
 
-def measure(pool: str, device: str, pulls: int, warmup: int, strategy: str) -> dict[str, Any]:
+def measure(
+    pool: str, device: str, pulls: int, warmup: int, *, strategy: str, n: int = BLOCKS
+) -> dict[str, Any]:
     blocks = _pool_blocks(pool)
+    if not 0 < n <= blocks:
+        raise SystemExit(f"--blocks {n}: pick 1 to {blocks}, the pool's num_blocks")
     options = [
         DaemonOptions(
             "prefill",
@@ -71,7 +75,7 @@ def measure(pool: str, device: str, pulls: int, warmup: int, strategy: str) -> d
     rng = np.random.default_rng(0)
 
     def ids() -> np.ndarray[Any, np.dtype[np.int64]]:
-        return rng.choice(blocks, BLOCKS, replace=False).astype(np.int64)
+        return rng.choice(blocks, n, replace=False).astype(np.int64)
 
     with DaemonSet(Path(tempfile.mkdtemp(prefix="kvx-control-")), options) as daemons:
         daemons.start()
@@ -113,7 +117,7 @@ def measure(pool: str, device: str, pulls: int, warmup: int, strategy: str) -> d
         "strategy": strategy,
         "strategies_seen": sorted(strategies),
         "pulls": pulls,
-        "blocks": BLOCKS,
+        "blocks": n,
         "wall_s": wall,
         "p50_ms": statistics.median(ms),
         "p90_ms": float(np.percentile(ms, 90)),
@@ -130,13 +134,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pulls", type=int, default=2000)
     ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--strategy", default="kernel", help="the decode daemon's transfer.strategy")
+    ap.add_argument("--blocks", type=int, default=BLOCKS, help=f"blocks per pull ({BLOCKS})")
     ap.add_argument("--json", default="", help="also write the figures here")
     args = ap.parse_args(argv)
-    fig = measure(args.pool, args.device, args.pulls, args.warmup, args.strategy)
+    fig = measure(
+        args.pool, args.device, args.pulls, args.warmup, strategy=args.strategy, n=args.blocks
+    )
     stages = ", ".join(f"{k} {v:.3f}" for k, v in fig["stages_p50_ms"].items())
     cpu = fig["cpu_ms_per_pull"]
     print(
-        f"{fig['pulls']} pulls of {BLOCKS} blocks ({fig['pool']}, {fig['device']}):"
+        f"{fig['pulls']} pulls of {fig['blocks']} blocks ({fig['pool']}, {fig['device']}):"
         f" p50 {fig['p50_ms']:.3f} ms, p90 {fig['p90_ms']:.3f} ms, p99 {fig['p99_ms']:.3f} ms"
     )
     print(f"  stages p50 (ms): {stages}")

@@ -3,7 +3,7 @@
 # bench/device_ab.sh says) against the working tree, alternating: bench.control_path (16-block
 # KERNEL pulls on the scheduler socket, the bench's llama-shaped pool on cuda:0, each daemon's
 # CPU per pull), then kvxferd bench's 16-block latency and 32 MiB / 1 GiB random KERNEL rows.
-# GPU_TESTS=1 first runs every gpu test. The base side runs this tree's bench/control_path.py
+# GPU_TESTS=1 first runs every gpu test; BIG=512 adds 1 GiB pulls. The base side runs this tree's bench/control_path.py
 # against its own kvxferd (run from its directory, so its daemons import it too).
 . bench/device_env.sh
 machine
@@ -19,5 +19,14 @@ for round in ${ROUNDS:-1 2}; do
       --json "$OUT/cp-$side-$round.json")
   done
 done
+if [ -n "${BIG:-}" ]; then  # BIG=512: pulls of that many blocks (512: 1 GiB), one run a side
+  for side in base new; do
+    dir=$ROOT; [ "$side" = base ] && dir=$ROOT/_base
+    step "control path, $BIG-block pulls: $side"
+    (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout 120 python3 "$ROOT/bench/control_path.py" \
+      --device cuda --pool dense:num_blocks=600 --blocks "$BIG" --pulls "${BIG_PULLS:-200}" \
+      --warmup 20 --json "$OUT/cp-$side-big.json")
+  done
+fi
 [ "${BENCH:-1}" = 1 ] && ROUNDS="${BENCH_ROUNDS:-1}" STRATEGIES=kernel OUT=$OUT bash bench/device_ab.sh
 step "done"

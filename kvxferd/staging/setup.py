@@ -172,24 +172,29 @@ def decide(
         if link is not None
         else "not considered"
     )
-    # Per peer generation (kvxferd.staging.facts): computed once, dropped with the generation.
-    facts = link.remote.facts.get if link is not None and link.remote is not None else pair_facts
-    why, rows = facts(
-        staging.info,
-        remote_ring,
-        local,
-        remote,
-        local_tp_size=local_tp_size,
-        remote_tp_size=remote_tp_size,
-        peer=peer,
-    )
-    counts = [int(a.size) for a in plan.local_kernel_blocks]
     chunks: list[Chunk] = []
-    if why is None and part.nbytes != whole_blocks_bytes(counts, rows):
-        why = "the plan reads parts of blocks (TP or head slicing); staging copies whole blocks"
-    if why is None and staging.info is not None and remote_ring is not None:
-        slot = min(staging.info.chunk_bytes, remote_ring.chunk_bytes)
-        chunks = split_chunks(counts, rows, slot)
+    if staging.mode in (Mode.AUTO, Mode.KERNEL) and (kernel_why is None or cma_why is None):
+        why: str | None = "not needed: a same-host copy runs"  # choose() takes KERNEL or CMA
+    else:
+        # Per peer generation (kvxferd.staging.facts): computed once, dropped with it.
+        facts = (
+            link.remote.facts.get if link is not None and link.remote is not None else pair_facts
+        )
+        why, rows = facts(
+            staging.info,
+            remote_ring,
+            local,
+            remote,
+            local_tp_size=local_tp_size,
+            remote_tp_size=remote_tp_size,
+            peer=peer,
+        )
+        counts = [int(a.size) for a in plan.local_kernel_blocks]
+        if why is None and part.nbytes != whole_blocks_bytes(counts, rows):
+            why = "the plan reads parts of blocks (TP or head slicing); staging copies whole blocks"
+        if why is None and staging.info is not None and remote_ring is not None:
+            slot = min(staging.info.chunk_bytes, remote_ring.chunk_bytes)
+            chunks = split_chunks(counts, rows, slot)
     choice = choose(
         staging.mode,
         staging.model,

@@ -126,6 +126,24 @@ def test_same_host_gpu_peer_is_kernel_whatever_its_ucx_transport(
     assert len(fh.opened) == len(SPEC.regions)  # ... once per peer generation
 
 
+def test_a_same_host_copy_does_not_work_out_staged(monkeypatch: pytest.MonkeyPatch) -> None:
+    """STAGED's eligibility (the peer pair's facts) is not worked out for a pull KERNEL takes
+    anyway; for a peer on another host it is."""
+    asked: list[str] = []
+
+    def facts(self: PairFacts, *args: object, **kwargs: object) -> tuple[str, None]:
+        asked.append("facts")
+        return "no staging ring", None
+
+    monkeypatch.setattr(PairFacts, "get", facts)
+    staging, link, _ = _setup()
+    assert _decide(staging, link).choice.strategy is Strategy.KERNEL
+    assert asked == []
+    staging, link, _ = _setup(host="h2")
+    assert _decide(staging, link).choice.strategy is Strategy.DIRECT
+    assert asked == ["facts"]
+
+
 def test_another_host_over_a_slow_gpu_link_is_refused_with_the_fix() -> None:
     staging, link, _ = _setup(host="h2", transport=SLOW)
     with pytest.raises(SlowTransport) as ei:

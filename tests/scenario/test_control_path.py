@@ -28,3 +28,9 @@ def test_the_pool_must_name_its_blocks() -> None:
     assert control_path._pool_blocks("dense:num_blocks=40,head_size=8") == 40
     with pytest.raises(SystemExit, match="num_blocks"):
         control_path._pool_blocks("dense:head_size=8")
+
+
+def test_a_pull_must_fit_in_the_pool() -> None:
+    """Each pull draws that many distinct blocks on each side, before any daemon starts."""
+    with pytest.raises(SystemExit, match="pick 1 to 80"):
+        control_path.measure("dense:num_blocks=80", "cpu", 1, 0, strategy="kernel", n=81)
