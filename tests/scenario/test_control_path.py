@@ -1,22 +1,21 @@
-"""bench/control_path.py: real daemons, pulls on the scheduler socket, and the figures it
-reports (each daemon's CPU per pull, the stages, the strategy that ran) written as JSON."""
+"""kvxferd/scenario/control_path.py (bench/control_path.py's measurement): real daemons, pulls
+on the scheduler socket, and the figures it reports (each daemon's CPU per pull, the stages,
+the strategy that ran)."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
-from bench import control_path
+from kvxferd.scenario import control_path
 from kvxferd.v1 import scheduler_pb2
 
 
 @pytest.mark.slow
-def test_control_path_reports_cpu_per_pull_and_stages(tmp_path: Path) -> None:
-    out = tmp_path / "cp.json"
-    assert control_path.main(["--pulls", "5", "--warmup", "1", "--json", str(out)]) == 0
-    fig = json.loads(out.read_text())
+def test_control_path_reports_cpu_per_pull_and_stages() -> None:
+    fig = control_path.measure(control_path.TINY, "cpu", 5, 1, strategy="kernel")
+    json.dumps(fig)  # what --json writes
     assert fig["pulls"] == 5 and fig["blocks"] == control_path.BLOCKS
     assert fig["strategies_seen"] == [scheduler_pb2.TRANSFER_STRATEGY_CMA]
     assert 0 < fig["p50_ms"] <= fig["p99_ms"]
@@ -25,9 +24,9 @@ def test_control_path_reports_cpu_per_pull_and_stages(tmp_path: Path) -> None:
 
 
 def test_the_pool_must_name_its_blocks() -> None:
-    assert control_path._pool_blocks("dense:num_blocks=40,head_size=8") == 40
+    assert control_path.pool_blocks("dense:num_blocks=40,head_size=8") == 40
     with pytest.raises(SystemExit, match="num_blocks"):
-        control_path._pool_blocks("dense:head_size=8")
+        control_path.pool_blocks("dense:head_size=8")
 
 
 def test_a_pull_must_fit_in_the_pool() -> None:

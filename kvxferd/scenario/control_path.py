@@ -1,0 +1,120 @@
+"""The daemons' own cost per pull, through real daemons: pulls on the scheduler socket, one at a
+time, with each daemon's CPU time per pull (``bench/control_path.py`` is its command line).
+
+A prefill and a decode daemon (``kvxferd serve``, the same-host Peer socket between them) and a
+client that holds random blocks on the prefill daemon, pulls them with StartPull and ``wait``
+on the decode daemon's scheduler socket, then waits for the prefill daemon to release them
+(untimed), as ``kvxferd bench``'s latency rows do but with only that one way of waiting.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvxferd.scenario.client import DaemonClient
+from kvxferd.scenario.daemons import DaemonOptions, DaemonSet
+from kvxferd.scenario.puller import PULL_DEADLINE_MS, DaemonPuller
+
+BLOCKS = 16
+TINY = "dense:num_blocks=80,num_kv_heads=1,head_size=8"
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of every thread of ``pid`` so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def pool_blocks(pool: str) -> int:
+    for part in pool.split(":", 1)[-1].split(","):
+        key, _, value = part.partition("=")
+        if key.strip() == "num_blocks":
+            return int(value)
+    raise SystemExit(f"--pool {pool!r} must name num_blocks (the random IDs are drawn from it)")
+
+
+def measure(
+    pool: str, device: str, pulls: int, warmup: int, *, strategy: str, n: int = BLOCKS
+) -> dict[str, Any]:
+    blocks = pool_blocks(pool)
+    if not 0 < n <= blocks:
+        raise SystemExit(f"--blocks {n}: pick 1 to {blocks}, the pool's num_blocks")
+    options = [
+        DaemonOptions(
+            "prefill",
+            pool,
+            device=device,
+            extra=("--set", f"transfer.default_deadline_ms={PULL_DEADLINE_MS}"),
+        ),
+        DaemonOptions(
+            "decode",
+            pool,
+            device=device,
+            extra=("--set", f"transfer.strategy={strategy}"),
+            scheduler_socket=True,
+        ),
+    ]
+    rng = np.random.default_rng(0)
+
+    def ids() -> np.ndarray[Any, np.dtype[np.int64]]:
+        return rng.choice(blocks, n, replace=False).astype(np.int64)
+
+    with DaemonSet(Path(tempfile.mkdtemp(prefix="kvx-control-")), options) as daemons:
+        daemons.start()
+        daemons.wait_ready()
+        pre, dec = daemons["prefill"].ready, daemons["decode"].ready
+        assert pre is not None and dec is not None
+        prefill = DaemonClient("prefill", pre.grpc, pre.engine_socket)
+        decode = DaemonClient(
+            "decode", dec.grpc, dec.engine_socket, scheduler_socket=dec.scheduler_socket
+        )
+        puller = DaemonPuller(prefill, decode)
+        try:
+            for _ in range(warmup):
+                puller.pull(ids(), ids(), socket=True)
+            cpu0 = {"decode": cpu_seconds(dec.pid), "prefill": cpu_seconds(pre.pid)}
+            ms: list[float] = []
+            stages: dict[str, list[float]] = {}
+            strategies: set[int] = set()
+            t0 = time.perf_counter()
+            for _ in range(pulls):
+                out = puller.pull(ids(), ids(), socket=True)
+                ms.append(out.seconds * 1e3)
+                strategies.add(out.status.strategy)
+                for st in out.status.stages:
+                    stages.setdefault(st.name, []).append(st.seconds * 1e3)
+            wall = time.perf_counter() - t0
+            cpu = {
+                "decode": cpu_seconds(dec.pid) - cpu0["decode"],
+                "prefill": cpu_seconds(pre.pid) - cpu0["prefill"],
+            }
+            daemons.check_alive()
+        finally:
+            puller.close()
+            prefill.close()
+            decode.close()
+    return {
+        "pool": pool,
+        "device": device,
+        "strategy": strategy,
+        "strategies_seen": sorted(strategies),
+        "pulls": pulls,
+        "blocks": n,
+        "wall_s": wall,
+        "p50_ms": statistics.median(ms),
+        "p90_ms": float(np.percentile(ms, 90)),
+        "p99_ms": float(np.percentile(ms, 99)),
+        "stages_p50_ms": {k: statistics.median(v) for k, v in stages.items()},
+        "cpu_ms_per_pull": {k: v / pulls * 1e3 for k, v in cpu.items()},
+    }
+
+
+__all__ = ["BLOCKS", "TINY", "cpu_seconds", "measure", "pool_blocks"]
