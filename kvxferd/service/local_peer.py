@@ -221,9 +221,9 @@ class LocalPeerServer:
             method, code, frame = await self._answer(call_id, body)
         except asyncio.CancelledError:
             return  # the caller gave up (or we are closing): nothing to answer
-        observe_served(self._m, self.name, method, code.name, t0)
         if not writer.is_closing():
-            writer.write(frame)
+            writer.write(frame)  # the caller's answer first, then our books
+        observe_served(self._m, self.name, method, code.name, t0)
 
     async def _answer(self, call_id: int, body: bytes) -> tuple[str, grpc.StatusCode, bytes]:
         try:
