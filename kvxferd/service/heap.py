@@ -1,12 +1,11 @@
 """The daemon's heap while it serves: what start-up built is frozen out of the collector.
 
 A daemon carries ~180K long-lived objects from its imports (torch, gRPC, NIXL) and start-up (the
-pool, the registrations). CPython's full collection walks all of them: 30-60 ms during which
-the event loop runs nothing, a pull's p99 (docs/operations.md, "Garbage collection"). Once the
+pool, the registrations). CPython's full collection walks all of them: tens of milliseconds
+during which the event loop runs nothing (docs/operations.md, "Garbage collection"). Once the
 daemon is ready, :func:`serving_heap` collects the start-up garbage, then freezes the survivors
 (``gc.freeze``): later collections walk only what was made since. On the way out it unfreezes
-them, so the interpreter's shutdown finalizes objects in its usual order (extension objects
-that own native threads, such as the NIXL agent, before the modules that hold them go).
+them, so the interpreter's shutdown sees the heap it would have seen without the freeze.
 """
 
 from __future__ import annotations
