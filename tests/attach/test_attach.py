@@ -5,6 +5,7 @@ ENGINE_DETACHED, refuses pulls, and takes a restarted engine's attach."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -157,6 +158,29 @@ def test_attach_refusals_say_what_was_wrong(pair: tuple[Daemon, Daemon]) -> None
                 client.attach(PRESET)
         finally:
             eng.detach()
+
+
+@pytest.mark.slow
+def test_ending_an_attachment_leaves_no_thread_inside_grpc(pair: tuple[Daemon, Daemon]) -> None:
+    """Detach, and closing the client with an attachment still attached, return only once
+    the session's thread has left its gRPC stream: a process exiting with a thread inside a
+    gRPC call can abort in gRPC's native teardown."""
+    att, _ = pair
+    with EngineClient(att.engine_socket) as client:
+        first = client.attach(PRESET)
+        assert first._thread is not None and first._thread.is_alive()
+        first.detach()
+        assert not first._thread.is_alive()
+    client = EngineClient(att.engine_socket)
+    second = client.attach(PRESET)
+    assert second._thread is not None and second._thread.is_alive()
+    client.close()
+    assert not second.attached and not second._thread.is_alive()
+    assert second.end_reason == "the engine client was closed"
+    deadline = time.monotonic() + 10
+    while _state(att).state != engine_pb2.REGISTRATION_STATE_DETACHED:  # the daemon saw it go
+        assert time.monotonic() < deadline, "the daemon kept the closed client's pool"
+        time.sleep(0.05)
 
 
 @pytest.mark.slow
