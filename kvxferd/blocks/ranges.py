@@ -75,7 +75,8 @@ class TransferPlan:
     def shared(self) -> tuple[tuple[RegionRanges, ...], ...]:
         """The non-empty regions grouped by the arrays they share (the planner gives regions
         of one geometry the same arrays: typically every layer), each group in region order
-        and the groups in the order of their first region; found once per plan, by identity."""
+        and the groups in the order of their first region; found once per plan, by identity,
+        unless the plan was made with them (:meth:`grouped`, as the planner does)."""
         groups: dict[tuple[int, int, int], list[RegionRanges]] = {}
         for rr in self.ranges:
             if rr.length.shape[0]:
