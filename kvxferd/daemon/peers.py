@@ -16,14 +16,13 @@ replaces it (cancelling the dead instance's pulls) once it does not. The directo
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 
 from kvxferd.daemon.handshake import RemoteDescription, SelfDescription, decode_envelope
+from kvxferd.daemon.links import LinkState, PeerLink
 from kvxferd.errors import (
     DeadlineExceeded,
     IncompatiblePeer,
@@ -51,36 +50,6 @@ __all__ = [
     "SelfDescription",
     "decode_envelope",
 ]
-
-
-class LinkState(enum.Enum):
-    NEW = "NEW"
-    HANDSHAKING = "HANDSHAKING"
-    READY = "READY"
-    REFUSED = "REFUSED"
-    UNREACHABLE = "UNREACHABLE"
-    STALE = "STALE"  # the peer restarted or re-registered; the next pull handshakes again
-
-
-@dataclass
-class PeerLink:
-    """One peer address: its client, its handshake result, its state."""
-
-    address: str
-    client: PeerClient
-    state: LinkState = LinkState.NEW
-    remote: RemoteDescription | None = None
-    last_error: str = ""
-    last_handshake_ns: int = 0
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    active: int = 0  # pulls in flight through this link (the reader keeps it)
-    last_used: float = 0.0
-    transport: TransportReport | None = None  # what serves READs from it (probed at connect)
-    owner: OwnerProcess | None = None  # the peer's process, named by the kernel (CMA pulls)
-
-    @property
-    def usable(self) -> bool:
-        return self.state is LinkState.READY and self.remote is not None
 
 
 class PeerDirectory:
@@ -161,6 +130,15 @@ class PeerDirectory:
         self._closing.add(asyncio.ensure_future(link.client.close()))
         self._closing = {t for t in self._closing if not t.done()}
         log.info("peer link evicted", extra=kv(peer=link.address, state=link.state.value))
+
+    def usable(self, address: str) -> PeerLink | None:
+        """The peer at ``address`` if usable now (a link exists only for an allowed address),
+        else None: then await :meth:`ready`. A pull's usual case, without a coroutine or timer."""
+        link = self._links.get(address)
+        if link is None or not link.usable:
+            return None
+        link.last_used = time.monotonic()
+        return link
 
     async def ready(self, address: str) -> PeerLink:
         """The peer at ``address``, handshaking first if it has not been (or was lost)."""

@@ -112,17 +112,19 @@ class Reader:
         stages = Stages(req.received or time.monotonic())
         stages.mark("decode")
         deadline = stages.t0 + req.deadline_s  # the handshake is charged to it
-        try:
-            link = await asyncio.wait_for(
-                self.p.peers.ready(req.peer_address), timeout=req.deadline_s
-            )
-        except TimeoutError:
-            raise DeadlineExceeded(
-                f"the handshake with {req.peer_address} outlasted the pull's deadline"
-                f" ({req.deadline_s:g}s)",
-                field="peer_address",
-                fix="check that the peer daemon runs at that address, or raise deadline_ms",
-            ) from None
+        link = self.p.peers.usable(req.peer_address)
+        if link is None:
+            try:
+                link = await asyncio.wait_for(
+                    self.p.peers.ready(req.peer_address), timeout=req.deadline_s
+                )
+            except TimeoutError:
+                raise DeadlineExceeded(
+                    f"the handshake with {req.peer_address} outlasted the pull's deadline"
+                    f" ({req.deadline_s:g}s)",
+                    field="peer_address",
+                    fix="check that the peer daemon runs at that address, or raise deadline_ms",
+                ) from None
         stages.mark("handshake")
         remote = link.remote
         assert remote is not None
