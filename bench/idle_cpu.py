@@ -14,13 +14,12 @@ import numpy as np
 import torch
 
 from kvxferd.nixl import AgentOptions, MemType, NixlAgent, ProgressMode
+from kvxferd.scenario.control_path import cpu_seconds
 from kvxferd.scenario.owner import OwnerProcess, OwnerSpec
 
 
 def _cpu_s() -> float:
-    with open("/proc/self/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return cpu_seconds(os.getpid())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -67,7 +67,10 @@ def measure(
     def ids() -> np.ndarray[Any, np.dtype[np.int64]]:
         return rng.choice(blocks, n, replace=False).astype(np.int64)
 
-    with DaemonSet(Path(tempfile.mkdtemp(prefix="kvx-control-")), options) as daemons:
+    with (
+        tempfile.TemporaryDirectory(prefix="kvx-control-") as workdir,
+        DaemonSet(Path(workdir), options) as daemons,
+    ):
         daemons.start()
         daemons.wait_ready()
         pre, dec = daemons["prefill"].ready, daemons["decode"].ready
