@@ -18,7 +18,7 @@ from typing import cast
 import numpy as np
 
 from kvxferd.blocks.bounds import DEFAULT_MAX_IDS, BlockIds, check_block_ids
-from kvxferd.blocks.coalesce import Runs, find_runs, mergeable, region_ranges
+from kvxferd.blocks.coalesce import SMALL_PAIRS, Runs, find_runs, mergeable, region_ranges
 from kvxferd.blocks.ranges import Int64Array, RegionRanges, TransferPlan
 from kvxferd.blocks.reblock import ChunkPairs, chunk_ranges, chunk_segments, pair_chunks
 from kvxferd.blocks.tp import RankSegments, TPPosition, check_tp, region_segments, tp_ratio
@@ -102,7 +102,15 @@ def _check_pairing(local: KVCacheSpec, remote: KVCacheSpec) -> None:
 
 
 def _check_kernel(ids: Int64Array, num_blocks: int, field: str) -> None:
-    if ids.shape[0] and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
+    n = ids.shape[0]
+    if not n:
+        return
+    if n <= SMALL_PAIRS:  # Python ints: cheaper than two NumPy reductions for a short list
+        vals = ids.tolist()
+        lo, hi = min(vals), max(vals)
+    else:
+        lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= num_blocks:
         bad = np.flatnonzero((ids < 0) | (ids >= num_blocks))
         raise BlockRangeError(
             f"kernel block ID {int(ids[bad[0]])} at index {int(bad[0])} is outside the"

@@ -82,15 +82,16 @@ class Mover:
                 peer=req.peer_address,
                 link=link,
             )
-            log.debug(
-                "pull strategy",
-                extra=kv(
-                    transfer_id=req.transfer_id,
-                    strategy=decision.choice.strategy.value,
-                    reason=decision.choice.reason,
-                    chunks=len(decision.chunks),
-                ),
-            )
+            if log.isEnabledFor(logging.DEBUG):  # its fields are built only when logged
+                log.debug(
+                    "pull strategy",
+                    extra=kv(
+                        transfer_id=req.transfer_id,
+                        strategy=decision.choice.strategy.value,
+                        reason=decision.choice.reason,
+                        chunks=len(decision.chunks),
+                    ),
+                )
         staged = decision if decision and decision.choice.strategy in _NOT_NIXL_READ else None
         return decision, staged
 

@@ -11,6 +11,7 @@ import dataclasses
 import enum
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -89,6 +90,13 @@ class PullBook:
         self._keep = keep_finished
         self._watchers: list[tuple[frozenset[str], asyncio.Queue[PullRecord]]] = []
         self._done_events: dict[str, asyncio.Event] = {}  # one per pull not yet terminal
+        self._on_end: list[Callable[[PullRecord], None]] = []
+
+    def on_end(self, listener: Callable[[PullRecord], None]) -> None:
+        """Call ``listener`` with every pull's terminal record: on the event loop, after the
+        callbacks the ending scheduled (a StartPull ``wait`` answers first), or at once when
+        no loop runs. A listener is for books (metrics): it must not raise."""
+        self._on_end.append(listener)
 
     def __contains__(self, transfer_id: str) -> bool:
         return transfer_id in self._pulls
@@ -124,6 +132,7 @@ class PullBook:
         rec = revised(old, changes)
         if rec.state.terminal:
             self._done_events.pop(transfer_id).set()
+            self._ended(rec)
             self._finished[transfer_id] = None
             while len(self._finished) > self._keep:
                 gone, _ = self._finished.popitem(last=False)
@@ -131,6 +140,18 @@ class PullBook:
         self._pulls[transfer_id] = rec
         self._publish(rec)
         return rec
+
+    def _ended(self, rec: PullRecord) -> None:
+        if not self._on_end:
+            return
+        try:
+            call_soon = asyncio.get_running_loop().call_soon
+        except RuntimeError:  # no loop (a synchronous caller): now
+            for listener in self._on_end:
+                listener(rec)
+            return
+        for listener in self._on_end:
+            call_soon(listener, rec)
 
     async def wait_terminal(self, transfer_id: str) -> PullRecord:
         ev = self._done_events.get(transfer_id)

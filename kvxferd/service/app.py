@@ -105,12 +105,9 @@ class Running:
     metrics_address: str
     http: ThreadingHTTPServer | None
     registry: CollectorRegistry
-    metrics_task: asyncio.Task[None] | None = None
     local_servers: tuple[LocalPeerServer, ...] = ()  # the Peer and scheduler sockets
 
     async def stop(self) -> None:
-        if self.metrics_task is not None:
-            self.metrics_task.cancel()
         await self.health.enter_graceful_shutdown()
         cancelled = await self.daemon.reader.drain(self.cfg.server.drain_timeout_s)
         await self.server.stop(grace=1.0)
@@ -289,7 +286,7 @@ async def _build(
         health_changed(daemon, health_servicer)
 
     metrics.add_live(live_source(daemon, engine, asyncio.get_running_loop()))
-    metrics_task = asyncio.get_running_loop().create_task(observe_pulls(daemon, metrics))
+    observe_pulls(daemon, metrics)
     http, metrics_address = listeners.http, ""
     if http is not None:
         http.registry, http.daemon = registry, daemon
@@ -338,7 +335,6 @@ async def _build(
         metrics_address,
         http,
         registry,
-        metrics_task,
         sockets,
     )
 

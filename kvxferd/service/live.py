@@ -8,6 +8,7 @@ import logging
 from collections.abc import Callable
 
 from kvxferd.daemon.core import Daemon
+from kvxferd.daemon.pulls import PullRecord
 from kvxferd.metrics import ACTIVE_STATES, LiveState, Metrics
 from kvxferd.staging.stats import Occupancy
 from kvxferd.transfer import TransferEngine
@@ -90,12 +91,15 @@ def live_source(
     return source
 
 
-async def observe_pulls(daemon: Daemon, metrics: Metrics) -> None:
-    """Per-peer outcome and latency of every pull, from the daemon's pull book."""
-    async for rec in daemon.reader.pulls.follow(frozenset()):
-        if rec.state.terminal:
-            seconds = max(0.0, (rec.finished_ns - rec.created_ns) / 1e9)
-            metrics.observe_pull_end(rec.peer_address, rec.state.value, seconds)
+def observe_pulls(daemon: Daemon, metrics: Metrics) -> None:
+    """Per-peer outcome and latency of every pull, from the daemon's pull book: a listener on
+    its pulls' ends (run after the pull's answer, not a task woken at every change)."""
+
+    def ended(rec: PullRecord) -> None:
+        seconds = max(0.0, (rec.finished_ns - rec.created_ns) / 1e9)
+        metrics.observe_pull_end(rec.peer_address, rec.state.value, seconds)
+
+    daemon.reader.pulls.on_end(ended)
 
 
 __all__ = ["live_source", "observe_pulls"]

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import json
 import socket
@@ -75,14 +76,44 @@ class FrameError(Exception):
     """A frame that does not follow the format above."""
 
 
+# A connection sends the same metadata (its token, its session) with every call: each side
+# keeps the last few encodings, up to this size each, instead of redoing the JSON per call.
+_PAIRS_CACHED = 64
+_PAIRS_CACHE_MAX_BYTES = 1024
+
+
 def encode_pairs(pairs: Sequence[tuple[str, str | bytes]]) -> bytes:
+    if isinstance(pairs, tuple):
+        with contextlib.suppress(TypeError):  # unhashable: encoded below
+            return _encoded_pairs(pairs)
+    return _encode_pairs(pairs)
+
+
+@functools.lru_cache(maxsize=_PAIRS_CACHED)
+def _encoded_pairs(pairs: tuple[tuple[str, str | bytes], ...]) -> bytes:
+    return _encode_pairs(pairs)
+
+
+def _encode_pairs(pairs: Sequence[tuple[str, str | bytes]]) -> bytes:
     out = [[k, v.hex() if isinstance(v, bytes) else v] for k, v in pairs]
     return json.dumps(out, separators=(",", ":")).encode()
 
 
 def decode_pairs(raw: bytes) -> tuple[tuple[str, str | bytes], ...]:
+    """The metadata of a frame; :class:`FrameError` when it does not decode."""
     if not raw:
         return ()
+    if len(raw) <= _PAIRS_CACHE_MAX_BYTES:
+        return _decoded_pairs(bytes(raw))
+    return _decode_pairs(raw)
+
+
+@functools.lru_cache(maxsize=_PAIRS_CACHED)
+def _decoded_pairs(raw: bytes) -> tuple[tuple[str, str | bytes], ...]:
+    return _decode_pairs(raw)  # an error is raised again for each call (never cached)
+
+
+def _decode_pairs(raw: bytes) -> tuple[tuple[str, str | bytes], ...]:
     try:
         items = json.loads(raw)
         pairs: list[tuple[str, str | bytes]] = []

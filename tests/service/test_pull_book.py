@@ -54,3 +54,42 @@ def test_updates_bump_the_revision_and_a_terminal_state_is_final() -> None:
         assert [r.revision for r in heard] == [1, 2, 3]
 
     asyncio.run(run())
+
+
+def test_end_listeners_hear_each_pull_once_after_its_waiters() -> None:
+    """A listener (the pull metrics) hears every pull's terminal record once, and only after
+    the callbacks its ending scheduled: a StartPull ``wait`` has its answer first."""
+
+    async def run() -> None:
+        book = PullBook()
+        order: list[str] = []
+        book.on_end(lambda rec: order.append(f"ended {rec.transfer_id} {rec.state.value}"))
+
+        async def waiter(tid: str) -> None:
+            rec = await book.wait_terminal(tid)
+            order.append(f"answered {rec.transfer_id}")
+
+        for tid in ("a", "b"):
+            book.add(_rec(tid))
+        waits = [asyncio.ensure_future(waiter(t)) for t in ("a", "b")]
+        await asyncio.sleep(0)  # both waiting
+        book.update("a", state=PullState.TRANSFERRING)
+        await asyncio.sleep(0)
+        assert order == []  # not terminal: nothing heard
+        book.update("a", state=PullState.DONE)
+        book.update("b", state=PullState.FAILED, error=KvxferdError("x"))
+        book.update("a", state=PullState.FAILED)  # terminal is final: no second end
+        await asyncio.gather(*waits)
+        await asyncio.sleep(0)
+        assert order == ["answered a", "ended a DONE", "answered b", "ended b FAILED"]
+
+    asyncio.run(run())
+
+
+def test_end_listeners_without_a_loop_are_called_at_once() -> None:
+    book = PullBook()
+    heard: list[PullRecord] = []
+    book.on_end(heard.append)
+    book.add(_rec())
+    done = book.update("t1", state=PullState.CANCELLED)
+    assert heard == [done]

@@ -223,3 +223,19 @@ def test_a_call_the_socket_cannot_send_goes_over_grpc_and_the_socket_is_dropped(
         await client.close()
 
     asyncio.run(main())
+
+
+def test_pairs_kept_per_connection_still_refuse_bad_metadata() -> None:
+    """Each side keeps the last metadata it encoded or decoded (a connection repeats its own):
+    the kept answer is the one a fresh encoding gives, a list is encoded like a tuple, and
+    metadata that does not decode is refused at every call, not only the first."""
+    pairs = (("authorization", "Bearer y"), ("kvxferd-session", "s1"), ("k-bin", b"\xff"))
+    raw = encode_pairs(pairs)
+    assert encode_pairs(pairs) is raw  # kept
+    assert encode_pairs(list(pairs)) == raw
+    assert decode_pairs(raw) == pairs and decode_pairs(raw) is decode_pairs(raw)
+    big = (("authorization", "Bearer " + "z" * 2000),)
+    assert decode_pairs(encode_pairs(big)) == big  # too big to keep: decoded each time
+    for _ in range(2):
+        with pytest.raises(FrameError):
+            decode_pairs(b'[["k", 1]]')
