@@ -1,10 +1,12 @@
 """Summarise a daemon's cProfile stats (bench/profile_hook) per pull: the kvxferd functions by
 cumulative time per pull, then every function by own time per pull.
 
-    python -m bench.profile_report /tmp/prof/decode-1234.prof --pulls 2200 [--top 60]
+    python -m bench.profile_report /tmp/prof/decode-1234.prof [--pulls N] [--top 60]
 
-``--pulls``: how many pulls the daemon served in the profiled run (warm-up included), the
-divisor of every figure. Times are cProfile's (inflated by its own overhead, so read them as a
+``--pulls``: how many pulls the profile covers, the divisor of every figure; by default the
+calls of ``plan_pull`` (once per pull on a reader) in the profile. One-time work (start-up, a
+kernel's first launch) is averaged into it unless the profile started late
+(``KVX_PROFILE_AFTER_S``). Times are cProfile's (inflated by its own overhead, so read them as a
 ranking and as shares of a pull, not as the daemon's latency).
 """
 
@@ -17,12 +19,16 @@ import pstats
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("stats")
-    ap.add_argument("--pulls", type=int, required=True)
+    ap.add_argument("--pulls", type=int, default=0, help="default: plan_pull's calls")
     ap.add_argument("--top", type=int, default=60)
     ap.add_argument("--min-calls", type=float, default=0.9, help="calls per pull to list")
     args = ap.parse_args(argv)
     raw = pstats.Stats(args.stats).stats  # type: ignore[attr-defined]
-    n = args.pulls
+    n = args.pulls or sum(
+        calls for (_, _, name), (_, calls, *_) in raw.items() if name == "plan_pull"
+    )
+    if not n:
+        ap.error("no plan_pull call in the profile: pass --pulls")
     rows = []
     for (path, line, name), (_, calls, own, cum, _) in raw.items():
         if calls / n < args.min_calls:
