@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Session 12, last call: the bench table at the session's final code against the previous main
+# (_base, as bench/device_session12.sh), alternating on one machine: `kvxferd bench` KERNEL rows
+# (16-block latency on the scheduler socket, 32 MiB and 1 GiB random and contiguous) through
+# bench/device_ab.sh, then 1 GiB pulls (512 random blocks) through bench.control_path.
+. bench/device_env.sh
+machine
+build_kernels
+ROOT=$PWD
+step "kvxferd bench, KERNEL: base, then new"
+ROUNDS=1 STRATEGIES=kernel PATTERNS=fragmented,contiguous OUT=$OUT bash bench/device_ab.sh
+for side in base new; do
+  dir=$ROOT; [ "$side" = base ] && dir=$ROOT/_base
+  step "control path, 512-block (1 GiB) pulls: $side"
+  (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout 120 python3 "$ROOT/bench/control_path.py" \
+    --device cuda --pool dense:num_blocks=600 --blocks 512 --pulls 200 --warmup 20 \
+    --json "$OUT/cp-big-$side.json")
+done
+step "done"
