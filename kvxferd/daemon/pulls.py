@@ -132,13 +132,14 @@ class PullBook:
         rec = revised(old, changes)
         if rec.state.terminal:
             self._done_events.pop(transfer_id).set()
-            self._ended(rec)
             self._finished[transfer_id] = None
             while len(self._finished) > self._keep:
                 gone, _ = self._finished.popitem(last=False)
                 self._pulls.pop(gone, None)
         self._pulls[transfer_id] = rec
         self._publish(rec)
+        if rec.state.terminal:
+            self._ended(rec)  # last: the book is consistent whatever a listener does
         return rec
 
     def _ended(self, rec: PullRecord) -> None:
