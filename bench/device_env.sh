@@ -28,3 +28,18 @@ gpu_tests() {
   echo "pytest rc=$?"
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests-gpu.log" | tail -12
 }
+# control_ab TAG [ARGS...]: bench.control_path (16-block KERNEL pulls of the llama-shaped pool on
+# cuda:0; ARGS are added, a later --pulls wins), the _base tree then this one, in each round of
+# $ROUNDS (default "1 2"); each side's daemons import its own tree. JSON: $OUT/cp-TAG<side>-<round>.json.
+control_ab() {
+  local tag=$1 root=$PWD dir round side; shift
+  for round in ${ROUNDS:-1 2}; do
+    for side in base new; do
+      dir=$root; [ "$side" = base ] && dir=$root/_base
+      step "control path${tag:+ ($tag)}: $side, round $round"
+      (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout 120 python3 "$root/bench/control_path.py" \
+        --device cuda --pool dense:num_blocks=600 --pulls "${PULLS:-2000}" "$@" \
+        --json "$OUT/cp-$tag$side-$round.json")
+    done
+  done
+}

@@ -9,27 +9,12 @@
 machine
 build_kernels
 [ "${GPU_TESTS:-0}" = 1 ] && TESTS_S=260 gpu_tests "every gpu test" tests
-ROOT=$PWD
 # The measurement lives in kvxferd/scenario/control_path.py since this session: give it to an
 # older base (it needs only the scenario harness, which the base has).
 [ -f _base/kvxferd/scenario/control_path.py ] || cp kvxferd/scenario/control_path.py _base/kvxferd/scenario/
-for round in ${ROUNDS:-1 2}; do
-  for side in base new; do
-    dir=$ROOT; [ "$side" = base ] && dir=$ROOT/_base
-    step "control path: $side, round $round"
-    (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout 120 python3 "$ROOT/bench/control_path.py" \
-      --device cuda --pool dense:num_blocks=600 --pulls "${PULLS:-2000}" \
-      --json "$OUT/cp-$side-$round.json")
-  done
-done
+control_ab ""
 if [ -n "${BIG:-}" ]; then  # BIG=512: pulls of that many blocks (512: 1 GiB), one run a side
-  for side in base new; do
-    dir=$ROOT; [ "$side" = base ] && dir=$ROOT/_base
-    step "control path, $BIG-block pulls: $side"
-    (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout 120 python3 "$ROOT/bench/control_path.py" \
-      --device cuda --pool dense:num_blocks=600 --blocks "$BIG" --pulls "${BIG_PULLS:-200}" \
-      --warmup 20 --json "$OUT/cp-$side-big.json")
-  done
+  ROUNDS=1 control_ab big- --blocks "$BIG" --pulls "${BIG_PULLS:-200}" --warmup 20
 fi
 [ "${BENCH:-1}" = 1 ] && ROUNDS="${BENCH_ROUNDS:-1}" STRATEGIES=kernel OUT=$OUT bash bench/device_ab.sh
 step "done"

@@ -37,15 +37,7 @@ print(f"  plan_pull p50 {statistics.median(ts) * 1e6:.1f} us")
 PY
   )
 done
-for round in ${ROUNDS:-1 2}; do
-  for side in base new; do
-    dir=$ROOT; [ "$side" = base ] && dir=$ROOT/_base
-    step "control path: $side, round $round"
-    (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout 120 python3 "$ROOT/bench/control_path.py" \
-      --device cuda --pool dense:num_blocks=600 --pulls "${PULLS:-2000}" \
-      --json "$OUT/cp-$side-$round.json")
-  done
-done
+control_ab ""
 if [ "${SPIN:-1}" = 1 ]; then
   CORES=${CORES:-2-5}
   for run in pinned spinners pinned2 spinners2; do

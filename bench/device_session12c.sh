@@ -6,14 +6,7 @@
 . bench/device_env.sh
 machine
 build_kernels
-ROOT=$PWD
 step "kvxferd bench, KERNEL: base, then new"
 ROUNDS=1 STRATEGIES=kernel PATTERNS=fragmented,contiguous OUT=$OUT bash bench/device_ab.sh
-for side in base new; do
-  dir=$ROOT; [ "$side" = base ] && dir=$ROOT/_base
-  step "control path, 512-block (1 GiB) pulls: $side"
-  (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout 120 python3 "$ROOT/bench/control_path.py" \
-    --device cuda --pool dense:num_blocks=600 --blocks 512 --pulls 200 --warmup 20 \
-    --json "$OUT/cp-big-$side.json")
-done
+ROUNDS=1 control_ab big- --blocks 512 --pulls 200 --warmup 20
 step "done"
