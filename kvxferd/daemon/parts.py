@@ -19,6 +19,7 @@ from kvxferd.metrics import Metrics
 from kvxferd.peers import PeerInfo
 from kvxferd.pool import KVPool
 from kvxferd.staging.setup import Staging
+from kvxferd.tasks import start_now
 from kvxferd.transfer import LeaseTable, TransferEngine
 
 
@@ -56,9 +57,11 @@ class Parts:
     def info(self) -> PeerInfo:
         return self.slot.served().info
 
-    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        """Run ``coro`` in the background for the daemon's life (cancelled at close)."""
-        task = asyncio.get_running_loop().create_task(coro)
+    def spawn(self, coro: Coroutine[Any, Any, None], *, now: bool = False) -> None:
+        """Run ``coro`` in the background for the daemon's life (cancelled at close);
+        ``now``: its first step runs before this returns where Python allows
+        (:func:`kvxferd.tasks.start_now`)."""
+        task = start_now(coro) if now else asyncio.get_running_loop().create_task(coro)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 

@@ -38,6 +38,7 @@ from kvxferd.errors import (
 from kvxferd.ipc.reader import ReadyPull
 from kvxferd.logs import kv
 from kvxferd.staging.setup import Decision
+from kvxferd.tasks import EAGER, start_now
 from kvxferd.transfer import TransferStatus
 from kvxferd.transfer.engine import Prepared
 
@@ -130,11 +131,12 @@ class Reader:
         assert remote is not None
         # The confirmation is sent before we plan and build; the owner answers meanwhile. The
         # READ is posted only once it succeeded (_run_pull): freed blocks are never read.
-        confirming = asyncio.ensure_future(
-            self.shares.confirm(link, req.request_id, req.remote_ids, deadline)
-        )
-        for _ in range(1 if link.client.local is not None else RPC_START_TURNS):
-            await asyncio.sleep(0)  # the same-host socket sends in the task's first step
+        confirming = start_now(self.shares.confirm(link, req.request_id, req.remote_ids, deadline))
+        # The same-host socket sends in the task's first step: already taken when the task
+        # started eagerly (Python >= 3.12), else on the next loop turn.
+        turns = RPC_START_TURNS if link.client.local is None else 0 if EAGER else 1
+        for _ in range(turns):
+            await asyncio.sleep(0)
         try:
             plan, part = self._mover.plan(req, remote)
             decision, staged = self._mover.choose(req, link, plan, part)
@@ -170,6 +172,7 @@ class Reader:
         link.active += 1
         self.shares.ensure_heartbeat(link)
         self._confirming[req.transfer_id] = confirming
+        # Started now: up to its wait for the confirmation (past it, if the answer is in).
         self.p.spawn(
             self._run_pull(
                 req,
@@ -182,7 +185,8 @@ class Reader:
                 prepared=prepared,
                 staged=staged,
                 remote_blocks=plan.remote_kernel_blocks,
-            )
+            ),
+            now=True,
         )
         return rec, True
 

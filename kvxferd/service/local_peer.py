@@ -32,7 +32,7 @@ import stat
 import tempfile
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import grpc
 from grpc import aio
@@ -43,15 +43,16 @@ from kvxferd.logs import kv
 from kvxferd.metrics import Metrics
 from kvxferd.metrics.rpc import observe_served
 from kvxferd.service.auth import token_refusal
+from kvxferd.tasks import start_now
 from kvxferd.wire.local import (
     CANCEL,
     METHODS,
     REQUEST,
     SCHEDULER_METHODS,
     FrameError,
+    FrameSplitter,
     answer_frame,
     parse_request,
-    read_frame,
 )
 
 log = logging.getLogger(__name__)
@@ -132,6 +133,58 @@ def _forget(calls: dict[int, asyncio.Task[None]], call_id: int, _: object) -> No
     calls.pop(call_id, None)
 
 
+class _Calls(asyncio.Protocol):
+    """One connection to a :class:`LocalPeerServer`: each REQUEST frame starts its call as the
+    bytes arrive (:func:`kvxferd.tasks.start_now`: a handler that answers without waiting has
+    written its answer before this returns), a CANCEL frame cancels that call, and a malformed
+    frame closes the connection, cancelling its calls."""
+
+    def __init__(self, server: LocalPeerServer) -> None:
+        self._server = server
+        self._frames = FrameSplitter()
+        self._calls: dict[int, asyncio.Task[None]] = {}
+        self.transport: asyncio.Transport | None = None
+        self.lost = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        self._server._conns.add(self)
+
+    def data_received(self, data: bytes) -> None:
+        assert self.transport is not None
+        try:
+            for call_id, kind, body in self._frames.feed(data):
+                if kind == REQUEST:
+                    call = start_now(self._server._serve(call_id, body, self.transport))
+                    if not call.done():
+                        self._calls[call_id] = call
+                        call.add_done_callback(functools.partial(_forget, self._calls, call_id))
+                elif kind == CANCEL:
+                    running = self._calls.pop(call_id, None)
+                    if running is not None:
+                        running.cancel()
+                else:
+                    raise FrameError(f"unexpected frame kind {kind}")
+        except FrameError as exc:
+            log.warning(
+                "closing a local socket connection",
+                extra=kv(why=str(exc), service=self._server.name),
+            )
+            self.close()
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._server._conns.discard(self)
+        for call in self._calls.values():
+            call.cancel()
+        self._calls.clear()
+        if not self.lost.done():
+            self.lost.set_result(None)
+
+
 class LocalPeerServer:
     """Serves ``service``'s ``methods`` (the Peer's :data:`~kvxferd.wire.local.METHODS` unless
     told) on a Unix socket at ``path``, created with ``mode``; ``name``: the service's full
@@ -156,7 +209,7 @@ class LocalPeerServer:
         self._m = metrics
         self._expected = f"Bearer {token}".encode() if token else b""
         self._server: asyncio.AbstractServer | None = None
-        self._conns: set[asyncio.Task[None]] = set()
+        self._conns: set[_Calls] = set()
 
     async def start(self) -> None:
         """Serve; a socket left at the path by a dead daemon is replaced, one that still
@@ -168,7 +221,8 @@ class LocalPeerServer:
                 raise OSError(f"another process serves on {self.path}")
         old = os.umask(0o777 & ~self._mode)
         try:
-            self._server = await asyncio.start_unix_server(self._accept, self.path)
+            loop = asyncio.get_running_loop()
+            self._server = await loop.create_unix_server(lambda: _Calls(self), self.path)
         finally:
             os.umask(old)
         os.chmod(self.path, self._mode)
@@ -176,53 +230,25 @@ class LocalPeerServer:
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
-            for task in list(self._conns):
-                task.cancel()
-            await asyncio.gather(*self._conns, return_exceptions=True)
+            conns = list(self._conns)
+            for conn in conns:
+                conn.close()
+            if conns:  # their connection_lost cancels every call left on them
+                await asyncio.wait([c.lost for c in conns], timeout=5)
             with contextlib.suppress(Exception):
                 await self._server.wait_closed()
             self._server = None
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
 
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._conns.add(task)
-        calls: dict[int, asyncio.Task[None]] = {}
-        try:
-            while True:
-                call_id, kind, body = await read_frame(reader)
-                if kind == REQUEST:
-                    call = asyncio.ensure_future(self._serve(call_id, body, writer))
-                    calls[call_id] = call
-                    call.add_done_callback(functools.partial(_forget, calls, call_id))
-                elif kind == CANCEL:
-                    running = calls.pop(call_id, None)
-                    if running is not None:
-                        running.cancel()
-                else:
-                    raise FrameError(f"unexpected frame kind {kind}")
-        except FrameError as exc:
-            log.warning(
-                "closing a local socket connection", extra=kv(why=str(exc), service=self.name)
-            )
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass  # the reader went away
-        finally:
-            self._conns.discard(task)
-            for call in calls.values():
-                call.cancel()
-            writer.close()
-
-    async def _serve(self, call_id: int, body: bytes, writer: asyncio.StreamWriter) -> None:
+    async def _serve(self, call_id: int, body: bytes, transport: asyncio.Transport) -> None:
         t0 = time.perf_counter()
         try:
             method, code, frame = await self._answer(call_id, body)
         except asyncio.CancelledError:
             return  # the caller gave up (or we are closing): nothing to answer
-        if not writer.is_closing():
-            writer.write(frame)  # the caller's answer first, then our books
+        if not transport.is_closing():
+            transport.write(frame)  # the caller's answer first, then our books
         observe_served(self._m, self.name, method, code.name, t0)
 
     async def _answer(self, call_id: int, body: bytes) -> tuple[str, grpc.StatusCode, bytes]:

@@ -35,8 +35,8 @@ import itertools
 import json
 import socket
 import struct
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, cast
 
 import grpc
 
@@ -135,8 +135,47 @@ async def read_frame(reader: asyncio.StreamReader) -> tuple[int, int, bytes]:
     """``(call id, kind, body)``; IncompleteReadError at a clean end of stream."""
     size, call_id, kind = HEADER.unpack(await reader.readexactly(HEADER.size))
     if size > MAX_FRAME:
-        raise FrameError(f"a frame of {size} bytes is over the {MAX_FRAME}-byte limit")
+        raise FrameError(_oversize(size))
     return call_id, kind, await reader.readexactly(size) if size else b""
+
+
+def _oversize(size: int) -> str:
+    return f"a frame of {size} bytes is over the {MAX_FRAME}-byte limit"
+
+
+class FrameSplitter:
+    """The frames in a byte stream, as it arrives in pieces (an ``asyncio.Protocol``'s
+    ``data_received``): :meth:`feed` yields each ``(call id, kind, body)`` completed by the
+    new bytes and keeps the rest. A header announcing more than ``MAX_FRAME`` bytes raises
+    :class:`FrameError` when reached, after the frames before it were yielded."""
+
+    __slots__ = ("_buf",)
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> Iterator[tuple[int, int, bytes]]:
+        if self._buf:
+            self._buf += data
+            view: bytes | bytearray = self._buf
+        else:
+            view = data  # the usual case: whole frames in one read, no copy into the buffer
+        at, end = 0, len(view)
+        try:
+            while end - at >= HEADER.size:
+                size, call_id, kind = HEADER.unpack_from(view, at)
+                if size > MAX_FRAME:
+                    raise FrameError(_oversize(size))
+                stop = at + HEADER.size + size
+                if stop > end:
+                    break
+                yield call_id, kind, bytes(view[at + HEADER.size : stop])
+                at = stop
+        finally:
+            if view is self._buf:
+                del self._buf[:at]
+            else:
+                self._buf += view[at:]
 
 
 def request_frame(
@@ -213,6 +252,45 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     return pid, uid, gid
 
 
+class _Answers(asyncio.Protocol):
+    """One connection of a :class:`LocalTransport`: hands each ANSWER frame to the call
+    waiting for it as the bytes arrive (no reading task, so no loop turn between the answer's
+    arrival and its caller's wake-up) and fails that connection's calls when it breaks."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.waiting: dict[int, asyncio.Future[bytes]] = {}
+        self._frames = FrameSplitter()
+        self._why = "the owner closed its local Peer socket"
+        self.lost = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            for call_id, kind, body in self._frames.feed(data):
+                fut = self.waiting.pop(call_id, None)
+                if kind == ANSWER and fut is not None and not fut.done():
+                    fut.set_result(body)
+        except FrameError as exc:
+            self._why = f"the local Peer socket broke: {exc}"
+            assert self.transport is not None
+            self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        why = f"the local Peer socket broke: {exc}" if exc is not None and str(exc) else self._why
+        for fut in self.waiting.values():
+            if not fut.done():
+                fut.set_exception(RpcFailure(grpc.StatusCode.UNAVAILABLE, why, ()))
+        self.waiting.clear()
+        if not self.lost.done():
+            self.lost.set_result(None)
+
+    def open(self) -> bool:
+        return self.transport is not None and not self.transport.is_closing()
+
+
 class LocalTransport:
     """A :class:`~kvxferd.wire.peer_client.Transport` over the owner's Unix socket: one
     connection, opened on first use and again after it breaks; calls are multiplexed by ID.
@@ -229,46 +307,29 @@ class LocalTransport:
         self.path = path
         self._methods = methods  # the calls this socket serves (the Scheduler's: SCHEDULER_METHODS)
         self.connection = 0
-        self.peer: tuple[int, int, int] | None = None
+        self._peer: tuple[int, int, int] | None = None
         self._ids = itertools.count(1)
-        self._waiting: dict[int, asyncio.Future[bytes]] = {}
-        self._writer: asyncio.StreamWriter | None = None
-        self._reading: asyncio.Task[None] | None = None
+        self._conn: _Answers | None = None
         self._opening: asyncio.Lock | None = None
 
-    async def _connect(self) -> asyncio.StreamWriter:
-        if self._writer is not None and not self._writer.is_closing():
-            return self._writer
+    @property
+    def peer(self) -> tuple[int, int, int] | None:
+        return self._peer if self._conn is not None and self._conn.open() else None
+
+    async def _connect(self) -> _Answers:
+        conn = self._conn
+        if conn is not None and conn.open():
+            return conn
         if self._opening is None:
             self._opening = asyncio.Lock()
         async with self._opening:
-            if self._writer is None or self._writer.is_closing():
-                reader, writer = await asyncio.open_unix_connection(self.path)
-                self._writer = writer
+            if self._conn is None or not self._conn.open():
+                loop = asyncio.get_running_loop()
+                transport, conn = await loop.create_unix_connection(_Answers, self.path)
+                self._conn = conn
                 self.connection += 1
-                self.peer = peer_credentials(writer.get_extra_info("socket"))
-                self._reading = asyncio.ensure_future(self._read(reader))
-        return self._writer
-
-    async def _read(self, reader: asyncio.StreamReader) -> None:
-        why = "the owner closed its local Peer socket"
-        try:
-            while True:
-                call_id, kind, body = await read_frame(reader)
-                fut = self._waiting.pop(call_id, None)
-                if kind == ANSWER and fut is not None and not fut.done():
-                    fut.set_result(body)
-        except (asyncio.IncompleteReadError, ConnectionError, FrameError) as exc:
-            why = f"the local Peer socket broke: {exc}" if str(exc) else why
-        finally:
-            if self._writer is not None:
-                self._writer.close()
-            self._writer = None
-            self.peer = None
-            for fut in self._waiting.values():
-                if not fut.done():
-                    fut.set_exception(RpcFailure(grpc.StatusCode.UNAVAILABLE, why, ()))
-            self._waiting.clear()
+                self._peer = peer_credentials(transport.get_extra_info("socket"))
+            return self._conn
 
     async def __call__(
         self, method: str, request: Any, *, timeout: float, metadata: Metadata
@@ -279,44 +340,42 @@ class LocalTransport:
                 grpc.StatusCode.UNIMPLEMENTED, f"{method} is not served on the local socket", ()
             )
         try:
-            writer = await self._connect()
+            conn = await self._connect()
         except OSError as exc:
             raise NotSent(
                 grpc.StatusCode.UNAVAILABLE, f"cannot connect to {self.path}: {exc}", ()
             ) from exc
         call_id = next(self._ids) & 0xFFFFFFFF
         fut: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
-        self._waiting[call_id] = fut
-        writer.write(request_frame(call_id, method, metadata, timeout, request))
+        conn.waiting[call_id] = fut
+        assert conn.transport is not None
+        conn.transport.write(request_frame(call_id, method, metadata, timeout, request))
         try:
             async with asyncio.timeout(timeout):  # awaits the answer itself: no wrapping future
                 body = await fut
         except TimeoutError:
-            self._cancel(call_id)
+            self._cancel(conn, call_id)
             raise RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", ()) from None
         except asyncio.CancelledError:
-            self._cancel(call_id)
+            self._cancel(conn, call_id)
             raise
         return answer_message(body, types[1])
 
     def current(self, connection: int) -> bool:
         """Whether connection number ``connection`` is the one open now."""
-        w = self._writer
-        return w is not None and not w.is_closing() and self.connection == connection
+        conn = self._conn
+        return conn is not None and conn.open() and self.connection == connection
 
-    def _cancel(self, call_id: int) -> None:
-        self._waiting.pop(call_id, None)
-        writer = self._writer
-        if writer is not None and not writer.is_closing():
-            writer.write(frame(call_id, CANCEL))
+    @staticmethod
+    def _cancel(conn: _Answers, call_id: int) -> None:
+        conn.waiting.pop(call_id, None)
+        if conn.open():
+            assert conn.transport is not None
+            conn.transport.write(frame(call_id, CANCEL))
 
     async def close(self) -> None:
-        writer, reading = self._writer, self._reading
-        if writer is not None:
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
-        if reading is not None:
-            reading.cancel()
-            with contextlib.suppress(BaseException):
-                await reading
+        conn, self._conn = self._conn, None
+        if conn is not None and conn.transport is not None:
+            conn.transport.close()
+            with contextlib.suppress(TimeoutError):  # connection_lost fails the calls left
+                await asyncio.wait_for(asyncio.shield(conn.lost), 5)
