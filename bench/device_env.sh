@@ -43,3 +43,14 @@ control_ab() {
     done
   done
 }
+# control_lazy TAG [ARGS...]: bench.control_path on this tree with eager task starts turned off
+# (bench/lazy_hook), for the rounds of $ROUNDS; JSON $OUT/cp-TAGlazy-<round>.json.
+control_lazy() {
+  local tag=$1 round; shift
+  for round in ${ROUNDS:-1 2}; do
+    step "control path${tag:+ ($tag)}: new without eager starts, round $round"
+    PYTHONPATH=$PWD/bench/lazy_hook:$PYTHONPATH timeout 120 python3 bench/control_path.py \
+      --device cuda --pool dense:num_blocks=600 --pulls "${PULLS:-2000}" "$@" \
+      --json "$OUT/cp-${tag}lazy-$round.json"
+  done
+}

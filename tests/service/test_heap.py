@@ -14,10 +14,11 @@ class _Cycle:
 
 
 def test_start_up_objects_are_frozen_while_serving_and_released_after() -> None:
-    assert gc.get_freeze_count() == 0
+    # Python 3.12 starts with a few hundred objects of its own in the permanent generation.
+    before = gc.get_freeze_count()
     kept = _Cycle()
     with serving_heap() as frozen:
-        assert frozen > 0 and gc.get_freeze_count() > 0
+        assert frozen > before and gc.get_freeze_count() > before
         assert all(o is not kept for o in gc.get_objects())  # out of the collector's generations
         later = _Cycle()  # made while serving: collected as usual
         assert any(o is later for o in gc.get_objects())
