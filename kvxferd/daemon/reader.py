@@ -220,9 +220,10 @@ class Reader:
         share: Share | None = None
         try:
             try:
-                share = await asyncio.wait_for(
-                    asyncio.shield(confirming), timeout=max(1e-3, deadline - time.monotonic())
-                )
+                # Awaited directly (a shield would cost a loop turn once the answer is in): a
+                # timeout or the daemon stopping cancels this task and so the confirmation.
+                async with asyncio.timeout(max(1e-3, deadline - time.monotonic())):
+                    share = await confirming
             except asyncio.CancelledError:
                 task = asyncio.current_task()
                 if task is not None and task.cancelling():
