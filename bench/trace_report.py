@@ -25,6 +25,10 @@ def _before(xs: list[float], t: float) -> float | None:
     return xs[i] if i >= 0 else None
 
 
+def _sorted(stamps: dict[str, list[float]], name: str) -> list[float]:
+    return sorted(stamps.get(name, []))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("dir")
@@ -34,11 +38,14 @@ def main(argv: list[str] | None = None) -> int:
         p.name.split("-")[1]: json.loads(p.read_text()) for p in Path(args.dir).glob("trace-*.json")
     }
     dec, own = files["decode"], files["owner"]
-    get = lambda d, k: sorted(d.get(k, []))  # noqa: E731
-    frame_in, start, end = get(own, "frame_in"), get(own, "serve_start"), get(own, "serve_end")
-    answer_in, hold_end = get(dec, "answer_in"), get(own, "hold_end")
+    frame_in, start, end = (
+        _sorted(own, "frame_in"),
+        _sorted(own, "serve_start"),
+        _sorted(own, "serve_end"),
+    )
+    answer_in, hold_end = _sorted(dec, "answer_in"), _sorted(own, "hold_end")
     steps: dict[str, list[float]] = {}
-    for sent in get(dec, "sent")[args.skip :]:
+    for sent in _sorted(dec, "sent")[args.skip :]:
         fi = _after(frame_in, sent)
         st = fi is not None and _after(start, fi)
         en = st and _after(end, st)

@@ -17,8 +17,8 @@ from typing import cast
 
 import numpy as np
 
-from kvxferd.blocks.bounds import DEFAULT_MAX_IDS, BlockIds, check_block_ids
-from kvxferd.blocks.coalesce import SMALL_PAIRS, Runs, find_runs, mergeable, region_ranges
+from kvxferd.blocks.bounds import DEFAULT_MAX_IDS, SMALL_IDS, BlockIds, check_block_ids
+from kvxferd.blocks.coalesce import Runs, find_runs, mergeable, region_ranges
 from kvxferd.blocks.ranges import Int64Array, RegionRanges, TransferPlan
 from kvxferd.blocks.reblock import ChunkPairs, chunk_ranges, chunk_segments, pair_chunks
 from kvxferd.blocks.tp import RankSegments, TPPosition, check_tp, region_segments, tp_ratio
@@ -105,7 +105,7 @@ def _check_kernel(ids: Int64Array, num_blocks: int, field: str) -> None:
     n = ids.shape[0]
     if not n:
         return
-    if n <= SMALL_PAIRS:  # Python ints: cheaper than two NumPy reductions for a short list
+    if n <= SMALL_IDS:  # Python ints: cheaper than two NumPy reductions for a short list
         vals = ids.tolist()
         lo, hi = min(vals), max(vals)
     else:

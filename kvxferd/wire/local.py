@@ -131,18 +131,6 @@ def frame(call_id: int, kind: int, *parts: bytes) -> bytes:
     return HEADER.pack(len(body), call_id, kind) + body
 
 
-async def read_frame(reader: asyncio.StreamReader) -> tuple[int, int, bytes]:
-    """``(call id, kind, body)``; IncompleteReadError at a clean end of stream."""
-    size, call_id, kind = HEADER.unpack(await reader.readexactly(HEADER.size))
-    if size > MAX_FRAME:
-        raise FrameError(_oversize(size))
-    return call_id, kind, await reader.readexactly(size) if size else b""
-
-
-def _oversize(size: int) -> str:
-    return f"a frame of {size} bytes is over the {MAX_FRAME}-byte limit"
-
-
 class FrameSplitter:
     """The frames in a byte stream, as it arrives in pieces (an ``asyncio.Protocol``'s
     ``data_received``): :meth:`feed` yields each ``(call id, kind, body)`` completed by the
@@ -165,7 +153,7 @@ class FrameSplitter:
             while end - at >= HEADER.size:
                 size, call_id, kind = HEADER.unpack_from(view, at)
                 if size > MAX_FRAME:
-                    raise FrameError(_oversize(size))
+                    raise FrameError(f"a frame of {size} bytes is over the {MAX_FRAME}-byte limit")
                 stop = at + HEADER.size + size
                 if stop > end:
                     break

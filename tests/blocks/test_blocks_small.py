@@ -83,5 +83,5 @@ def test_check_kernel_small_path_agrees(ids: list[int], num_blocks: int) -> None
 
     small = outcome()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(plan_mod, "SMALL_PAIRS", 0)
+        mp.setattr(plan_mod, "SMALL_IDS", 0)
         assert outcome() == small

@@ -25,9 +25,9 @@ from kvxferd.wire.local import (
     HEADER,
     LocalTransport,
     parse_answer,
-    read_frame,
     request_frame,
 )
+from tests.frames import read_frame
 
 LOOPS = [asyncio.new_event_loop, uvloop.new_event_loop]
 

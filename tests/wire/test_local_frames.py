@@ -23,10 +23,10 @@ from kvxferd.wire.local import (
     encode_pairs,
     parse_answer,
     parse_request,
-    read_frame,
     request_frame,
 )
 from kvxferd.wire.peer_client import LOCAL_METHODS, RpcFailure
+from tests.frames import read_frame
 
 
 def test_the_channel_carries_exactly_the_pull_lifetime_calls() -> None:
