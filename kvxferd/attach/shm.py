@@ -67,7 +67,7 @@ class ShmSegment:
         try:
             os.ftruncate(fd, size)
             mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except OSError as exc:
+        except (OSError, OverflowError) as exc:  # OverflowError: beyond what a file offset holds
             os.close(fd)
             path.unlink(missing_ok=True)
             raise ResourceExhausted(
