@@ -139,8 +139,10 @@ def region_ranges(
     """Byte ranges of one region pair for one remote rank.
 
     ``merge=True`` (see :func:`mergeable`): one range per run, ``length = run_len *
-    seg.length[0]``. Otherwise one range per (pair, segment), ordered by local block then
-    segment: ``local = l*local_stride + seg.local_offset[s]`` and likewise remote.
+    seg.length[0]``, marked ``coalesced`` (:func:`find_runs` sorted the runs by local ID and
+    made them maximal, so no two are back to back on both sides). Otherwise one range per
+    (pair, segment), ordered by local block then segment: ``local = l*local_stride +
+    seg.local_offset[s]`` and likewise remote.
     """
     if merge:
         return RegionRanges(
@@ -149,6 +151,7 @@ def region_ranges(
             runs.local_start * local_stride,
             runs.remote_start * remote_stride,
             runs.length * int(seg.length[0]),
+            coalesced=True,
         )
     loc = (runs.local_ids * local_stride)[:, None] + seg.local_offset[None, :]
     rem = (runs.remote_ids * remote_stride)[:, None] + seg.remote_offset[None, :]

@@ -13,13 +13,12 @@ import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import cast
 
 import numpy as np
 
 from kvxferd.blocks.bounds import DEFAULT_MAX_IDS, SMALL_IDS, BlockIds, check_block_ids
 from kvxferd.blocks.coalesce import Runs, find_runs, mergeable, region_ranges
-from kvxferd.blocks.ranges import Int64Array, RegionRanges, TransferPlan
+from kvxferd.blocks.ranges import Int64Array, RegionRanges, SharedRanges, TransferPlan, frozen
 from kvxferd.blocks.reblock import ChunkPairs, chunk_ranges, chunk_segments, pair_chunks
 from kvxferd.blocks.tp import RankSegments, TPPosition, check_tp, region_segments, tp_ratio
 from kvxferd.blocks.trim import pair_group
@@ -120,14 +119,6 @@ def _check_kernel(ids: Int64Array, num_blocks: int, field: str) -> None:
         )
 
 
-_Arrays = tuple[Int64Array, Int64Array, Int64Array]
-
-
-def _frozen(a: Int64Array) -> Int64Array:
-    a.setflags(write=False)
-    return a
-
-
 @functools.lru_cache(maxsize=1024)
 def _segments(
     lr: Region,
@@ -146,7 +137,7 @@ def _segments(
     )
     for seg in segs:
         for a in (seg.local_offset, seg.remote_offset, seg.length):
-            _frozen(a)
+            frozen(a)
     return segs
 
 
@@ -159,9 +150,10 @@ def _region_entries(
     local_tp: TPPosition,
     remote_tp: TPPosition,
     num_kv_heads: int | None,
-) -> list[tuple[int, _Arrays, int]]:
-    """Per remote rank read: (rank, read-only range arrays, naive descriptor count)."""
-    out: list[tuple[int, _Arrays, int]] = []
+) -> list[tuple[int, RegionRanges, int]]:
+    """Per remote rank read: (rank, region ``i``'s ranges over read-only arrays, naive
+    descriptor count)."""
+    out: list[tuple[int, RegionRanges, int]] = []
     if isinstance(run, ChunkPairs):
         for cs in chunk_segments(
             lr,
@@ -180,8 +172,10 @@ def _region_entries(
                 local_stride=lr.stride,
                 remote_stride=rr.stride,
             )
-            arrays = (_frozen(rg.local_offset), _frozen(rg.remote_offset), _frozen(rg.length))
-            out.append((cs.remote_rank, arrays, run.num_pairs * int(cs.local_base.shape[0])))
+            rg = RegionRanges(
+                i, lr.name, frozen(rg.local_offset), frozen(rg.remote_offset), frozen(rg.length)
+            )
+            out.append((cs.remote_rank, rg, run.num_pairs * int(cs.local_base.shape[0])))
         return out
     segs = _segments(
         lr,
@@ -201,8 +195,15 @@ def _region_entries(
             seg=seg,
             merge=mergeable(lr, rr, seg),
         )
-        arrays = (_frozen(rg.local_offset), _frozen(rg.remote_offset), _frozen(rg.length))
-        out.append((seg.remote_rank, arrays, run.num_blocks * seg.num_segments))
+        rg = RegionRanges(
+            i,
+            lr.name,
+            frozen(rg.local_offset),
+            frozen(rg.remote_offset),
+            frozen(rg.length),
+            rg.coalesced,
+        )
+        out.append((seg.remote_rank, rg, run.num_blocks * seg.num_segments))
     return out
 
 
@@ -281,7 +282,7 @@ def plan_pull(
                 f"groups[{g}].remote_kernel_ids",
             )
             for a in (cp.local_kernel, cp.local_sub, cp.remote_kernel, cp.remote_sub):
-                _frozen(a)
+                frozen(a)
             runs.append(cp)
             continue
         lk, rk = pair_group(
@@ -296,21 +297,20 @@ def plan_pull(
         _check_kernel(rk, remote.num_kernel_blocks(g), f"groups[{g}].remote_kernel_ids")
         run = find_runs(lk, rk)
         for a in (run.local_ids, run.remote_ids, run.local_start, run.remote_start, run.length):
-            _frozen(a)
+            frozen(a)
         runs.append(run)
 
     # Regions of one group with the same geometry on both sides (typically every layer) get
     # the same segments and byte ranges: compute them once per class (in the order of each
     # class's first region), share the read-only arrays.
-    regions, n_regions = local.regions, len(local.regions)
-    by_rank: dict[int, list[RegionRanges | None]] = {}
-    classes: dict[int, list[tuple[RegionRanges, ...]]] = {}  # TransferPlan.shared, per rank
+    regions = local.regions
+    classes: dict[int, list[SharedRanges]] = {}  # TransferPlan.classes, per rank
     naive: dict[int, int] = {}
     groups_read: dict[int, set[int]] = {}
-    for members in _geometry_classes(local.geometry_ids, remote.geometry_ids):
+    for members, indices in _geometry_classes(local.geometry_ids, remote.geometry_ids):
         i = members[0]
         lr = regions[i]
-        for rank, arrays, n_naive in _region_entries(
+        for rank, first, n_naive in _region_entries(
             i,
             lr,
             remote.regions[i],
@@ -319,30 +319,20 @@ def plan_pull(
             remote_tp=remote_tp,
             num_kv_heads=num_kv_heads,
         ):
-            slots = by_rank.get(rank)
-            if slots is None:
-                slots = by_rank[rank] = [None] * n_regions
-            first = slots[i] = RegionRanges(i, lr.name, *arrays)
-            group = [first]
-            for j in members[1:]:
-                rr = slots[j] = RegionRanges.sharing(j, regions[j].name, first)
-                group.append(rr)
-            if first.num_ranges:
-                classes.setdefault(rank, []).append(tuple(group))
+            got = classes.get(rank)
+            if got is None:
+                got = classes[rank] = []
+            if first.length.shape[0]:  # a class this rank reads nothing of stays out
+                got.append(SharedRanges(indices, first))
             naive[rank] = naive.get(rank, 0) + n_naive * len(members)
             groups_read.setdefault(rank, set()).add(lr.group)
 
-    empty = _frozen(np.zeros(0, dtype=np.int64))
+    empty = frozen(np.zeros(0, dtype=np.int64))
     kernel = [_kernel_blocks(run) for run in runs]
     per_rank: dict[int, TransferPlan] = {}
-    for r in sorted(by_rank):
-        slots = by_rank[r]
-        for i, slot in enumerate(slots):
-            if slot is None:  # a region this rank reads nothing of (e.g. another rank's heads)
-                slots[i] = RegionRanges(i, regions[i].name, empty, empty, empty)
-        ranges = tuple(cast(list[RegionRanges], slots))
+    for r in sorted(classes):
         blocks = tuple(kernel[g][0] if g in groups_read[r] else empty for g in range(n_groups))
-        per_rank[r] = TransferPlan.grouped(ranges, blocks, naive[r], tuple(classes.get(r, ())))
+        per_rank[r] = TransferPlan.of_classes(regions, tuple(classes[r]), blocks, naive[r])
 
     l_rank, l_size = local_tp
     notify = set(per_rank) | {r for r in range(remote_tp[1]) if r % l_size == l_rank}
@@ -360,9 +350,10 @@ def plan_pull(
 @functools.lru_cache(maxsize=256)
 def _geometry_classes(
     local_ids: tuple[int, ...], remote_ids: tuple[int, ...]
-) -> tuple[tuple[int, ...], ...]:
+) -> tuple[tuple[tuple[int, ...], Int64Array], ...]:
     """Region indices grouped by (local, remote) geometry id (``KVCacheSpec.geometry_ids``),
-    each class and the classes in region order; once per pair of id tuples (value-keyed)."""
+    each class and the classes in region order, each as a tuple and as a read-only array;
+    once per pair of id tuples (value-keyed)."""
     classes: dict[tuple[int, int], list[int]] = {}
     for i, key in enumerate(zip(local_ids, remote_ids, strict=True)):
         members = classes.get(key)
@@ -370,12 +361,12 @@ def _geometry_classes(
             classes[key] = [i]
         else:
             members.append(i)
-    return tuple(tuple(m) for m in classes.values())
+    return tuple((tuple(m), frozen(np.array(m, dtype=np.int64))) for m in classes.values())
 
 
 def _kernel_blocks(run: Runs | ChunkPairs) -> tuple[Int64Array, Int64Array]:
     """The kernel blocks a group's pairs touch on each side: the pairs themselves, or for
     chunk pairs each side's distinct kernel blocks (sorted)."""
     if isinstance(run, ChunkPairs):
-        return _frozen(np.unique(run.local_kernel)), _frozen(np.unique(run.remote_kernel))
+        return frozen(np.unique(run.local_kernel)), frozen(np.unique(run.remote_kernel))
     return run.local_ids, run.remote_ids

@@ -6,8 +6,10 @@ A plan never holds per-descriptor Python objects: each region's ranges are three
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import cached_property
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -15,12 +17,22 @@ import numpy.typing as npt
 Int64Array = npt.NDArray[np.int64]
 
 
+class Named(Protocol):
+    """What a plan reads of a region it lists (:class:`kvxferd.layout.spec.Region`)."""
+
+    @property
+    def name(self) -> str: ...
+
+
 @dataclass(frozen=True)
 class RegionRanges:
     """Byte ranges for one region pair (regions pair by index: same name, same order).
 
     ``local_offset[i]`` / ``remote_offset[i]`` are byte offsets from each side's region base,
-    ``length[i]`` the bytes of range ``i``. Ranges never cross a region's end.
+    ``length[i]`` the bytes of range ``i``. Ranges never cross a region's end. ``coalesced``:
+    the maker guarantees the ranges are sorted by local offset, unique, and that no range
+    continues the previous one on both sides (what ``transfer.descriptors.coalesce`` would
+    return), so that coalescing them again is skipped; the planner's whole-block runs are.
     """
 
     region: int
@@ -28,6 +40,7 @@ class RegionRanges:
     local_offset: Int64Array
     remote_offset: Int64Array
     length: Int64Array
+    coalesced: bool = False
 
     def __post_init__(self) -> None:
         n = self.length.shape[0]
@@ -46,6 +59,7 @@ class RegionRanges:
             local_offset=like.local_offset,
             remote_offset=like.remote_offset,
             length=like.length,
+            coalesced=like.coalesced,
         )
         return rr
 
@@ -58,25 +72,113 @@ class RegionRanges:
         return int(self.length.sum())
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
+class SharedRanges:
+    """Regions that read the very same range arrays (the planner gives every region of one
+    geometry class, typically every layer, the same arrays): ``regions`` lists them in region
+    order (read-only ``int64``), ``ranges`` is the first one's."""
+
+    regions: Int64Array
+    ranges: RegionRanges
+
+    @property
+    def nbytes(self) -> int:
+        return self.ranges.nbytes * int(self.regions.shape[0])
+
+    @property
+    def num_ranges(self) -> int:
+        return self.ranges.num_ranges * int(self.regions.shape[0])
+
+
 class TransferPlan:
     """Everything a pull moves: byte ranges per region plus the local kernel blocks written.
 
+    ``ranges[i]``: region ``i``'s ranges (empty when the plan reads nothing of it).
     ``local_kernel_blocks[g]`` lists, per KV group ``g``, the local kernel block IDs the plan
     writes (the blocks that become invalid if the transfer fails). ``naive_descriptors`` is how
     many descriptors one-per-(region, kernel block) would have taken, for telemetry.
+
+    Immutable. A plan is made from its ranges, or by the planner from its :attr:`classes`
+    (:meth:`of_classes`), in which case the per-region ``ranges`` are built only if something
+    asks for them: the hot paths (sizes, the KERNEL pieces, DIRECT's coalescing) work per class,
+    so a small pull of a 32-layer model does not build 32 objects.
     """
 
-    ranges: tuple[RegionRanges, ...]
-    local_kernel_blocks: tuple[Int64Array, ...] = field(default=())
-    naive_descriptors: int = 0
+    local_kernel_blocks: tuple[Int64Array, ...]
+    naive_descriptors: int
+
+    def __init__(
+        self,
+        ranges: tuple[RegionRanges, ...] = (),
+        local_kernel_blocks: tuple[Int64Array, ...] = (),
+        naive_descriptors: int = 0,
+    ) -> None:
+        d = self.__dict__
+        d["ranges"] = tuple(ranges)
+        d["local_kernel_blocks"] = local_kernel_blocks
+        d["naive_descriptors"] = naive_descriptors
+
+    @classmethod
+    def of_classes(
+        cls,
+        regions: Sequence[Named],
+        classes: tuple[SharedRanges, ...],
+        local_kernel_blocks: tuple[Int64Array, ...],
+        naive_descriptors: int,
+    ) -> TransferPlan:
+        """The planner's plan: of ``regions`` (every region of the pool, in order, as the
+        spec lists them; only their names are read), each class's read its ranges (classes
+        in the order of their first region, non-empty ranges only); every other region reads
+        nothing."""
+        plan = object.__new__(cls)
+        d = plan.__dict__
+        d["_regions"] = regions
+        d["classes"] = classes
+        d["local_kernel_blocks"] = local_kernel_blocks
+        d["naive_descriptors"] = naive_descriptors
+        return plan
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"TransferPlan is immutable (tried to set {name!r})")
+
+    def __repr__(self) -> str:
+        return (
+            f"TransferPlan({self.num_ranges} ranges, {self.nbytes} bytes,"
+            f" {len(self.classes)} classes, naive_descriptors={self.naive_descriptors})"
+        )
+
+    @cached_property
+    def ranges(self) -> tuple[RegionRanges, ...]:
+        regions: Sequence[Named] = self.__dict__["_regions"]
+        slots: list[RegionRanges | None] = [None] * len(regions)
+        for c in self.classes:
+            first = c.ranges
+            for i in c.regions.tolist():
+                slots[i] = (
+                    first if i == first.region else RegionRanges.sharing(i, regions[i].name, first)
+                )
+        empty = _EMPTY
+        return tuple(
+            rr if rr is not None else RegionRanges(i, regions[i].name, empty, empty, empty)
+            for i, rr in enumerate(slots)
+        )
+
+    @cached_property
+    def classes(self) -> tuple[SharedRanges, ...]:
+        """The non-empty regions grouped by the arrays they share, each group in region order
+        and the groups in the order of their first region: the planner's, or found once by
+        identity (:attr:`shared`) for a plan made from its ranges."""
+        return tuple(
+            SharedRanges(frozen(np.array([rr.region for rr in g], dtype=np.int64)), g[0])
+            for g in self.shared
+        )
 
     @cached_property
     def shared(self) -> tuple[tuple[RegionRanges, ...], ...]:
-        """The non-empty regions grouped by the arrays they share (the planner gives regions
-        of one geometry the same arrays: typically every layer), each group in region order
-        and the groups in the order of their first region; found once per plan, by identity,
-        unless the plan was made with them (:meth:`grouped`, as the planner does)."""
+        """:attr:`classes` with each member's own :class:`RegionRanges`."""
+        if "_regions" in self.__dict__:  # the planner's: ranges[i] is region i
+            ranges = self.ranges
+            return tuple(tuple(ranges[i] for i in c.regions.tolist()) for c in self.classes)
         groups: dict[tuple[int, int, int], list[RegionRanges]] = {}
         for rr in self.ranges:
             if rr.length.shape[0]:
@@ -88,29 +190,24 @@ class TransferPlan:
                     members.append(rr)
         return tuple(tuple(m) for m in groups.values())
 
-    @classmethod
-    def grouped(
-        cls,
-        ranges: tuple[RegionRanges, ...],
-        local_kernel_blocks: tuple[Int64Array, ...],
-        naive_descriptors: int,
-        shared: tuple[tuple[RegionRanges, ...], ...],
-    ) -> TransferPlan:
-        """A plan whose :attr:`shared` grouping its maker already knows (the planner: one group
-        per geometry class with ranges), so that it is not found again by identity."""
-        plan = cls(ranges, local_kernel_blocks, naive_descriptors)
-        plan.__dict__["shared"] = shared  # what the cached_property would store
-        return plan
-
     @cached_property
     def num_ranges(self) -> int:
-        return sum(r.num_ranges for r in self.ranges)
+        return sum(c.num_ranges for c in self.classes)
 
     @cached_property
     def nbytes(self) -> int:
         # Regions sharing the planner's arrays: each distinct array summed once.
-        return sum(g[0].nbytes * len(g) for g in self.shared)
+        return sum(c.nbytes for c in self.classes)
 
     @property
     def empty(self) -> bool:
         return self.num_ranges == 0
+
+
+def frozen(a: Int64Array) -> Int64Array:
+    """``a``, made read-only (the planner's arrays are shared between plans)."""
+    a.flags.writeable = False
+    return a
+
+
+_EMPTY = frozen(np.zeros(0, dtype=np.int64))

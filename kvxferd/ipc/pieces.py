@@ -90,4 +90,4 @@ def pieces(plan: TransferPlan, piece_bytes: int = MAX_PIECE_BYTES) -> tuple[Rang
 def distinct_ranges(plan: TransferPlan) -> int:
     """The plan's ranges with the arrays regions share counted once: the grouped copy's host
     work (:func:`group_pieces`) handles each shared array once."""
-    return sum(g[0].num_ranges for g in plan.shared)
+    return sum(c.ranges.num_ranges for c in plan.classes)

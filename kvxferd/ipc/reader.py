@@ -199,6 +199,8 @@ class KernelReader:
         time); why not, when they cannot be."""
         try:
             maps = self.cache.get(key, ipc)
+            if self._src is not None and self._src[0] is maps and not maps.closed:
+                return None  # opened and checked already (every pull asks)
             with maps.use() as src:
                 self._regions(maps, src)
         except KvxferdError as err:

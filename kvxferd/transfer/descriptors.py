@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from kvxferd.blocks.ranges import RegionRanges, TransferPlan
+from kvxferd.blocks.ranges import RegionRanges, SharedRanges, TransferPlan
 from kvxferd.errors import BlockRangeError, InvalidRequest
 
 Int64Array = npt.NDArray[np.int64]
@@ -137,36 +137,37 @@ class RunGroup:
         )
 
 
-def _parts(plan: TransferPlan) -> tuple[list[RegionRanges], list[list[RegionRanges]]]:
-    """The plan's non-empty regions, and them grouped by the arrays they share (identity)."""
-    shared = plan.shared
-    for members in shared:
-        if int(members[0].length.min()) <= 0:
-            r = members[0].region
+def _classes(plan: TransferPlan) -> tuple[SharedRanges, ...]:
+    """The plan's non-empty regions grouped by the arrays they share; raises
+    :class:`BlockRangeError` for an empty or negative range."""
+    classes = plan.classes
+    for c in classes:
+        if int(c.ranges.length.min()) <= 0:
+            r = c.ranges.region
             raise BlockRangeError(
                 f"the ranges of region {r} include an empty or negative range",
                 field=f"ranges[{r}].length",
             )
-    if len(shared) == 1:
-        return list(shared[0]), [list(shared[0])]
-    parts = [rr for rr in plan.ranges if rr.length.shape[0]]
-    return parts, [list(m) for m in shared]
+    return classes
 
 
 def run_groups(plan: TransferPlan) -> list[RunGroup] | Runs:
     """The plan's runs, each distinct array coalesced once, as :class:`RunGroup` s; or, when
     the regions share too little for that to pay, every range coalesced in one sort as flat
     :data:`Runs`. Raises :class:`BlockRangeError` for an empty or negative range."""
-    parts, shared = _parts(plan)
-    if 4 * len(shared) > len(parts):
-        return _one_sort(parts, merge=True)
+    classes = _classes(plan)
+    if 4 * len(classes) > sum(int(c.regions.shape[0]) for c in classes):
+        return _one_sort([rr for rr in plan.ranges if rr.length.shape[0]], merge=True)
     out = []
-    for members in shared:
-        one = members[0]
-        lo, ro, ln = coalesce(
-            _int64(one.local_offset), _int64(one.remote_offset), _int64(one.length)
-        )
-        out.append(RunGroup(np.array([m.region for m in members], dtype=np.int64), lo, ro, ln))
+    for c in classes:
+        one = c.ranges
+        if one.coalesced:  # the planner's whole-block runs: already what coalesce returns
+            lo, ro, ln = one.local_offset, one.remote_offset, one.length
+        else:
+            lo, ro, ln = coalesce(
+                _int64(one.local_offset), _int64(one.remote_offset), _int64(one.length)
+            )
+        out.append(RunGroup(c.regions, lo, ro, ln))
     return out
 
 
@@ -209,7 +210,8 @@ def plan_runs(plan: TransferPlan, *, merge: bool = True) -> Runs:
     empty or negative range.
     """
     if not merge:
-        return _one_sort(_parts(plan)[0], merge=False)
+        _classes(plan)  # the ranges' check
+        return _one_sort([rr for rr in plan.ranges if rr.length.shape[0]], merge=False)
     runs = run_groups(plan)
     return runs if isinstance(runs, tuple) else flatten(runs)
 

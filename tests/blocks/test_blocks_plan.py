@@ -26,6 +26,7 @@ from kvxferd.blocks import kv_head_range, plan_pull
 from kvxferd.errors import InvalidRequest
 from kvxferd.layout.dtypes import KVDType
 from kvxferd.layout.spec import KVCacheSpec, Layout, Region
+from kvxferd.transfer.descriptors import coalesce
 
 U8 = npt.NDArray[np.uint8]
 
@@ -169,6 +170,31 @@ def _tp_spec(count: int, layers: int, n: int) -> KVCacheSpec:
         dtype=KVDType.FP32,
     )
     return spec([group("fa", FA, 2, kernel=T)], [reg])
+
+
+@PROPS
+@given(st.integers(1, 4), st.integers(0, 16), st.booleans(), st.data())
+def test_ranges_marked_coalesced_are_what_coalescing_gives(
+    ppl: int, pad: int, prefix: bool, data: st.DataObject
+) -> None:
+    """RegionRanges.coalesced (the planner's whole-block runs, whose coalescing DIRECT and
+    KERNEL skip): sorted by local offset, and coalescing them changes nothing; the hybrid
+    preset with and without padded strides, so that both kinds of region are planned."""
+    n = 12
+    s = _hybrid(ppl, n, stride_pad=pad)
+    perm = st.permutations(range(n))
+    r_ids = [data.draw(perm)[: data.draw(st.integers(0, 8))] for _ in range(2)]
+    l_ids = [data.draw(perm)[: len(r)] for r in r_ids]
+    r_ids.append([data.draw(st.integers(0, n - 1))])
+    l_ids.append([data.draw(st.integers(0, n - 1))])
+    tp = plan_pull(s, s, l_ids, r_ids, prefix_caching=prefix).per_rank[0]
+    marked = [rr for rr in tp.ranges if rr.coalesced]
+    if pad == 0 and any(len(r) for r in r_ids[:2]):
+        assert marked  # an attention region with whole, unpadded blocks was planned
+    for rr in marked:
+        got = coalesce(rr.local_offset, rr.remote_offset, rr.length)
+        for a, b in zip(got, (rr.local_offset, rr.remote_offset, rr.length), strict=True):
+            np.testing.assert_array_equal(a, b)
 
 
 @PROPS

@@ -141,11 +141,22 @@ def test_the_plans_shared_groups_cover_every_nonempty_region_once(
         assert len(set(firsts)) == len(firsts)
         assert [g[0].region for g in groups] == sorted(g[0].region for g in groups)
         assert part.nbytes == sum(int(rr.length.sum()) for rr in part.ranges)
-        # The planner hands its grouping over (TransferPlan.grouped): the one found by identity.
+        # The planner hands its classes over (TransferPlan.of_classes): the ones found by
+        # identity in a plan made from the same ranges, with the same sizes.
         found = TransferPlan(part.ranges, part.local_kernel_blocks, part.naive_descriptors)
         assert [[rr.region for rr in g] for g in groups] == [
             [rr.region for rr in g] for g in found.shared
         ]
+        assert [c.regions.tolist() for c in part.classes] == [
+            c.regions.tolist() for c in found.classes
+        ]
+        assert (part.nbytes, part.num_ranges) == (found.nbytes, found.num_ranges)
+        assert part.num_ranges == sum(rr.num_ranges for rr in part.ranges)
+        # Every region of the pool is listed, region i at index i under its own name.
+        assert [(rr.region, rr.name) for rr in part.ranges] == [
+            (i, r.name) for i, r in enumerate(local.regions)
+        ]
+        assert all(not c.regions.flags.writeable for c in part.classes)
 
 
 def test_a_region_sharing_anothers_arrays_is_an_ordinary_frozen_record() -> None:
@@ -160,3 +171,19 @@ def test_a_region_sharing_anothers_arrays_is_an_ordinary_frozen_record() -> None
     assert repr(other) == repr(RegionRanges(7, "layer.7", *_arrays(first)))
     with pytest.raises(AttributeError):
         other.name = "x"  # type: ignore[misc]
+
+
+def test_a_planned_pull_builds_its_per_region_ranges_only_when_asked() -> None:
+    """The hot paths (sizes, KERNEL pieces, DIRECT's runs) read the classes; the per-region
+    ranges of a 32-layer plan are built once, on first use, and the plan cannot be changed."""
+    from kvxferd.transfer.descriptors import run_groups
+
+    local = preset("dense:num_blocks=64")
+    part = plan_pull(local, local, [[1, 2, 9]], [[4, 5, 6]], prefix_caching=False).per_rank[0]
+    assert part.nbytes > 0 and part.num_ranges == 2 * len(local.regions) and not part.empty
+    groups = run_groups(part)
+    assert isinstance(groups, list) and groups[0].regions is part.classes[0].regions
+    assert "ranges" not in part.__dict__
+    assert part.ranges is part.ranges and len(part.ranges) == len(local.regions)
+    with pytest.raises(AttributeError, match="immutable"):
+        part.naive_descriptors = 0  # type: ignore[misc]
