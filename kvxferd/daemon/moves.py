@@ -262,11 +262,11 @@ class Mover:
 def account(metrics: Metrics, rec: PullRecord, seconds: float) -> None:
     """A finished pull: its metrics and its one INFO line."""
     m = metrics
-    m.transfers.labels(rec.state.value, rec.strategy).inc()
-    m.transfer_seconds.labels(rec.state.value).observe(seconds)
+    m.child(m.transfers, rec.state.value, rec.strategy).inc()
+    m.child(m.transfer_seconds, rec.state.value).observe(seconds)
     if rec.state is PullState.DONE:
         for stage, sec in rec.stages:
-            m.pull_stage_seconds.labels(stage).observe(sec)
+            m.child(m.pull_stage_seconds, stage).observe(sec)
         m.observe_strategy(rec.strategy, rec.nbytes, rec.stage_times)
         m.transfer_bytes.labels(rec.peer_address).inc(rec.nbytes)
         m.transfer_size_bytes.observe(rec.nbytes)

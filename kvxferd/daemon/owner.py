@@ -73,7 +73,8 @@ class Owner:
             if held is None:
                 continue  # not held through this daemon (cannot happen; be safe)
             release = Release(rel.request_id, rel.reason, held.logical_ids)
-            self.p.metrics.lease_releases.labels(rel.reason.value).inc()
+            m = self.p.metrics
+            m.child(m.lease_releases, rel.reason.value).inc()
             # Read as asked: the hold was this request's INFO line. Anything else stands out.
             log.log(
                 logging.DEBUG if rel.reason is ReleaseReason.DONE else logging.INFO,

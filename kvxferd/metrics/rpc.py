@@ -37,10 +37,10 @@ _Behavior = Callable[..., Any]
 
 def observe_served(m: Metrics, service: str, method: str, code: str, t0: float | None) -> None:
     """One call a server answered (``t0``: when it started, None for a stream: not timed)."""
-    m.rpcs.labels(service, method, code).inc()
+    m.child(m.rpcs, service, method, code).inc()
     if t0 is not None:
         seconds = time.perf_counter() - t0
-        m.rpc_seconds.labels(service, method).observe(seconds)
+        m.child(m.rpc_seconds, service, method).observe(seconds)
         if service == "kvxferd.v1.Peer" and method == "Handshake":
             m.handshake_seconds.labels("server").observe(seconds)
 
@@ -48,8 +48,8 @@ def observe_served(m: Metrics, service: str, method: str, code: str, t0: float |
 def observe_peer_call(m: Metrics, method: str, code: str, t0: float) -> None:
     """One call this daemon made to a peer's Peer service, started at ``t0``."""
     seconds = time.perf_counter() - t0
-    m.peer_rpcs.labels(method, code).inc()
-    m.peer_rpc_seconds.labels(method).observe(seconds)
+    m.child(m.peer_rpcs, method, code).inc()
+    m.child(m.peer_rpc_seconds, method).observe(seconds)
     if method == "Handshake":
         m.handshake_seconds.labels("client").observe(seconds)
 

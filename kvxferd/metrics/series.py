@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import platform
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata as importlib_metadata
+from typing import Any, TypeVar, cast
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -35,6 +36,8 @@ from kvxferd.metrics.values import (
     TERMINAL_STATES,
 )
 from kvxferd.staging.stats import StageTimes
+
+M = TypeVar("M", Counter, Histogram)
 
 
 @dataclass(frozen=True)
@@ -66,10 +69,23 @@ class Metrics:
     peer_labels: PeerLabels
     registry: CollectorRegistry
     scrape_start: ScrapeStart
+    _children: dict[tuple[int, tuple[str, ...]], Any] = field(
+        default_factory=dict, repr=False, compare=False
+    )
+
+    def child(self, metric: M, *values: str) -> M:
+        """``metric.labels(*values)``, looked up once per label set: prometheus_client checks
+        and locks on every ``labels`` call, and a pull updates a dozen series. Only for the
+        series here whose children are never removed (not the per-peer ones)."""
+        key = (id(metric), values)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*values)
+        return cast(M, found)
 
     def observe_strategy(self, strategy: str, nbytes: int, times: StageTimes | None) -> None:
         """A completed pull's bytes by strategy; for STAGED, its chunks and stage times."""
-        self.strategy_bytes.labels(strategy).inc(nbytes)
+        self.child(self.strategy_bytes, strategy).inc(nbytes)
         if times is None:
             return
         self.staged_chunks.observe(times.chunks)

@@ -110,3 +110,19 @@ def test_every_kvxferd_gauge_is_read_from_live_state_at_scrape_time() -> None:
     assert "kvxferd_registered_bytes 4096.0" in text
     assert "kvxferd_staging_ring_bytes 512.0" in text
     assert "kvxferd_pool_generation 7.0" in text
+
+
+def test_a_series_child_is_looked_up_once_and_counts_in_the_registry() -> None:
+    """Metrics.child (the hot paths' labels): the very child ``labels`` gives, found once per
+    label set and metric, and what it counts is what a scrape shows."""
+    registry = CollectorRegistry()
+    m = Metrics.create(registry, process=False)
+    done = m.child(m.transfers, "DONE", "KERNEL")
+    assert done is m.transfers.labels("DONE", "KERNEL") is m.child(m.transfers, "DONE", "KERNEL")
+    assert m.child(m.transfers, "FAILED", "KERNEL") is not done
+    assert m.child(m.peer_rpcs, "DONE", "KERNEL") is not done  # another metric, same values
+    done.inc(2)
+    m.child(m.peer_rpc_seconds, "ConfirmLease").observe(0.001)
+    text = _text(registry)
+    assert 'kvxferd_transfers_total{state="DONE",strategy="KERNEL"} 2.0' in text
+    assert 'kvxferd_peer_rpc_duration_seconds_count{method="ConfirmLease"} 1.0' in text
