@@ -36,7 +36,10 @@ class PullState(enum.Enum):
 
     @property
     def terminal(self) -> bool:
-        return self in (PullState.DONE, PullState.FAILED, PullState.CANCELLED, PullState.EXPIRED)
+        return self in _TERMINAL
+
+
+_TERMINAL = frozenset((PullState.DONE, PullState.FAILED, PullState.CANCELLED, PullState.EXPIRED))
 
 
 @dataclass(frozen=True)

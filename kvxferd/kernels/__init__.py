@@ -118,7 +118,8 @@ def prepare_copy(
     the launch needs, so that :func:`run_copy` does nothing but launch: a KERNEL pull prepares
     while its lease confirmation is in flight and launches once it succeeded."""
     d = Regions.of("dst", dst)
-    return check_copy(d, src, pieces, tables=bool(len(d)) and _use_cuda(d.tensors[0]))
+    cuda = bool(len(d)) and d.device.type == "cuda"  # the device read once, with the regions
+    return check_copy(d, src, pieces, tables=cuda and active_backend().name is BackendName.CUDA)
 
 
 def run_copy(

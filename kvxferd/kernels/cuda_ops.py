@@ -32,8 +32,8 @@ def _raise_if(err: str) -> None:
         raise InvalidRequest(err, fix="check the regions, block IDs and staging buffer")
 
 
-def _require_cuda(staging: torch.Tensor, op: str) -> None:
-    if staging.device.type != "cuda":
+def _require_cuda(device: torch.device, op: str) -> None:
+    if device.type != "cuda":
         raise InvalidRequest(f"{op}: the CUDA kernels need CUDA tensors", field="staging")
 
 
@@ -46,7 +46,7 @@ def gather_blocks(
 ) -> torch.Tensor:
     """Copy block ``ids[i]`` of every region into staging row ``i`` of ``out``; returns ``out``."""
     c = check_call(regions, block_ids, out, permute, op="gather_blocks", unique=False)
-    _require_cuda(out, "gather_blocks")
+    _require_cuda(out.device, "gather_blocks")
     args = permute.kernel_args() if permute is not None else []
     _raise_if(cuda_ops().gather_blocks(list(regions), c.ids, out, args))
     return out
@@ -61,7 +61,7 @@ def scatter_blocks(
 ) -> None:
     """Copy staging row ``i`` into block ``ids[i]`` of every region (IDs must not repeat)."""
     c = check_call(regions, block_ids, staging, permute, op="scatter_blocks", unique=True)
-    _require_cuda(staging, "scatter_blocks")
+    _require_cuda(staging.device, "scatter_blocks")
     args = permute.kernel_args() if permute is not None else []
     _raise_if(cuda_ops().scatter_blocks(list(regions), c.ids, staging, args))
 
@@ -74,7 +74,7 @@ def vector_width(
     permute: KVPermute | None = None,
 ) -> int:
     """Bytes per load/store the kernel would use for this call (16 when all is aligned)."""
-    _require_cuda(staging, "vector_width")
+    _require_cuda(staging.device, "vector_width")
     c = check_call(regions, block_ids, staging, permute, op="vector_width", unique=False)
     args = permute.kernel_args() if permute is not None else []
     return int(cuda_ops().vector_width(list(regions), c.ids, staging, args))
@@ -109,7 +109,7 @@ def run_copy(
     """Launch a copy :func:`check_copy` checked and built the tables of: one launch per table
     on ``stream`` (a ``cudaStream_t`` as an integer, ``torch.cuda.Stream.cuda_stream``; 0 for
     the current stream of the destination's device); no host work but the launches."""
-    _require_cuda(c.dst.tensors[0], "copy_ranges")
+    _require_cuda(c.dst.device, "copy_ranges")  # the device the regions were checked on
     if not c.cuda:
         raise InvalidRequest("run_copy: the copy was prepared for the twin (no launch tables)")
     like = c.dst.tensors[0]

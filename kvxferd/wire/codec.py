@@ -14,6 +14,7 @@ from typing import TypeVar
 import numpy as np
 import numpy.typing as npt
 
+from kvxferd.blocks.bounds import SMALL_IDS
 from kvxferd.errors import InvalidRequest, KvxferdError, SpecError
 from kvxferd.layout.dtypes import KVDType
 from kvxferd.layout.spec import GroupKind, KVCacheSpec, KVGroup, Layout, MemoryType, Region
@@ -162,7 +163,16 @@ def group_ids_to_proto(
 
 
 def group_ids_from_proto(msg: common_pb2.GroupBlockIds) -> list[npt.NDArray[np.int64]]:
-    return [np.asarray(g.ids, dtype=np.int64) for g in msg.groups]
+    return [_ids_array(g.ids) for g in msg.groups]
+
+
+def _ids_array(ids: Sequence[int]) -> npt.NDArray[np.int64]:
+    """A repeated int64 field as an array. A short one through a list (its slice, one C
+    call): NumPy's discovery of the protobuf container costs more than the copy (~2 vs ~0.9
+    µs for 16 IDs)."""
+    if len(ids) <= SMALL_IDS:
+        return np.array(ids[:], dtype=np.int64)
+    return np.asarray(ids, dtype=np.int64)
 
 
 def require(cond: bool, message: str, field: str, fix: str = "") -> None:
