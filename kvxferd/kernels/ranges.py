@@ -15,7 +15,7 @@ twin (:mod:`kvxferd.kernels.twin`) slices tensors.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
 
 import numpy as np
@@ -118,6 +118,26 @@ class Regions:
     base: Int64Array
     size: Int64Array
     device: torch.device
+    # Facts about read-only region-index arrays (the planner shares one per geometry class
+    # between pulls), by id; each entry keeps its array, so the id stays its own.
+    facts: dict[int, tuple[Int64Array, int, int, int]] = field(
+        default_factory=dict, repr=False, compare=False
+    )
+
+    def among(self, r: Int64Array) -> tuple[int, int, int]:
+        """``(lowest, highest, smallest)`` of the region indices ``r`` (non-empty): the lowest
+        and highest index, and the index of the smallest of those regions here (which must
+        exist). Worked out once for a read-only ``r``."""
+        hit = self.facts.get(id(r))
+        if hit is not None and hit[0] is r:
+            return hit[1], hit[2], hit[3]
+        low, high = int(r.min()), int(r.max())
+        small = int(r[int(np.argmin(self.size[r]))]) if low >= 0 and high < len(self) else -1
+        if not r.flags.writeable:
+            if len(self.facts) >= _MAX_FACTS:
+                self.facts.pop(next(iter(self.facts)))
+            self.facts[id(r)] = (r, low, high, small)
+        return low, high, small
 
     def __len__(self) -> int:
         return len(self.tensors)
@@ -149,6 +169,7 @@ class Regions:
 
 
 RegionsLike = Sequence[torch.Tensor] | Regions
+_MAX_FACTS = 64
 
 
 def check_ranges(dst: RegionsLike, src: RegionsLike, rc: RangeCopy) -> tuple[Regions, Regions]:
@@ -208,23 +229,23 @@ def check_groups(
     for k, g in enumerate(groups):
         if not g.pieces:
             continue
-        r = g.regions
-        if int(r.min()) < 0 or int(r.max()) >= len(d):
+        first, last, _ = d.among(g.regions)
+        if first < 0 or last >= len(d):
             raise BlockRangeError(
-                f"copy_ranges: group {k} names region {int(r.max())} of {len(d)}",
+                f"copy_ranges: group {k} names region {last} of {len(d)}",
                 field="ranges",
             )
         if int(g.length.min()) <= 0:
             raise BlockRangeError(
                 f"copy_ranges: a piece of group {k} is empty or negative", field="ranges"
             )
-        for name, off, size in (("dst", g.dst_offset, d.size), ("src", g.src_offset, s.size)):
+        for name, off, side in (("dst", g.dst_offset, d), ("src", g.src_offset, s)):
             low, end = int(off.min()), int((off + g.length).max())
-            small = int(np.argmin(size[r]))
-            if low < 0 or end > int(size[r[small]]):
+            small = side.among(g.regions)[2]
+            if low < 0 or end > int(side.size[small]):
                 raise BlockRangeError(
                     f"copy_ranges: group {k} reads bytes [{low}, {end}) of {name} regions,"
-                    f" but {name} region {int(r[small])} has {int(size[r[small]])} bytes",
+                    f" but {name} region {small} has {int(side.size[small])} bytes",
                     field="ranges",
                     fix="the peer's regions changed: re-handshake (its generation) and plan again",
                 )

@@ -279,6 +279,15 @@ class _Answers(asyncio.Protocol):
         return self.transport is not None and not self.transport.is_closing()
 
 
+class _Expired(Exception):
+    """A call's deadline passed before its answer came."""
+
+
+def _expire(fut: asyncio.Future[bytes]) -> None:
+    if not fut.done():
+        fut.set_exception(_Expired())
+
+
 class LocalTransport:
     """A :class:`~kvxferd.wire.peer_client.Transport` over the owner's Unix socket: one
     connection, opened on first use and again after it breaks; calls are multiplexed by ID.
@@ -334,19 +343,24 @@ class LocalTransport:
                 grpc.StatusCode.UNAVAILABLE, f"cannot connect to {self.path}: {exc}", ()
             ) from exc
         call_id = next(self._ids) & 0xFFFFFFFF
-        fut: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[bytes] = loop.create_future()
         conn.waiting[call_id] = fut
         assert conn.transport is not None
         conn.transport.write(request_frame(call_id, method, metadata, timeout, request))
+        # The deadline fails the answer's future itself (a timer, not asyncio.timeout: half
+        # the cost, and nothing to undo when the answer comes first).
+        timer = loop.call_at(loop.time() + timeout, _expire, fut)
         try:
-            async with asyncio.timeout(timeout):  # awaits the answer itself: no wrapping future
-                body = await fut
-        except TimeoutError:
+            body = await fut
+        except _Expired:
             self._cancel(conn, call_id)
             raise RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", ()) from None
         except asyncio.CancelledError:
             self._cancel(conn, call_id)
             raise
+        finally:
+            timer.cancel()
         return answer_message(body, types[1])
 
     def current(self, connection: int) -> bool:

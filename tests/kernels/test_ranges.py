@@ -149,3 +149,32 @@ def test_a_group_copies_what_its_flat_pieces_copy(rc: RangeCopy, regions: list[i
         n, k = int(g.length.size), len(regions)
         assert table.numel() == 3 * n + 2 * k  # the runs once, then each region's two bases
         assert table[3 * n :].view(k, 2)[:, 0].tolist() == [got[r].data_ptr() for r in regions]
+
+
+def test_group_checks_stay_exact_when_the_regions_array_is_reused() -> None:
+    """check_groups works out a read-only regions array's smallest region once per side
+    (Regions.among: the planner shares one array between pulls); every pull's offsets are
+    still checked, and a writable array is looked at afresh each time."""
+    dst, src = Regions.of("dst", _regions(1)), Regions.of("src", _regions(2))
+    shared = np.array([0, 2], dtype=np.int64)
+    shared.setflags(write=False)
+
+    def group(regions: np.ndarray, end: int) -> GroupCopy:
+        one = np.array([end - 8], dtype=np.int64)
+        return GroupCopy(regions, one, one.copy(), np.array([8], dtype=np.int64))
+
+    check_groups(dst, src, [group(shared, SIZES[2])])  # region 2 is the smaller of 0 and 2
+    with pytest.raises(BlockRangeError, match="region 2 has 2048 bytes"):
+        check_groups(dst, src, [group(shared, SIZES[2] + 8)])
+    assert dst.among(shared) == (0, 2, 2) and id(shared) in dst.facts
+    mutable = np.array([0, 2], dtype=np.int64)
+    check_groups(dst, src, [group(mutable, SIZES[2])])
+    mutable[1] = 1  # now region 1 (1,000 bytes) is the smallest
+    with pytest.raises(BlockRangeError, match="region 1 has 1000 bytes"):
+        check_groups(dst, src, [group(mutable, SIZES[2])])
+    assert id(mutable) not in dst.facts
+    for _ in range(100):  # bounded however many arrays come by
+        a = np.array([0], dtype=np.int64)
+        a.setflags(write=False)
+        dst.among(a)
+    assert len(dst.facts) <= 64
