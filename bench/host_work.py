@@ -15,50 +15,19 @@ import argparse
 import random
 import statistics
 import time
-from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 from kvxferd.blocks import plan_pull
 from kvxferd.ipc.mapping import MappingCache
-from kvxferd.ipc.publish import IpcPool
 from kvxferd.ipc.reader import KernelReader
 from kvxferd.ipc.transport import classify
 from kvxferd.layout.presets import preset
-from kvxferd.layout.spec import KVCacheSpec, MemoryType
+from kvxferd.layout.spec import MemoryType
 from kvxferd.pool import KVPool
-from kvxferd.staging.facts import PairFacts
 from kvxferd.staging.setup import IpcSide, Staging, decide
 from kvxferd.staging.strategy import CostModel, Mode
-from tests.ipc.fakes import FakeHost, export_pool, ordinal_of
-
-
-@dataclass
-class _Info:
-    spec: KVCacheSpec
-    tp_rank: int = 0
-    tp_size: int = 1
-
-
-@dataclass
-class _Remote:  # the handshaken peer, as decide() and kernel_ready() read it
-    info: _Info
-    regions: np.ndarray
-    ipc: IpcPool
-    host_id: str = "host"
-    kernel_only: str = ""
-    facts: PairFacts = field(default_factory=PairFacts)
-
-    @property
-    def key(self) -> tuple[str, str, int]:
-        return "owner", "instance", 1
-
-
-@dataclass
-class _Link:
-    remote: _Remote
-    transport: Any
+from tests.ipc.fakes import FakeHost, FakeInfo, FakeLink, FakeRemote, export_pool, ordinal_of
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     rows = np.array([[1 << 20, r.nbytes, 0] for r in spec.regions], dtype=np.int64)
     fast = classify(local_vram=True, remote_vram=True, same_host=True, gbps=300.0)
-    link = _Link(_Remote(_Info(spec), rows, export_pool(fakes, owner, "owner")), fast)
+    remote = FakeRemote(FakeInfo(spec), rows, "host", export_pool(fakes, owner, "owner"))
+    link = FakeLink(remote, fast)
     n_blocks = spec.num_kernel_blocks(0)
     rng = random.Random(1)
 

@@ -10,12 +10,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kvxferd.errors import SpecError
 from kvxferd.ipc.publish import IpcPool, IpcRegion
 from kvxferd.ipc.reader import region_bytes
+from kvxferd.ipc.transport import TransportReport
+from kvxferd.layout.spec import KVCacheSpec
 from kvxferd.pool import KVPool
+from kvxferd.staging.facts import PairFacts
 
 UUID = "GPU-00000000-1111-2222-3333-444444444444"
 
@@ -79,3 +83,40 @@ def export_pool(host: FakeHost, pool: KVPool, tag: str) -> IpcPool:
 
 def ordinal_of(uuid: str) -> int | None:
     return 0 if uuid == UUID else None
+
+
+@dataclass
+class FakeInfo:
+    """A handshaken peer's info, as the strategy decision reads it."""
+
+    spec: KVCacheSpec
+    tp_rank: int = 0
+    tp_size: int = 1
+
+
+@dataclass
+class FakeRemote:
+    """A handshaken peer (:class:`kvxferd.daemon.peers.RemoteDescription`), as ``decide`` and
+    ``Staging.kernel_ready`` read it."""
+
+    info: FakeInfo
+    regions: np.ndarray
+    host_id: str
+    ipc: IpcPool | None
+    agent_name: str = "owner"
+    instance_id: str = "i1"
+    generation: int = 1
+    kernel_only: str = ""
+    facts: PairFacts = field(default_factory=PairFacts)
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        return self.agent_name, self.instance_id, self.generation
+
+
+@dataclass
+class FakeLink:
+    """A peer link (:class:`kvxferd.daemon.peers.PeerLink`): the peer and its probed transport."""
+
+    remote: FakeRemote
+    transport: TransportReport | None

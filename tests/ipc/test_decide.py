@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import numpy as np
@@ -19,52 +18,21 @@ from kvxferd.daemon.pulls import PullBook, PullRequest
 from kvxferd.daemon.receiver import PushReceiver
 from kvxferd.errors import SlowTransport
 from kvxferd.ipc.mapping import MappingCache
-from kvxferd.ipc.publish import IpcPool
 from kvxferd.ipc.reader import KernelReader, ReadyPull
 from kvxferd.ipc.transport import TransportReport, classify
 from kvxferd.layout.presets import preset
-from kvxferd.layout.spec import KVCacheSpec, MemoryType
+from kvxferd.layout.spec import MemoryType
 from kvxferd.pool import KVPool
 from kvxferd.staging.facts import PairFacts
 from kvxferd.staging.setup import IpcSide, Staging, decide
 from kvxferd.staging.strategy import CostModel, Mode, Strategy
 from kvxferd.transfer.state import TransferStatus
-from tests.ipc.fakes import FakeHost, export_pool, ordinal_of
+from tests.ipc.fakes import FakeHost, FakeInfo, FakeLink, FakeRemote, export_pool, ordinal_of
 
 TEXT = "dense:num_blocks=16,num_layers=2,num_kv_heads=1,head_size=16,block_size=4"
 SPEC = preset(TEXT).with_memory(MemoryType.VRAM)
 SLOW = classify(local_vram=True, remote_vram=True, same_host=True, gbps=0.4)
 FAST = classify(local_vram=True, remote_vram=True, same_host=True, gbps=300.0)
-
-
-@dataclass
-class _Info:
-    spec: KVCacheSpec
-    tp_rank: int = 0
-    tp_size: int = 1
-
-
-@dataclass
-class _Remote:
-    info: _Info
-    regions: np.ndarray
-    host_id: str
-    ipc: IpcPool | None
-    agent_name: str = "owner"
-    instance_id: str = "i1"
-    generation: int = 1
-    kernel_only: str = ""
-    facts: PairFacts = field(default_factory=PairFacts)
-
-    @property
-    def key(self) -> tuple[str, str, int]:
-        return self.agent_name, self.instance_id, self.generation
-
-
-@dataclass
-class _Link:
-    remote: _Remote
-    transport: TransportReport | None
 
 
 def _setup(
@@ -74,7 +42,7 @@ def _setup(
     allow: bool = False,
     fail: str = "",
     mode: Mode = Mode.AUTO,
-) -> tuple[Staging, _Link, FakeHost]:
+) -> tuple[Staging, FakeLink, FakeHost]:
     owner = KVPool.allocate(preset(TEXT))
     reader = KVPool.allocate(preset(TEXT))
     fh = FakeHost(fail=fail)
@@ -89,12 +57,12 @@ def _setup(
         kernel=kernel,
     )
     rows = np.array([[1 << 20, SPEC.regions[0].nbytes, 0]] * len(SPEC.regions), dtype=np.int64)
-    link = _Link(_Remote(_Info(SPEC), rows, host, ipc), transport)
+    link = FakeLink(FakeRemote(FakeInfo(SPEC), rows, host, ipc), transport)
     return staging, link, fh
 
 
 def _decide(  # type: ignore[no-untyped-def]
-    staging: Staging, link: _Link, n: int = 4, plan: PullPlan | None = None
+    staging: Staging, link: FakeLink, n: int = 4, plan: PullPlan | None = None
 ):
     if plan is None:
         plan = plan_pull(

@@ -27,8 +27,8 @@ from kvxferd.staging.setup import IpcSide, Staging
 from kvxferd.staging.strategy import Mode, Strategy
 from kvxferd.transfer.state import TransferResult, TransferStatus
 from kvxferd.v1 import peer_pb2
-from tests.ipc.fakes import UUID, export_pool, handle
-from tests.ipc.test_decide import SPEC, TEXT, _decide, _Link, _setup
+from tests.ipc.fakes import UUID, FakeLink, export_pool, handle
+from tests.ipc.test_decide import SPEC, TEXT, _decide, _setup
 from tests.service.raw_peer import describe
 
 VRAM = MemoryType.VRAM
@@ -190,7 +190,7 @@ def test_a_reader_that_cannot_use_kernel_is_refused_at_start_pull(
     _refuses(ei, "KERNEL pulls only", needle, "mode='owned'")
 
 
-def _pull(staging: Staging, link: _Link, remote: object) -> TransferResult:
+def _pull(staging: Staging, link: FakeLink, remote: object) -> TransferResult:
     """Decide against ``link`` (what the reader handshook), then run the KERNEL pull against
     ``remote`` (the owner as the lease confirmation found it)."""
     plan = plan_pull(SPEC, SPEC, [[0, 1]], [[8, 9]], prefix_caching=False)
