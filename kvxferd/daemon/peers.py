@@ -336,7 +336,11 @@ class PeerDirectory:
             return "grpc"
         await link.client.use_local(self._local(path))
         try:
-            resp = await self.heartbeat(link, [], 0, min(self._timeout_s, 1.0))
+            # The whole handshake timeout: the peer has just answered the handshake, so a slow
+            # answer here is a loaded host, not a dead peer (a stale socket fails to connect at
+            # once), and giving up would keep this link off the socket and CMA until the next
+            # handshake (a 1 s cap did, on a loaded 2-core machine).
+            resp = await self.heartbeat(link, [], 0, self._timeout_s)
             if link.client.local is None:  # it could not connect: the call went over gRPC
                 why = f"cannot connect to {path}"
             elif resp.instance_id == remote.instance_id:
