@@ -69,8 +69,8 @@ __all__ = [
 ]
 
 
-def _use_cuda(staging: torch.Tensor) -> bool:
-    return staging.device.type == "cuda" and active_backend().name is BackendName.CUDA
+def _use_cuda(device: torch.device) -> bool:
+    return device.type == "cuda" and active_backend().name is BackendName.CUDA
 
 
 def gather_blocks(
@@ -87,7 +87,7 @@ def gather_blocks(
     ``out``: contiguous uint8, exactly ``len(block_ids) * row_bytes(regions)`` bytes. Runs the
     CUDA kernels for CUDA tensors when :func:`active_backend` says so, else the twin.
     """
-    if _use_cuda(out):
+    if _use_cuda(out.device):
         from kvxferd.kernels import cuda_ops
 
         return cuda_ops.gather_blocks(regions, block_ids, out, permute=permute)
@@ -103,7 +103,7 @@ def scatter_blocks(
 ) -> None:
     """Copy staging row ``i`` into block ``ids[i]`` of every region (the reverse of
     :func:`gather_blocks`; IDs must not repeat)."""
-    if _use_cuda(staging):
+    if _use_cuda(staging.device):
         from kvxferd.kernels import cuda_ops
 
         cuda_ops.scatter_blocks(regions, block_ids, staging, permute=permute)
@@ -118,8 +118,8 @@ def prepare_copy(
     the launch needs, so that :func:`run_copy` does nothing but launch: a KERNEL pull prepares
     while its lease confirmation is in flight and launches once it succeeded."""
     d = Regions.of("dst", dst)
-    cuda = bool(len(d)) and d.device.type == "cuda"  # the device read once, with the regions
-    return check_copy(d, src, pieces, tables=cuda and active_backend().name is BackendName.CUDA)
+    # The device the regions were checked on (read once, with them), not each tensor's.
+    return check_copy(d, src, pieces, tables=bool(len(d)) and _use_cuda(d.device))
 
 
 def run_copy(

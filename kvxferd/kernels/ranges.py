@@ -229,7 +229,7 @@ def check_groups(
     for k, g in enumerate(groups):
         if not g.pieces:
             continue
-        first, last, _ = d.among(g.regions)
+        first, last, d_small = d.among(g.regions)
         if first < 0 or last >= len(d):
             raise BlockRangeError(
                 f"copy_ranges: group {k} names region {last} of {len(d)}",
@@ -239,9 +239,12 @@ def check_groups(
             raise BlockRangeError(
                 f"copy_ranges: a piece of group {k} is empty or negative", field="ranges"
             )
-        for name, off, side in (("dst", g.dst_offset, d), ("src", g.src_offset, s)):
+        s_small = s.among(g.regions)[2]
+        for name, off, side, small in (
+            ("dst", g.dst_offset, d, d_small),
+            ("src", g.src_offset, s, s_small),
+        ):
             low, end = int(off.min()), int((off + g.length).max())
-            small = side.among(g.regions)[2]
             if low < 0 or end > int(side.size[small]):
                 raise BlockRangeError(
                     f"copy_ranges: group {k} reads bytes [{low}, {end}) of {name} regions,"

@@ -151,13 +151,18 @@ def _classes(plan: TransferPlan) -> tuple[SharedRanges, ...]:
     return classes
 
 
+def _nonempty(plan: TransferPlan) -> list[RegionRanges]:
+    """The plan's regions that read something, each with its own ranges."""
+    return [rr for rr in plan.ranges if rr.length.shape[0]]
+
+
 def run_groups(plan: TransferPlan) -> list[RunGroup] | Runs:
     """The plan's runs, each distinct array coalesced once, as :class:`RunGroup` s; or, when
     the regions share too little for that to pay, every range coalesced in one sort as flat
     :data:`Runs`. Raises :class:`BlockRangeError` for an empty or negative range."""
     classes = _classes(plan)
     if 4 * len(classes) > sum(int(c.regions.shape[0]) for c in classes):
-        return _one_sort([rr for rr in plan.ranges if rr.length.shape[0]], merge=True)
+        return _one_sort(_nonempty(plan), merge=True)
     out = []
     for c in classes:
         one = c.ranges
@@ -211,7 +216,7 @@ def plan_runs(plan: TransferPlan, *, merge: bool = True) -> Runs:
     """
     if not merge:
         _classes(plan)  # the ranges' check
-        return _one_sort([rr for rr in plan.ranges if rr.length.shape[0]], merge=False)
+        return _one_sort(_nonempty(plan), merge=False)
     runs = run_groups(plan)
     return runs if isinstance(runs, tuple) else flatten(runs)
 
