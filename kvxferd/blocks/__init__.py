@@ -21,8 +21,8 @@ from __future__ import annotations
 from kvxferd.blocks.bounds import DEFAULT_MAX_IDS, check_block_ids
 from kvxferd.blocks.coalesce import Runs, coalesce, find_runs, region_ranges
 from kvxferd.blocks.expand import expand_group, kernel_to_logical, logical_to_kernel
-from kvxferd.blocks.plan import PullPlan, plan_pull
-from kvxferd.blocks.ranges import RegionRanges, TransferPlan
+from kvxferd.blocks.plan import plan_pull
+from kvxferd.blocks.ranges import PullPlan, RegionRanges, TransferPlan
 from kvxferd.blocks.tp import (
     RankSegments,
     head_sources,

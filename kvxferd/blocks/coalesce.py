@@ -14,6 +14,7 @@ over a short list (:data:`SMALL_PAIRS`), where a loop costs less than the NumPy 
 from __future__ import annotations
 
 import itertools
+import operator
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,26 +70,35 @@ pull's usual few dozen blocks, the twenty NumPy calls of the vectorised form cos
 
 def _small_runs(loc: Int64Array, rem: Int64Array) -> Runs:
     """:func:`find_runs` of a short, non-empty pair list, on Python ints: the same stable sort by
-    local ID and the same runs (tests/blocks check both forms agree)."""
+    local ID and the same runs, found in one pass (tests/blocks check both forms agree)."""
     lv, rv = loc.tolist(), rem.tolist()
-    n = len(lv)
     if any(b <= a for a, b in itertools.pairwise(lv)):
-        order = sorted(range(n), key=lv.__getitem__)  # stable, as _sort_order
-        lv = [lv[i] for i in order]
-        rv = [rv[i] for i in order]
+        pairs = sorted(zip(lv, rv, strict=True), key=_first)  # stable, as _sort_order
+        lv, rv = [p[0] for p in pairs], [p[1] for p in pairs]
         loc, rem = np.array(lv, dtype=np.int64), np.array(rv, dtype=np.int64)
-    starts = [0]
-    for i in range(1, n):
-        if lv[i] - lv[i - 1] != 1 or rv[i] - rv[i - 1] != 1:
-            starts.append(i)
-    lengths = [b - a for a, b in itertools.pairwise([*starts, n])]
+    pl, pr = lv[0], rv[0]
+    starts_l, starts_r, lengths = [pl], [pr], []
+    k = 1
+    for a, b in zip(lv[1:], rv[1:], strict=True):
+        if a - pl == 1 and b - pr == 1:
+            k += 1
+        else:
+            lengths.append(k)
+            starts_l.append(a)
+            starts_r.append(b)
+            k = 1
+        pl, pr = a, b
+    lengths.append(k)
     return Runs(
         loc,
         rem,
-        np.array([lv[i] for i in starts], dtype=np.int64),
-        np.array([rv[i] for i in starts], dtype=np.int64),
+        np.array(starts_l, dtype=np.int64),
+        np.array(starts_r, dtype=np.int64),
         np.array(lengths, dtype=np.int64),
     )
+
+
+_first = operator.itemgetter(0)
 
 
 def find_runs(local_ids: npt.ArrayLike, remote_ids: npt.ArrayLike) -> Runs:

@@ -1,78 +1,38 @@
 """The entry point: a pull request's logical block IDs -> byte ranges per remote TP rank.
 
-:func:`plan_pull` runs, in order: group-count and region-pairing checks; bounds checks of every
-ID list (all groups, both sides) **before** anything is expanded; per-group pairing
-(:mod:`.trim`); a re-check of the kernel IDs against the registered kernel counts; TP segments
-per region pair (:mod:`.tp`); coalescing per region (:mod:`.coalesce`), with the run structure
-computed once per group and the ranges shared between regions of identical geometry.
+:func:`plan_pull` first tries the plain route of the spec pair (:mod:`.route`: the usual
+layout, whose spec-only facts are worked out once), then the general path,
+:func:`plan_general`, which runs, in order: group-count and region-pairing checks; bounds
+checks of every ID list (all groups, both sides) **before** anything is expanded; per-group
+pairing (:mod:`.trim`); a re-check of the kernel IDs against the registered kernel counts; TP
+segments per region pair (:mod:`.tp`); coalescing per region (:mod:`.coalesce`), with the run
+structure computed once per group and the ranges shared between regions of identical geometry.
+Both give the same plan, or the same error, for every request.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from types import MappingProxyType
 
 import numpy as np
 
 from kvxferd.blocks.bounds import DEFAULT_MAX_IDS, SMALL_IDS, BlockIds, check_block_ids
 from kvxferd.blocks.coalesce import Runs, find_runs, mergeable, region_ranges
-from kvxferd.blocks.ranges import Int64Array, RegionRanges, SharedRanges, TransferPlan, frozen
+from kvxferd.blocks.ranges import (
+    Int64Array,
+    PullPlan,
+    RegionRanges,
+    SharedRanges,
+    TransferPlan,
+    frozen,
+)
 from kvxferd.blocks.reblock import ChunkPairs, chunk_ranges, chunk_segments, pair_chunks
-from kvxferd.blocks.tp import RankSegments, TPPosition, check_tp, region_segments, tp_ratio
+from kvxferd.blocks.route import geometry_classes, plain_route, segments
+from kvxferd.blocks.tp import TPPosition, check_tp, tp_ratio
 from kvxferd.blocks.trim import pair_group
 from kvxferd.errors import BlockRangeError, InvalidRequest
 from kvxferd.layout.spec import KVCacheSpec, Region
-
-
-@dataclass(frozen=True, eq=False)
-class PullPlan:
-    """What one local (decode) rank reads for one request, split by remote (prefill) rank.
-
-    ``per_rank[r]``: the :class:`TransferPlan` read from remote rank ``r``; its ``ranges[i]``
-    is region ``i`` (empty when region ``i`` is not read from ``r``), its
-    ``local_kernel_blocks[g]`` the local kernel blocks of group ``g`` it writes (empty when no
-    region of ``g`` is read from ``r``). ``notify_ranks``: every remote rank this local rank
-    notifies when done: the ranks it reads from, plus ``r % local_tp == local_rank`` so that
-    every remote rank (MLA, deduplicated heads, a full prefix hit) is notified by someone.
-    ``local_kernel_blocks[g]`` / ``remote_kernel_blocks[g]``: the paired kernel IDs of group
-    ``g``, sorted by local ID, shape ``(k_g,)`` each; when the group's kernel block sizes
-    differ (re-blocked at the chunk, :mod:`.reblock`) they are not paired 1:1 but each side's
-    distinct kernel blocks, sorted, and may differ in length.
-
-    All arrays are read-only: regions of identical geometry share their range arrays (every
-    layer of a per-layer model), so a plan costs ``O(blocks)`` memory, not ``blocks x layers``.
-    """
-
-    local_tp: TPPosition
-    remote_tp: TPPosition
-    tp_ratio: int
-    per_rank: Mapping[int, TransferPlan]
-    notify_ranks: tuple[int, ...]
-    local_kernel_blocks: tuple[Int64Array, ...]
-    remote_kernel_blocks: tuple[Int64Array, ...]
-
-    @property
-    def read_ranks(self) -> tuple[int, ...]:
-        return tuple(sorted(self.per_rank))
-
-    @property
-    def num_ranges(self) -> int:
-        return sum(p.num_ranges for p in self.per_rank.values())
-
-    @property
-    def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.per_rank.values())
-
-    @property
-    def naive_descriptors(self) -> int:
-        return sum(p.naive_descriptors for p in self.per_rank.values())
-
-    @property
-    def empty(self) -> bool:
-        """Nothing to read (a full prefix hit); the notifications are still due."""
-        return self.num_ranges == 0
 
 
 def _check_pairing(local: KVCacheSpec, remote: KVCacheSpec) -> None:
@@ -119,28 +79,6 @@ def _check_kernel(ids: Int64Array, num_blocks: int, field: str) -> None:
         )
 
 
-@functools.lru_cache(maxsize=1024)
-def _segments(
-    lr: Region,
-    rr: Region,
-    *,
-    local_tp: TPPosition,
-    remote_tp: TPPosition,
-    num_kv_heads: int | None,
-    field: str,
-) -> tuple[RankSegments, ...]:
-    """:func:`region_segments` of a region pair at a TP placement, computed once per peer:
-    a pure function of these (hashable, immutable) values, so the cache is never stale. The
-    arrays are shared by every pull from then on: read-only."""
-    segs = region_segments(
-        lr, rr, local_tp=local_tp, remote_tp=remote_tp, num_kv_heads=num_kv_heads, field=field
-    )
-    for seg in segs:
-        for a in (seg.local_offset, seg.remote_offset, seg.length):
-            frozen(a)
-    return segs
-
-
 def _region_entries(
     i: int,
     lr: Region,
@@ -177,7 +115,7 @@ def _region_entries(
             )
             out.append((cs.remote_rank, rg, run.num_pairs * int(cs.local_base.shape[0])))
         return out
-    segs = _segments(
+    segs = segments(
         lr,
         rr,
         local_tp=(local_tp[0], local_tp[1]),  # hashable whatever sequence the caller passed
@@ -228,6 +166,39 @@ def plan_pull(
     ``None``. Raises :class:`InvalidRequest` (:class:`BlockRangeError` for IDs) or
     :class:`SpecError` before producing any range.
     """
+    route = plain_route(local, remote, local_tp, remote_tp, num_kv_heads)
+    if route is not None:  # the usual layout: planned from what the specs settle, kept
+        plain = route.plan(local_ids, remote_ids, max_ids)
+        if plain is not None:
+            return plain
+    return plan_general(
+        local,
+        remote,
+        local_ids,
+        remote_ids,
+        prefix_caching=prefix_caching,
+        local_tp=local_tp,
+        remote_tp=remote_tp,
+        max_ids=max_ids,
+        num_kv_heads=num_kv_heads,
+    )
+
+
+def plan_general(
+    local: KVCacheSpec,
+    remote: KVCacheSpec,
+    local_ids: Sequence[BlockIds],
+    remote_ids: Sequence[BlockIds],
+    *,
+    prefix_caching: bool,
+    local_tp: TPPosition = (0, 1),
+    remote_tp: TPPosition = (0, 1),
+    max_ids: int = DEFAULT_MAX_IDS,
+    num_kv_heads: int | None = None,
+) -> PullPlan:
+    """:func:`plan_pull` for every layout, deriving everything from the specs each time:
+    what ``plan_pull`` runs when the plain route (kvxferd/blocks/route.py) does not apply,
+    and the reference the route is tested against."""
     check_tp(local_tp, "local_tp")
     check_tp(remote_tp, "remote_tp")
     ratio = tp_ratio(local_tp[1], remote_tp[1])
@@ -307,7 +278,7 @@ def plan_pull(
     classes: dict[int, list[SharedRanges]] = {}  # TransferPlan.classes, per rank
     naive: dict[int, int] = {}
     groups_read: dict[int, set[int]] = {}
-    for members, indices in _geometry_classes(local.geometry_ids, remote.geometry_ids):
+    for members, indices in geometry_classes(local.geometry_ids, remote.geometry_ids):
         i = members[0]
         lr = regions[i]
         for rank, first, n_naive in _region_entries(
@@ -345,23 +316,6 @@ def plan_pull(
         local_kernel_blocks=tuple(k[0] for k in kernel),
         remote_kernel_blocks=tuple(k[1] for k in kernel),
     )
-
-
-@functools.lru_cache(maxsize=256)
-def _geometry_classes(
-    local_ids: tuple[int, ...], remote_ids: tuple[int, ...]
-) -> tuple[tuple[tuple[int, ...], Int64Array], ...]:
-    """Region indices grouped by (local, remote) geometry id (``KVCacheSpec.geometry_ids``),
-    each class and the classes in region order, each as a tuple and as a read-only array;
-    once per pair of id tuples (value-keyed)."""
-    classes: dict[tuple[int, int], list[int]] = {}
-    for i, key in enumerate(zip(local_ids, remote_ids, strict=True)):
-        members = classes.get(key)
-        if members is None:
-            classes[key] = [i]
-        else:
-            members.append(i)
-    return tuple((tuple(m), frozen(np.array(m, dtype=np.int64))) for m in classes.values())
 
 
 def _kernel_blocks(run: Runs | ChunkPairs) -> tuple[Int64Array, Int64Array]:

@@ -6,7 +6,7 @@ A plan never holds per-descriptor Python objects: each region's ranges are three
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Protocol
@@ -201,6 +201,55 @@ class TransferPlan:
 
     @property
     def empty(self) -> bool:
+        return self.num_ranges == 0
+
+
+@dataclass(frozen=True, eq=False)
+class PullPlan:
+    """What one local (decode) rank reads for one request, split by remote (prefill) rank.
+
+    ``per_rank[r]``: the :class:`TransferPlan` read from remote rank ``r``; its ``ranges[i]``
+    is region ``i`` (empty when region ``i`` is not read from ``r``), its
+    ``local_kernel_blocks[g]`` the local kernel blocks of group ``g`` it writes (empty when no
+    region of ``g`` is read from ``r``). ``notify_ranks``: every remote rank this local rank
+    notifies when done: the ranks it reads from, plus ``r % local_tp == local_rank`` so that
+    every remote rank (MLA, deduplicated heads, a full prefix hit) is notified by someone.
+    ``local_kernel_blocks[g]`` / ``remote_kernel_blocks[g]``: the paired kernel IDs of group
+    ``g``, sorted by local ID, shape ``(k_g,)`` each; when the group's kernel block sizes
+    differ (re-blocked at the chunk, :mod:`kvxferd.blocks.reblock`) they are not paired 1:1
+    but each side's distinct kernel blocks, sorted, and may differ in length.
+
+    All arrays are read-only: regions of identical geometry share their range arrays (every
+    layer of a per-layer model), so a plan costs ``O(blocks)`` memory, not ``blocks x layers``.
+    """
+
+    local_tp: tuple[int, int]  # (rank, size)
+    remote_tp: tuple[int, int]
+    tp_ratio: int
+    per_rank: Mapping[int, TransferPlan]
+    notify_ranks: tuple[int, ...]
+    local_kernel_blocks: tuple[Int64Array, ...]
+    remote_kernel_blocks: tuple[Int64Array, ...]
+
+    @property
+    def read_ranks(self) -> tuple[int, ...]:
+        return tuple(sorted(self.per_rank))
+
+    @property
+    def num_ranges(self) -> int:
+        return sum(p.num_ranges for p in self.per_rank.values())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.per_rank.values())
+
+    @property
+    def naive_descriptors(self) -> int:
+        return sum(p.naive_descriptors for p in self.per_rank.values())
+
+    @property
+    def empty(self) -> bool:
+        """Nothing to read (a full prefix hit); the notifications are still due."""
         return self.num_ranges == 0
 
 

@@ -16,8 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvxferd.blocks import plan_pull
-from kvxferd.blocks.plan import PullPlan
-from kvxferd.blocks.ranges import TransferPlan
+from kvxferd.blocks.ranges import PullPlan, TransferPlan
 from kvxferd.daemon.parts import Parts
 from kvxferd.daemon.peers import PeerLink, RemoteDescription
 from kvxferd.daemon.pulls import PullBook, PullRecord, PullRequest, PullState, Stages

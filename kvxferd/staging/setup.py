@@ -15,8 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from kvxferd.blocks.plan import PullPlan
-from kvxferd.blocks.ranges import TransferPlan
+from kvxferd.blocks.ranges import PullPlan, TransferPlan
 from kvxferd.ipc.cma import allow_readers
 from kvxferd.ipc.cma_link import CmaSide, cma_job, cma_why_not
 from kvxferd.ipc.cma_reader import CmaReader

@@ -9,8 +9,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from kvxferd.blocks import plan as plan_module
 from kvxferd.blocks import plan_pull
+from kvxferd.blocks import route as route_module
 from kvxferd.blocks.coalesce import coalesce
 from kvxferd.blocks.ranges import Int64Array, RegionRanges, TransferPlan
 from kvxferd.blocks.tp import RankSegments, region_segments
@@ -101,7 +101,7 @@ def test_region_segments_are_prepared_once_per_peer_and_read_only() -> None:
     remote = preset("dense:num_blocks=16,layout=HND,num_kv_heads=8").regions[0]
 
     def prepared() -> tuple[RankSegments, ...]:
-        return plan_module._segments(
+        return route_module.segments(
             local, remote, local_tp=(1, 2), remote_tp=(0, 1), num_kv_heads=None, field="r"
         )
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kvxferd.blocks import plan_pull
-from kvxferd.blocks.plan import PullPlan
+from kvxferd.blocks.ranges import PullPlan
 from kvxferd.daemon.moves import Mover
 from kvxferd.daemon.pulls import PullBook, PullRequest
 from kvxferd.daemon.receiver import PushReceiver

@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 
 from kvxferd.blocks import plan_pull
-from kvxferd.blocks.plan import PullPlan
-from kvxferd.blocks.ranges import RegionRanges, TransferPlan
+from kvxferd.blocks.ranges import PullPlan, RegionRanges, TransferPlan
 from kvxferd.errors import BlockRangeError
 from kvxferd.ipc import reader as reader_module
 from kvxferd.ipc.mapping import MappingCache

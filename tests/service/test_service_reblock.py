@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvxferd.blocks import plan_pull
-from kvxferd.blocks.plan import PullPlan
+from kvxferd.blocks.ranges import PullPlan
 from kvxferd.layout import preset
 from kvxferd.pool import KVPool
 from kvxferd.scenario.daemons import DaemonOptions
