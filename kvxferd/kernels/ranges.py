@@ -123,6 +123,10 @@ class Regions:
     facts: dict[int, tuple[Int64Array, int, int, int]] = field(
         default_factory=dict, repr=False, compare=False
     )
+    # The launch tables' base pairs of such arrays against a source side (group_table).
+    pair_bases: dict[tuple[int, int], tuple[Regions, Int64Array, Int64Array]] = field(
+        default_factory=dict, repr=False, compare=False
+    )
 
     def among(self, r: Int64Array) -> tuple[int, int, int]:
         """``(lowest, highest, smallest)`` of the region indices ``r`` (non-empty): the lowest
@@ -301,14 +305,33 @@ def check_copy(
 def group_table(d: Regions, s: Regions, g: GroupCopy) -> torch.Tensor:
     """1-D int64 CPU tensor: ``[dst_offset, src_offset, length]`` per run, then ``[dst_base,
     src_base]`` per region of the group (``cuda/copy_ranges.cu``, copy_group; call after
-    :func:`check_groups`)."""
-    n, k = int(g.length.shape[0]), int(g.regions.shape[0])
-    out = np.empty(3 * n + 2 * k, dtype=np.int64)
-    runs = out[: 3 * n].reshape(n, 3)
-    runs[:, 0], runs[:, 1], runs[:, 2] = g.dst_offset, g.src_offset, g.length
-    bases = out[3 * n :].reshape(k, 2)
-    bases[:, 0], bases[:, 1] = d.base[g.regions], s.base[g.regions]
+    :func:`check_groups`). The bases of a read-only regions array (the planner's, shared by
+    pulls) are gathered once per pair of sides."""
+    n = int(g.length.shape[0])
+    bases = _pair_bases(d, s, g.regions)
+    out = np.empty(3 * n + bases.shape[0], dtype=np.int64)
+    out[0 : 3 * n : 3], out[1 : 3 * n : 3], out[2 : 3 * n : 3] = (
+        g.dst_offset,
+        g.src_offset,
+        g.length,
+    )
+    out[3 * n :] = bases
     return torch.from_numpy(out)
+
+
+def _pair_bases(d: Regions, s: Regions, r: Int64Array) -> Int64Array:
+    """``[dst_base, src_base]`` of each region of ``r``, interleaved; kept on ``d`` for a
+    read-only ``r`` (with ``s`` and ``r``, so their ids stay theirs while kept)."""
+    hit = d.pair_bases.get((id(s), id(r)))
+    if hit is not None and hit[0] is s and hit[1] is r:
+        return hit[2]
+    bases = np.empty(2 * int(r.shape[0]), dtype=np.int64)
+    bases[0::2], bases[1::2] = d.base[r], s.base[r]
+    if not r.flags.writeable:
+        if len(d.pair_bases) >= _MAX_FACTS:
+            d.pair_bases.pop(next(iter(d.pair_bases)))
+        d.pair_bases[(id(s), id(r))] = (s, r, bases)
+    return bases
 
 
 def address_table(dst: RegionsLike, src: RegionsLike, rc: RangeCopy) -> torch.Tensor:

@@ -178,3 +178,30 @@ def test_group_checks_stay_exact_when_the_regions_array_is_reused() -> None:
         a.setflags(write=False)
         dst.among(a)
     assert len(dst.facts) <= 64
+
+
+def test_group_tables_gather_each_pair_of_sides_bases_once_and_follow_a_new_source() -> None:
+    """group_table keeps a read-only regions array's base pairs per source side: a table built
+    from them equals one built afresh, another source side (a peer's new mappings) gets its own
+    bases, and a writable array is gathered afresh each time."""
+    dst = Regions.of("dst", _regions(1))
+    src_a, src_b = Regions.of("src", _regions(2)), Regions.of("src", _regions(3))
+    shared = np.array([2, 0], dtype=np.int64)
+    shared.setflags(write=False)
+    run = np.array([0, 64], dtype=np.int64)
+    g = GroupCopy(shared, run, run + 8, np.array([8, 16], dtype=np.int64))
+
+    def want(s: Regions, regions: list[int]) -> list[int]:
+        runs = [0, 8, 8, 64, 72, 16]
+        return runs + [x for r in regions for x in (int(dst.base[r]), int(s.base[r]))]
+
+    assert group_table(dst, src_a, g).tolist() == want(src_a, [2, 0])
+    assert group_table(dst, src_a, g).tolist() == want(src_a, [2, 0])  # kept
+    assert len(dst.pair_bases) == 1
+    assert group_table(dst, src_b, g).tolist() == want(src_b, [2, 0])  # another source
+    mutable = np.array([2, 0], dtype=np.int64)
+    m = GroupCopy(mutable, run, run + 8, np.array([8, 16], dtype=np.int64))
+    assert group_table(dst, src_a, m).tolist() == want(src_a, [2, 0])
+    mutable[0] = 1
+    assert group_table(dst, src_a, m).tolist() == want(src_a, [1, 0])
+    assert len(dst.pair_bases) == 2  # the writable array was never kept
