@@ -123,7 +123,8 @@ class Regions:
     facts: dict[int, tuple[Int64Array, int, int, int]] = field(
         default_factory=dict, repr=False, compare=False
     )
-    # The launch tables' base pairs of such arrays against a source side (group_table).
+    # On a source side: the launch tables' base pairs of such arrays against a destination
+    # side (group_table).
     pair_bases: dict[tuple[int, int], tuple[Regions, Int64Array, Int64Array]] = field(
         default_factory=dict, repr=False, compare=False
     )
@@ -320,17 +321,18 @@ def group_table(d: Regions, s: Regions, g: GroupCopy) -> torch.Tensor:
 
 
 def _pair_bases(d: Regions, s: Regions, r: Int64Array) -> Int64Array:
-    """``[dst_base, src_base]`` of each region of ``r``, interleaved; kept on ``d`` for a
-    read-only ``r`` (with ``s`` and ``r``, so their ids stay theirs while kept)."""
-    hit = d.pair_bases.get((id(s), id(r)))
-    if hit is not None and hit[0] is s and hit[1] is r:
+    """``[dst_base, src_base]`` of each region of ``r``, interleaved; kept for a read-only
+    ``r`` on the *source* side, which goes with its peer's mappings (kept with ``d`` and ``r``,
+    so their ids stay theirs; nothing here keeps a source side, and so a mapping, alive)."""
+    hit = s.pair_bases.get((id(d), id(r)))
+    if hit is not None and hit[0] is d and hit[1] is r:
         return hit[2]
     bases = np.empty(2 * int(r.shape[0]), dtype=np.int64)
     bases[0::2], bases[1::2] = d.base[r], s.base[r]
     if not r.flags.writeable:
-        if len(d.pair_bases) >= _MAX_FACTS:
-            d.pair_bases.pop(next(iter(d.pair_bases)))
-        d.pair_bases[(id(s), id(r))] = (s, r, bases)
+        if len(s.pair_bases) >= _MAX_FACTS:
+            s.pair_bases.pop(next(iter(s.pair_bases)))
+        s.pair_bases[(id(d), id(r))] = (d, r, bases)
     return bases
 
 
