@@ -9,6 +9,12 @@ this tree. Each pair of pulls goes to both, in a random order, on the same machi
 report gives each side's p50 / p99, the stage p50s, each decode daemon's CPU per pull, and the
 median of the per-pair differences (b - a) with a bootstrap 95 % interval.
 
+The interval covers the pairs of one run, not what differs between runs: on the 2-core VM an
+A/A run (both decode daemons on one tree) gave -11 µs (-33 to +10) once and +42 µs (+23 to
++61) the next, the daemons' placement on the cores favouring one slot. ``--rounds 2`` (or any
+even number) swaps the trees between the two decode daemons every round and reports the mean
+of the rounds' medians (this tree minus the base), which cancels a slot's advantage.
+
     python -m bench.control_ab --base _base                       # host memory, CMA
     python -m bench.control_ab --base _base --device cuda --pool dense:num_blocks=600 \\
         --json out.json
@@ -43,12 +49,10 @@ def _env(tree: Path) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), *rest]), "PYTHONSAFEPATH": "1"}
 
 
-def measure(args: argparse.Namespace) -> dict[str, Any]:
+def measure(args: argparse.Namespace, a: Path, b: Path, seed: int) -> dict[str, Any]:
+    """One run: decode daemon ``a`` on tree ``a``, ``b`` on tree ``b``."""
     blocks = pool_blocks(args.pool)
     here = Path(__file__).resolve().parent.parent
-    base = Path(args.base).resolve()
-    if not (base / "kvxferd" / "__init__.py").is_file():
-        raise SystemExit(f"--base {base}: no kvxferd package there (git archive REV kvxferd ...)")
     decode = ("--set", f"transfer.strategy={args.strategy}")
     options = [
         DaemonOptions(
@@ -62,7 +66,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             for s in SIDES
         ),
     ]
-    rng = np.random.default_rng(args.seed)
+    rng = np.random.default_rng(seed)
 
     def ids() -> np.ndarray[Any, np.dtype[np.int64]]:
         out: np.ndarray[Any, np.dtype[np.int64]] = rng.choice(blocks, args.blocks, replace=False)
@@ -72,7 +76,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         tempfile.TemporaryDirectory(prefix="kvx-ab-") as workdir,
         DaemonSet(Path(workdir), options) as daemons,
     ):
-        for d, tree in zip(daemons, (here, base, here), strict=True):
+        for d, tree in zip(daemons, (here, a, b), strict=True):
             d.start(_env(tree))
         daemons.wait_ready()
         ready = {d.name: d.ready for d in daemons}
@@ -117,11 +121,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "device": args.device,
         "blocks": args.blocks,
         "pulls_per_side": args.pulls,
-        "base": str(base),
         "wall_s": wall,
         "sides": {
             s: {
-                "tree": str(base if s == "a" else here),
+                "tree": str(a if s == "a" else b),
                 "p50_ms": statistics.median(ms[s]),
                 "p99_ms": float(np.percentile(ms[s], 99)),
                 "stages_p50_ms": {k: statistics.median(v) for k, v in stages[s].items()},
@@ -141,29 +144,46 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--base", required=True, help="a tree holding the other kvxferd package")
     ap.add_argument("--pool", default=TINY)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--pulls", type=int, default=2000, help="pulls per side")
+    ap.add_argument("--pulls", type=int, default=2000, help="pulls per side and round")
     ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--strategy", default="kernel")
     ap.add_argument("--blocks", type=int, default=BLOCKS)
+    ap.add_argument("--rounds", type=int, default=1, help="runs, the trees swapped each time")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
-    fig = measure(args)
-    for s in SIDES:
-        f = fig["sides"][s]
-        st = ", ".join(f"{k} {v:.3f}" for k, v in f["stages_p50_ms"].items())
+    here = Path(__file__).resolve().parent.parent
+    base = Path(args.base).resolve()
+    if not (base / "kvxferd" / "__init__.py").is_file():
+        raise SystemExit(f"--base {base}: no kvxferd package there (git archive REV kvxferd ...)")
+    runs, gains = [], []
+    for r in range(args.rounds):
+        swapped = r % 2 == 1
+        fig = measure(args, *((here, base) if swapped else (base, here)), args.seed + r)
+        runs.append(fig)
+        print(f"round {r + 1}: a = {'this tree' if swapped else 'base'}, b = the other")
+        for s in SIDES:
+            f = fig["sides"][s]
+            st = ", ".join(f"{k} {v:.3f}" for k, v in f["stages_p50_ms"].items())
+            print(
+                f"  {s} ({f['tree']}): p50 {f['p50_ms']:.3f} ms, p99 {f['p99_ms']:.3f} ms,"
+                f" decode CPU {f['cpu_ms_per_pull']:.3f} ms/pull\n    stages p50 (ms): {st}"
+            )
+        d = fig["diff_b_minus_a_ms"]
+        gains.append(-d["median"] if swapped else d["median"])
         print(
-            f"{s} ({f['tree']}): p50 {f['p50_ms']:.3f} ms, p99 {f['p99_ms']:.3f} ms, decode CPU"
-            f" {f['cpu_ms_per_pull']:.3f} ms/pull\n  stages p50 (ms): {st}"
+            f"  b - a, per pair: median {d['median'] * 1e3:+.0f} us (95 % interval"
+            f" {d['ci95'][0] * 1e3:+.0f} to {d['ci95'][1] * 1e3:+.0f} us), {args.pulls} pairs of"
+            f" {args.blocks}-block pulls, wall {fig['wall_s']:.1f} s"
         )
-    d = fig["diff_b_minus_a_ms"]
+    mean = sum(gains) / len(gains)
     print(
-        f"b - a, per pair: median {d['median'] * 1e3:+.0f} us (95 % interval"
-        f" {d['ci95'][0] * 1e3:+.0f} to {d['ci95'][1] * 1e3:+.0f} us), {args.pulls} pairs of"
-        f" {args.blocks}-block pulls, wall {fig['wall_s']:.1f} s"
+        f"this tree - base, mean of {len(gains)} round(s)' medians: {mean * 1e3:+.0f} us"
+        f" ({', '.join(f'{g * 1e3:+.0f}' for g in gains)})"
     )
     if args.json:
-        Path(args.json).write_text(json.dumps(fig, indent=1))
+        doc = {"base": str(base), "tree": str(here), "rounds": runs, "this_minus_base_ms": mean}
+        Path(args.json).write_text(json.dumps(doc, indent=1))
     return 0
 
 
