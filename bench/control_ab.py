@@ -24,119 +24,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
 import sys
-import tempfile
-import time
 from pathlib import Path
-from typing import Any
 
-import numpy as np
-
-from kvxferd.scenario.client import DaemonClient
-from kvxferd.scenario.control_path import BLOCKS, TINY, cpu_seconds, pool_blocks
-from kvxferd.scenario.daemons import DaemonOptions, DaemonSet
-from kvxferd.scenario.puller import PULL_DEADLINE_MS, DaemonPuller
-
-SIDES = ("a", "b")
-
-
-def _env(tree: Path) -> dict[str, str]:
-    """The environment of a daemon that must import ``tree``'s kvxferd: first on the path, and
-    the working directory kept off it (PYTHONSAFEPATH: ``-m`` would put it first)."""
-    rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), *rest]), "PYTHONSAFEPATH": "1"}
-
-
-def measure(args: argparse.Namespace, a: Path, b: Path, seed: int) -> dict[str, Any]:
-    """One run: decode daemon ``a`` on tree ``a``, ``b`` on tree ``b``."""
-    blocks = pool_blocks(args.pool)
-    here = Path(__file__).resolve().parent.parent
-    decode = ("--set", f"transfer.strategy={args.strategy}")
-    options = [
-        DaemonOptions(
-            "prefill",
-            args.pool,
-            device=args.device,
-            extra=("--set", f"transfer.default_deadline_ms={PULL_DEADLINE_MS}"),
-        ),
-        *(
-            DaemonOptions(s, args.pool, device=args.device, extra=decode, scheduler_socket=True)
-            for s in SIDES
-        ),
-    ]
-    rng = np.random.default_rng(seed)
-
-    def ids() -> np.ndarray[Any, np.dtype[np.int64]]:
-        out: np.ndarray[Any, np.dtype[np.int64]] = rng.choice(blocks, args.blocks, replace=False)
-        return out.astype(np.int64)
-
-    with (
-        tempfile.TemporaryDirectory(prefix="kvx-ab-") as workdir,
-        DaemonSet(Path(workdir), options) as daemons,
-    ):
-        for d, tree in zip(daemons, (here, a, b), strict=True):
-            d.start(_env(tree))
-        daemons.wait_ready()
-        ready = {d.name: d.ready for d in daemons}
-        pre = ready["prefill"]
-        assert pre is not None
-        prefill = DaemonClient("prefill", pre.grpc, pre.engine_socket)
-        clients, pullers = {}, {}
-        for s in SIDES:
-            r = ready[s]
-            assert r is not None
-            clients[s] = DaemonClient(
-                s, r.grpc, r.engine_socket, scheduler_socket=r.scheduler_socket
-            )
-            pullers[s] = DaemonPuller(prefill, clients[s])
-        ms: dict[str, list[float]] = {s: [] for s in SIDES}
-        stages: dict[str, dict[str, list[float]]] = {s: {} for s in SIDES}
-        try:
-            for _ in range(args.warmup):
-                for s in SIDES:
-                    pullers[s].pull(ids(), ids(), socket=True)
-            pids = {s: r.pid for s, r in ready.items() if r is not None}
-            cpu0 = {s: cpu_seconds(pids[s]) for s in SIDES}
-            t0 = time.perf_counter()
-            for _ in range(args.pulls):
-                for s in SIDES if rng.random() < 0.5 else SIDES[::-1]:
-                    out = pullers[s].pull(ids(), ids(), socket=True)
-                    ms[s].append(out.seconds * 1e3)
-                    for st in out.status.stages:
-                        stages[s].setdefault(st.name, []).append(st.seconds * 1e3)
-            wall = time.perf_counter() - t0
-            cpu = {s: (cpu_seconds(pids[s]) - cpu0[s]) / args.pulls * 1e3 for s in SIDES}
-            daemons.check_alive()
-        finally:
-            for p in pullers.values():
-                p.close()
-            for c in (prefill, *clients.values()):
-                c.close()
-    diff = np.array(ms["b"]) - np.array(ms["a"])
-    boot = np.median(rng.choice(diff, (1000, diff.size)), axis=1)
-    return {
-        "pool": args.pool,
-        "device": args.device,
-        "blocks": args.blocks,
-        "pulls_per_side": args.pulls,
-        "wall_s": wall,
-        "sides": {
-            s: {
-                "tree": str(a if s == "a" else b),
-                "p50_ms": statistics.median(ms[s]),
-                "p99_ms": float(np.percentile(ms[s], 99)),
-                "stages_p50_ms": {k: statistics.median(v) for k, v in stages[s].items()},
-                "cpu_ms_per_pull": cpu[s],
-            }
-            for s in SIDES
-        },
-        "diff_b_minus_a_ms": {
-            "median": float(np.median(diff)),
-            "ci95": [float(np.percentile(boot, 2.5)), float(np.percentile(boot, 97.5))],
-        },
-    }
+from kvxferd.scenario.control_ab import HERE, SIDES, measure
+from kvxferd.scenario.control_path import BLOCKS, TINY
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,14 +44,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
-    here = Path(__file__).resolve().parent.parent
-    base = Path(args.base).resolve()
-    if not (base / "kvxferd" / "__init__.py").is_file():
-        raise SystemExit(f"--base {base}: no kvxferd package there (git archive REV kvxferd ...)")
+    here, base = HERE, Path(args.base).resolve()
     runs, gains = [], []
     for r in range(args.rounds):
         swapped = r % 2 == 1
-        fig = measure(args, *((here, base) if swapped else (base, here)), args.seed + r)
+        a, b = (here, base) if swapped else (base, here)
+        fig = measure(
+            a,
+            b,
+            pool=args.pool,
+            device=args.device,
+            pulls=args.pulls,
+            warmup=args.warmup,
+            strategy=args.strategy,
+            n=args.blocks,
+            seed=args.seed + r,
+        )
         runs.append(fig)
         print(f"round {r + 1}: a = {'this tree' if swapped else 'base'}, b = the other")
         for s in SIDES:
