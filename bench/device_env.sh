@@ -54,3 +54,22 @@ control_lazy() {
       --json "$OUT/cp-${tag}lazy-$round.json"
   done
 }
+# spy_decode: bench.control_path on this tree (16-block KERNEL pulls on cuda:0, $SPY_PULLS of
+# them, default 10,000) with its decode daemon sampled by py-spy (--gil, 2,000 Hz) for $SPY_S
+# seconds (default 8) once $SETTLE_S seconds (default 20) have passed. Collapsed stacks:
+# $OUT/spy-decode.txt (summarise with python -m bench.spy_report); the run: $OUT/cp-prof.*.
+spy_decode() {
+  local spy=/tmp/site/bin/py-spy cp dec
+  step "control path with the decode daemon sampled"
+  timeout 200 python3 bench/control_path.py --device cuda --pool dense:num_blocks=600 \
+    --pulls "${SPY_PULLS:-10000}" --json "$OUT/cp-prof.json" > "$OUT/cp-prof.log" 2>&1 &
+  cp=$!
+  for _ in $(seq 240); do pgrep -f "decode.sched.sock" > /dev/null && break; sleep 0.5; done
+  sleep "${SETTLE_S:-20}"
+  dec=$(pgrep -f "decode.sched.sock" | head -1)
+  "$spy" record --nonblocking --gil -r 2000 -d "${SPY_S:-8}" -f raw -p "$dec" \
+    -o "$OUT/spy-decode.txt" > "$OUT/spy.log" 2>&1
+  echo "py-spy rc=$? ($(wc -l < "$OUT/spy-decode.txt") stacks)"
+  wait $cp
+  cat "$OUT/cp-prof.log"
+}

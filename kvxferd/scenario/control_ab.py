@@ -24,9 +24,18 @@ from typing import Any
 import numpy as np
 
 from kvxferd.scenario.client import DaemonClient
-from kvxferd.scenario.control_path import BLOCKS, TINY, cpu_seconds, pool_blocks
-from kvxferd.scenario.daemons import DaemonOptions, DaemonSet
-from kvxferd.scenario.puller import PULL_DEADLINE_MS, DaemonPuller
+from kvxferd.scenario.control_path import (
+    BLOCKS,
+    TINY,
+    checked_blocks,
+    cpu_seconds,
+    decode_daemon,
+    prefill_daemon,
+    random_ids,
+)
+from kvxferd.scenario.daemons import DaemonSet
+from kvxferd.scenario.mix import Int64Array
+from kvxferd.scenario.puller import DaemonPuller
 
 HERE = Path(__file__).resolve().parents[2]  # this checkout: the tree holding this kvxferd
 
@@ -55,30 +64,18 @@ def measure(
 ) -> dict[str, Any]:
     """One run: decode daemon ``a`` imports the kvxferd of tree ``a``, ``b`` that of ``b``; the
     prefill daemon that of ``here``. ``pulls`` pairs, each pull of ``n`` random blocks."""
-    blocks = pool_blocks(pool)
-    if not 0 < n <= blocks:
-        raise SystemExit(f"--blocks {n}: pick 1 to {blocks}, the pool's num_blocks")
+    blocks = checked_blocks(pool, n)
     for tree in (a, b):
         if not (tree / "kvxferd" / "__init__.py").is_file():
             raise SystemExit(f"{tree}: no kvxferd package there (git archive REV kvxferd ...)")
-    decode = ("--set", f"transfer.strategy={strategy}")
     options = [
-        DaemonOptions(
-            "prefill",
-            pool,
-            device=device,
-            extra=("--set", f"transfer.default_deadline_ms={PULL_DEADLINE_MS}"),
-        ),
-        *(
-            DaemonOptions(s, pool, device=device, extra=decode, scheduler_socket=True)
-            for s in SIDES
-        ),
+        prefill_daemon(pool, device),
+        *(decode_daemon(s, pool, device, strategy) for s in SIDES),
     ]
     rng = np.random.default_rng(seed)
 
-    def ids() -> np.ndarray[Any, np.dtype[np.int64]]:
-        out: np.ndarray[Any, np.dtype[np.int64]] = rng.choice(blocks, n, replace=False)
-        return out.astype(np.int64)
+    def ids() -> Int64Array:
+        return random_ids(rng, blocks, n)
 
     with (
         tempfile.TemporaryDirectory(prefix="kvx-ab-") as workdir,

@@ -20,6 +20,7 @@ import numpy as np
 
 from kvxferd.scenario.client import DaemonClient
 from kvxferd.scenario.daemons import DaemonOptions, DaemonSet
+from kvxferd.scenario.mix import Int64Array
 from kvxferd.scenario.puller import PULL_DEADLINE_MS, DaemonPuller
 
 BLOCKS = 16
@@ -41,31 +42,41 @@ def pool_blocks(pool: str) -> int:
     raise SystemExit(f"--pool {pool!r} must name num_blocks (the random IDs are drawn from it)")
 
 
-def measure(
-    pool: str, device: str, pulls: int, warmup: int, *, strategy: str, n: int = BLOCKS
-) -> dict[str, Any]:
+def checked_blocks(pool: str, n: int) -> int:
+    """The pool's logical blocks, after checking that a pull of ``n`` distinct blocks fits."""
     blocks = pool_blocks(pool)
     if not 0 < n <= blocks:
         raise SystemExit(f"--blocks {n}: pick 1 to {blocks}, the pool's num_blocks")
-    options = [
-        DaemonOptions(
-            "prefill",
-            pool,
-            device=device,
-            extra=("--set", f"transfer.default_deadline_ms={PULL_DEADLINE_MS}"),
-        ),
-        DaemonOptions(
-            "decode",
-            pool,
-            device=device,
-            extra=("--set", f"transfer.strategy={strategy}"),
-            scheduler_socket=True,
-        ),
-    ]
+    return blocks
+
+
+def prefill_daemon(pool: str, device: str) -> DaemonOptions:
+    """The owner: leases as long as a pull's deadline."""
+    extra = ("--set", f"transfer.default_deadline_ms={PULL_DEADLINE_MS}")
+    return DaemonOptions("prefill", pool, device=device, extra=extra)
+
+
+def decode_daemon(name: str, pool: str, device: str, strategy: str) -> DaemonOptions:
+    """A reader with ``transfer.strategy`` and the scheduler socket the pulls arrive on."""
+    extra = ("--set", f"transfer.strategy={strategy}")
+    return DaemonOptions(name, pool, device=device, extra=extra, scheduler_socket=True)
+
+
+def random_ids(rng: np.random.Generator, blocks: int, n: int) -> Int64Array:
+    """``n`` distinct block IDs below ``blocks``."""
+    out: Int64Array = rng.choice(blocks, n, replace=False).astype(np.int64)
+    return out
+
+
+def measure(
+    pool: str, device: str, pulls: int, warmup: int, *, strategy: str, n: int = BLOCKS
+) -> dict[str, Any]:
+    blocks = checked_blocks(pool, n)
+    options = [prefill_daemon(pool, device), decode_daemon("decode", pool, device, strategy)]
     rng = np.random.default_rng(0)
 
-    def ids() -> np.ndarray[Any, np.dtype[np.int64]]:
-        return rng.choice(blocks, n, replace=False).astype(np.int64)
+    def ids() -> Int64Array:
+        return random_ids(rng, blocks, n)
 
     with (
         tempfile.TemporaryDirectory(prefix="kvx-control-") as workdir,
@@ -120,4 +131,14 @@ def measure(
     }
 
 
-__all__ = ["BLOCKS", "TINY", "cpu_seconds", "measure", "pool_blocks"]
+__all__ = [
+    "BLOCKS",
+    "TINY",
+    "checked_blocks",
+    "cpu_seconds",
+    "decode_daemon",
+    "measure",
+    "pool_blocks",
+    "prefill_daemon",
+    "random_ids",
+]
