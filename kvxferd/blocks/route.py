@@ -45,16 +45,18 @@ from kvxferd.errors import InvalidRequest, SpecError
 from kvxferd.layout.spec import KVCacheSpec, Region
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class PlainGroup:
     """One KV group of a plain route: ``ppl`` kernel blocks per logical block on both sides,
-    the logical block counts each side registered, and the names its errors use."""
+    the logical block counts each side registered, and the names its errors use. ``step``:
+    ``[[0, 1, ..., ppl - 1]]`` (read-only), what expansion adds to each ``L * ppl``."""
 
     ppl: int
     local_blocks: int
     remote_blocks: int
     local_field: str
     remote_field: str
+    step: Int64Array
 
 
 @dataclass(frozen=True)
@@ -113,9 +115,8 @@ class PlainRoute:
             if n_r > n_l:  # the local side holds the uncached tail: the last n_l remote IDs
                 rk = rk[n_r - n_l :]  # noqa: PLW2901
             if pg.ppl > 1:  # logical -> kernel IDs (docs/domain.md §4), one broadcast each
-                step = np.arange(pg.ppl, dtype=np.int64)[None, :]
-                lk = (lk[:, None] * pg.ppl + step).reshape(-1)  # noqa: PLW2901
-                rk = (rk[:, None] * pg.ppl + step).reshape(-1)  # noqa: PLW2901
+                lk = (lk[:, None] * pg.ppl + pg.step).reshape(-1)  # noqa: PLW2901
+                rk = (rk[:, None] * pg.ppl + pg.step).reshape(-1)  # noqa: PLW2901
             run = find_runs(lk, rk)
             for a in (run.local_ids, run.remote_ids, run.local_start, run.remote_start):
                 frozen(a)
@@ -254,6 +255,7 @@ def _plain_route(
                 remote.num_logical_blocks(g),
                 f"groups[{g}].local_block_ids",
                 f"groups[{g}].remote_block_ids",
+                frozen(np.arange(ppl, dtype=np.int64)[None, :]),
             )
         )
     classes: list[PlainClass] = []

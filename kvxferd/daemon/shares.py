@@ -52,7 +52,7 @@ def _missing(ids: Int64Array, held: Sequence[int]) -> Int64Array:
         return np.array(sorted(gone), dtype=np.int64)
     have = np.asarray(held, dtype=np.int64)
     if have.shape == ids.shape and np.array_equal(have, ids):  # the usual answer: all, in order
-        return np.zeros(0, dtype=np.int64)
+        return _NONE
     return np.setdiff1d(ids, have)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -139,9 +140,7 @@ class Regions:
         low, high = int(r.min()), int(r.max())
         small = int(r[int(np.argmin(self.size[r]))]) if low >= 0 and high < len(self) else -1
         if not r.flags.writeable:
-            if len(self.facts) >= _MAX_FACTS:
-                self.facts.pop(next(iter(self.facts)))
-            self.facts[id(r)] = (r, low, high, small)
+            _remember(self.facts, id(r), (r, low, high, small))
         return low, high, small
 
     def __len__(self) -> int:
@@ -175,6 +174,16 @@ class Regions:
 
 RegionsLike = Sequence[torch.Tensor] | Regions
 _MAX_FACTS = 64
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+def _remember(memo: dict[K, V], key: K, value: V) -> None:
+    """Keep ``value`` under ``key`` in a :class:`Regions` memo, the oldest entry dropped once it
+    holds :data:`_MAX_FACTS` (however many arrays come by, the memo stays that small)."""
+    if len(memo) >= _MAX_FACTS:
+        memo.pop(next(iter(memo)))
+    memo[key] = value
 
 
 def check_ranges(dst: RegionsLike, src: RegionsLike, rc: RangeCopy) -> tuple[Regions, Regions]:
@@ -330,9 +339,7 @@ def _pair_bases(d: Regions, s: Regions, r: Int64Array) -> Int64Array:
     bases = np.empty(2 * int(r.shape[0]), dtype=np.int64)
     bases[0::2], bases[1::2] = d.base[r], s.base[r]
     if not r.flags.writeable:
-        if len(s.pair_bases) >= _MAX_FACTS:
-            s.pair_bases.pop(next(iter(s.pair_bases)))
-        s.pair_bases[(id(d), id(r))] = (d, r, bases)
+        _remember(s.pair_bases, (id(d), id(r)), (d, r, bases))
     return bases
 
 
