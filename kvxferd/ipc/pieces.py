@@ -12,6 +12,7 @@ import numpy.typing as npt
 
 from kvxferd.blocks.ranges import TransferPlan
 from kvxferd.kernels import GroupCopy, RangeCopy
+from kvxferd.kernels.ranges import lo_hi
 from kvxferd.transfer.descriptors import run_groups, split_runs
 
 Int64Array = npt.NDArray[np.int64]
@@ -34,8 +35,9 @@ def piece_size(
     top = max(MIN_PIECE_BYTES, int(largest)).bit_length() - 1  # largest, rounded down
     if lengths.size == 0:
         return 1 << top
-    lo = min(top, max(MIN_PIECE_BYTES.bit_length() - 1, (int(lengths.min()) - 1).bit_length()))
-    hi = min(top, max(lo, (int(lengths.max()) - 1).bit_length()))
+    shortest, longest = lo_hi(lengths)
+    lo = min(top, max(MIN_PIECE_BYTES.bit_length() - 1, (shortest - 1).bit_length()))
+    hi = min(top, max(lo, (longest - 1).bit_length()))
     if lo == hi:
         return 1 << lo
     ks = np.arange(lo, hi + 1, dtype=np.int64)

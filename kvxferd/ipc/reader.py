@@ -79,6 +79,9 @@ INLINE_MAX_BYTES = 1 << 30
 # 1 GiB of random blocks of a per-layer cache); flattened, every range (16,384 there; cut +
 # launch ~0.75 ms on the same host).
 INLINE_MAX_RANGES = 8192
+# Completion events a reader keeps for reuse (KernelReader._spare): as many as pulls commonly
+# copy at once.
+SPARE_EVENTS = 8
 
 
 @dataclass(frozen=True)
@@ -168,6 +171,9 @@ class KernelReader:
         self._stream: torch.cuda.Stream | None = None
         if self.device.type == "cuda":
             self._stream = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
+        # Completion events whose copy has ended and been seen, for the next launches: a fresh
+        # torch.cuda.Event costs its creation and, at its first record, a CUDA event's.
+        self._events: list[torch.cuda.Event] = []
         self._src: tuple[PeerMaps, Regions] | None = None  # the last peer generation's regions
         self._sweeper: asyncio.Task[None] | None = None
         self.backend = ""  # which implementation ran last ("cuda" or "torch")
@@ -318,6 +324,7 @@ class KernelReader:
             waited = await wait_event(done)
             times.wait = time.perf_counter() - t
             times.polls, times.thread_wait = waited.polls, waited.thread
+            self._spare(done)
         return ran, runs
 
     def _copy(self, src: Regions, plan: TransferPlan, times: PullTimes) -> tuple[str, int]:
@@ -327,7 +334,15 @@ class KernelReader:
             t = time.perf_counter()
             done.synchronize()
             times.wait = time.perf_counter() - t
+            self._spare(done)
         return ran, runs
+
+    def _spare(self, done: torch.cuda.Event) -> None:
+        """Keep ``done`` (its copy has ended and was seen to) for a later launch; at most
+        :data:`SPARE_EVENTS` are kept (a list's append and pop are atomic: the worker-thread
+        path returns its event from another thread)."""
+        if len(self._events) < SPARE_EVENTS:
+            self._events.append(done)
 
     def _pieces(self, plan: TransferPlan) -> tuple[list[GroupCopy] | RangeCopy, int]:
         return (group_pieces if self.grouped else pieces)(plan, self.piece_bytes)
@@ -356,7 +371,10 @@ class KernelReader:
         ran = run_copy(
             copy, max_ctas=self.max_ctas, kernel=self.kernel, stream=self._stream.cuda_stream
         )
-        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        try:
+            done = self._events.pop()
+        except IndexError:
+            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
         done.record(self._stream)
         times.launch = time.perf_counter() - t1
         return ran, runs, done

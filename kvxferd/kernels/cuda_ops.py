@@ -8,6 +8,7 @@ staging buffer's device and returns without synchronising.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -24,6 +25,18 @@ from kvxferd.kernels.ranges import (
     check_copy,
     check_ranges,
 )
+
+_OVERLOADS: dict[str, Any] = {}
+
+
+def _op(name: str) -> Any:
+    """The op's default overload, looked up once: called directly, it skips the overload
+    resolution that ``torch.ops.kvxferd.<name>(...)`` does on every call (a small pull's
+    launch is one such call)."""
+    op = _OVERLOADS.get(name)
+    if op is None:
+        op = _OVERLOADS[name] = getattr(cuda_ops(), name).default
+    return op
 
 
 def _raise_if(err: str) -> None:
@@ -114,12 +127,14 @@ def run_copy(
         raise InvalidRequest("run_copy: the copy was prepared for the twin (no launch tables)")
     like = c.dst.tensors[0]
     if c.ranges is not None:
+        copy_ranges = _op("copy_ranges")
         for table in c.tables:
-            _raise_if(cuda_ops().copy_ranges(table, like, int(max_ctas), int(kernel), stream))
+            _raise_if(copy_ranges(table, like, int(max_ctas), int(kernel), stream))
         return
+    copy_group = _op("copy_group")
     for g, table in zip(c.groups, c.tables, strict=True):
         n, k = int(g.length.shape[0]), int(g.regions.shape[0])
-        _raise_if(cuda_ops().copy_group(table, n, k, like, int(max_ctas), stream))
+        _raise_if(copy_group(table, n, k, like, int(max_ctas), stream))
 
 
 def copy_vector_width(dst: RegionsLike, src: RegionsLike, ranges: RangeCopy) -> int:

@@ -14,6 +14,7 @@ twin (:mod:`kvxferd.kernels.twin`) slices tensors.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -26,6 +27,28 @@ import torch
 from kvxferd.errors import BlockRangeError, InvalidRequest
 
 Int64Array = npt.NDArray[np.int64]
+
+SMALL = 64
+"""Up to this many values, :func:`lo_hi` and :func:`extent` work on Python ints: a NumPy
+reduction costs several microseconds for its call alone, more than a pull's few dozen runs
+take as a list."""
+
+
+def lo_hi(a: Int64Array) -> tuple[int, int]:
+    """The smallest and largest value of a non-empty 1-D integer array, as Python ints."""
+    if a.shape[0] <= SMALL:
+        xs = a.tolist()
+        return min(xs), max(xs)
+    return int(a.min()), int(a.max())
+
+
+def extent(offset: Int64Array, length: Int64Array) -> tuple[int, int]:
+    """``(min(offset), max(offset + length))`` of non-empty, equal-length 1-D integer arrays:
+    the lowest byte ranges start at and the byte past the furthest one's end."""
+    if offset.shape[0] <= SMALL:
+        xs = offset.tolist()
+        return min(xs), max(map(operator.add, xs, length.tolist()))
+    return int(offset.min()), int((offset + length).max())
 
 
 class CopyKernel(IntEnum):
@@ -249,7 +272,7 @@ def check_groups(
                 f"copy_ranges: group {k} names region {last} of {len(d)}",
                 field="ranges",
             )
-        if int(g.length.min()) <= 0:
+        if lo_hi(g.length)[0] <= 0:
             raise BlockRangeError(
                 f"copy_ranges: a piece of group {k} is empty or negative", field="ranges"
             )
@@ -258,7 +281,7 @@ def check_groups(
             ("dst", g.dst_offset, d, d_small),
             ("src", g.src_offset, s, s_small),
         ):
-            low, end = int(off.min()), int((off + g.length).max())
+            low, end = extent(off, g.length)
             if low < 0 or end > int(side.size[small]):
                 raise BlockRangeError(
                     f"copy_ranges: group {k} reads bytes [{low}, {end}) of {name} regions,"

@@ -54,33 +54,38 @@ STRATEGIES = {
 
 
 def status_to_proto(rec: PullRecord) -> scheduler_pb2.TransferStatus:
-    msg = scheduler_pb2.TransferStatus(
-        transfer_id=rec.transfer_id,
-        request_id=rec.request_id,
-        peer_address=rec.peer_address,
-        state=PULL_STATES[rec.state],
-        nbytes=rec.nbytes,
-        descriptors_before_coalescing=rec.naive_descriptors,
-        descriptors_after_coalescing=rec.posted_descriptors,
-        strategy=STRATEGIES.get(rec.strategy, scheduler_pb2.TRANSFER_STRATEGY_UNSPECIFIED),
-        strategy_reason=rec.strategy_reason,
-        created_unix_ns=rec.created_ns,
-        started_unix_ns=rec.started_ns,
-        finished_unix_ns=rec.finished_ns,
-        deadline_unix_ns=rec.deadline_ns,
-        revision=rec.revision,
-    )
+    msg = scheduler_pb2.TransferStatus()
+    fill_status(msg, rec)
+    return msg
+
+
+def fill_status(msg: scheduler_pb2.TransferStatus, rec: PullRecord) -> None:
+    """Write ``rec`` into an empty ``msg`` (a response's own ``status``: no copy)."""
+    msg.transfer_id = rec.transfer_id
+    msg.request_id = rec.request_id
+    msg.peer_address = rec.peer_address
+    msg.state = PULL_STATES[rec.state]
+    msg.nbytes = rec.nbytes
+    msg.descriptors_before_coalescing = rec.naive_descriptors
+    msg.descriptors_after_coalescing = rec.posted_descriptors
+    msg.strategy = STRATEGIES.get(rec.strategy, scheduler_pb2.TRANSFER_STRATEGY_UNSPECIFIED)
+    msg.strategy_reason = rec.strategy_reason
+    msg.created_unix_ns = rec.created_ns
+    msg.started_unix_ns = rec.started_ns
+    msg.finished_unix_ns = rec.finished_ns
+    msg.deadline_unix_ns = rec.deadline_ns
+    msg.revision = rec.revision
     if rec.error is not None:
         msg.error.message = str(rec.error)
         msg.error.field = rec.error.field
         msg.error.fix = rec.error.fix
     if rec.stage_times is not None:
         msg.stage_times.CopyFrom(stage_times_to_proto(rec.stage_times))
+    stages = msg.stages
     for name, seconds in rec.stages:
-        msg.stages.add(name=name, seconds=seconds)
+        stages.add(name=name, seconds=seconds)
     if rec.invalid_local_blocks:
         msg.invalid_local_block_ids.CopyFrom(group_ids_to_proto(list(rec.invalid_local_blocks)))
-    return msg
 
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
@@ -115,7 +120,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             rec, created = await self.d.reader.start_pull(req)
             if wait:  # the proto's contract: answer with the terminal status
                 rec = await self.d.reader.pulls.wait_terminal(rec.transfer_id)
-            return scheduler_pb2.StartPullResponse(status=status_to_proto(rec), created=created)
+            resp = scheduler_pb2.StartPullResponse(created=created)
+            fill_status(resp.status, rec)
+            return resp
 
         return await rpc(self.d, "StartPull", context, call)
 

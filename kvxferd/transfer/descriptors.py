@@ -16,6 +16,7 @@ import numpy.typing as npt
 
 from kvxferd.blocks.ranges import RegionRanges, SharedRanges, TransferPlan
 from kvxferd.errors import BlockRangeError, InvalidRequest
+from kvxferd.kernels.ranges import lo_hi
 
 Int64Array = npt.NDArray[np.int64]
 
@@ -87,9 +88,9 @@ def split_runs(
     worker threads, and the copy kernel gives every piece one slot."""
     if max_len <= 0:
         raise InvalidRequest(f"max descriptor length must be positive, got {max_len}")
-    pieces = (length + max_len - 1) // max_len
-    if length.size == 0 or int(pieces.max()) <= 1:
+    if length.size == 0 or lo_hi(length)[1] <= max_len:  # every range is one piece
         return region, local_offset, remote_offset, length
+    pieces = (length + max_len - 1) // max_len
     idx = np.repeat(np.arange(length.size), pieces)
     first = np.cumsum(pieces) - pieces
     skip = (np.arange(idx.size, dtype=np.int64) - np.repeat(first, pieces)) * max_len
@@ -142,7 +143,7 @@ def _classes(plan: TransferPlan) -> tuple[SharedRanges, ...]:
     :class:`BlockRangeError` for an empty or negative range."""
     classes = plan.classes
     for c in classes:
-        if int(c.ranges.length.min()) <= 0:
+        if lo_hi(c.ranges.length)[0] <= 0:
             r = c.ranges.region
             raise BlockRangeError(
                 f"the ranges of region {r} include an empty or negative range",

@@ -11,7 +11,15 @@ from hypothesis import strategies as st
 
 from kvxferd.errors import BlockRangeError, InvalidRequest
 from kvxferd.kernels import GroupCopy, RangeCopy, Regions, copy_groups, copy_ranges, twin
-from kvxferd.kernels.ranges import address_table, check_groups, check_ranges, group_table
+from kvxferd.kernels.ranges import (
+    SMALL,
+    address_table,
+    check_groups,
+    check_ranges,
+    extent,
+    group_table,
+    lo_hi,
+)
 
 SIZES = [4096, 1000, 2048]
 
@@ -98,7 +106,8 @@ def groups(draw: st.DrawFn) -> list[GroupCopy]:
     out = []
     for _ in range(draw(st.integers(0, 3))):
         regions = draw(st.lists(st.integers(0, len(SIZES) - 1), min_size=0, max_size=3))
-        n = draw(st.integers(0, 4))
+        # Few runs (the checks' list path) or more than SMALL (their NumPy path).
+        n = draw(st.one_of(st.integers(0, 4), st.integers(SMALL + 1, SMALL + 20)))
         cols = [
             [draw(st.integers(0, 4200)) for _ in range(n)],
             [draw(st.integers(0, 4200)) for _ in range(n)],
@@ -205,3 +214,21 @@ def test_group_tables_gather_each_pair_of_sides_bases_once_and_follow_a_new_sour
     mutable[0] = 1
     assert group_table(dst, src_a, m).tolist() == want(src_a, [1, 0])
     assert len(src_a.pair_bases) == 1  # the writable array was never kept
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(-(2**40), 2**40), st.integers(-(2**30), 2**30)),
+        min_size=1,
+        max_size=2 * SMALL,
+    )
+)
+def test_bounds_and_extent_agree_with_numpy_on_both_sides_of_small(
+    rows: list[tuple[int, int]],
+) -> None:
+    off = np.array([r[0] for r in rows], dtype=np.int64)
+    length = np.array([r[1] for r in rows], dtype=np.int64)
+    assert lo_hi(off) == (int(off.min()), int(off.max()))
+    assert extent(off, length) == (int(off.min()), int((off + length).max()))
+    assert all(type(v) is int for v in (*lo_hi(off), *extent(off, length)))

@@ -1,0 +1,112 @@
+"""Stamp the monotonic clock at the steps of every pull in a decode daemon (``kvxferd serve``
+with a scheduler socket) started with this directory on ``PYTHONPATH`` and ``KVX_TIMELINE_DIR``
+set; at exit it writes ``$KVX_TIMELINE_DIR/timeline-<pid>.json``. With pulls made one at a
+time (``bench.control_path``), ``python -m bench.timeline_report DIR`` cuts the stamps into
+one window per StartPull frame and prints each step's p50 offset from the frame's arrival:
+where a pull's time goes on the daemon's one thread, loop turns included.
+
+For studies only: each stamp adds about a microsecond; nothing in kvxferd changes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import importlib
+import inspect
+import json
+import os
+import sys
+import time
+from typing import Any
+
+_DIR = os.environ.get("KVX_TIMELINE_DIR", "")
+STAMPS: list[tuple[str, float]] = []
+_now = time.monotonic
+
+
+def _stamp(name: str) -> None:
+    STAMPS.append((name, _now()))
+
+
+def _wrap(path: str, attr: str, label: str, *, exit_: bool = True) -> None:
+    mod_name, _, cls_name = path.rpartition(":")
+    owner: Any = importlib.import_module(mod_name)
+    for part in cls_name.split(".") if cls_name else ():
+        owner = getattr(owner, part)
+    inner = getattr(owner, attr)
+    if inspect.iscoroutinefunction(inner):
+
+        @functools.wraps(inner)
+        async def awrapper(*args: Any, **kwargs: Any) -> Any:
+            _stamp(label + ">")
+            try:
+                return await inner(*args, **kwargs)
+            finally:
+                if exit_:
+                    _stamp(label + "<")
+
+        setattr(owner, attr, awrapper)
+    else:
+
+        @functools.wraps(inner)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            _stamp(label + ">")
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                if exit_:
+                    _stamp(label + "<")
+
+        setattr(owner, attr, wrapper)
+
+
+def _install() -> None:
+    _wrap("kvxferd.service.local_peer:_Calls", "data_received", "frame_in")
+    _wrap("kvxferd.service.local_peer:LocalPeerServer", "_serve", "serve")
+    _wrap("kvxferd.service.scheduler_service:SchedulerService", "StartPull", "StartPull")
+    _wrap("kvxferd.daemon.reader:Reader", "start_pull", "start_pull")
+    _wrap("kvxferd.wire.local:LocalTransport", "__call__", "peer_call")
+    _wrap("kvxferd.wire.local:_Answers", "data_received", "answer_in")
+    _wrap("kvxferd.daemon.shares:Shares", "confirm", "confirm")
+    _wrap("kvxferd.daemon.moves:Mover", "plan", "plan")
+    _wrap("kvxferd.daemon.moves:Mover", "choose", "choose")
+    _wrap("kvxferd.daemon.moves:Mover", "prepare", "prepare")
+    _wrap("kvxferd.daemon.pulls:PullBook", "add", "book_add")
+    _wrap("kvxferd.daemon.reader:Reader", "_run_pull", "run_pull")
+    _wrap("kvxferd.daemon.moves:Mover", "move", "move")
+    _wrap("kvxferd.ipc.reader:KernelReader", "_launch", "launch")
+    _wrap("kvxferd.ipc.reader:", "wait_event", "wait_event")
+    _wrap("kvxferd.ipc.reader:", "run_copy", "run_copy")
+    _wrap("kvxferd.kernels.cuda_ops:", "run_copy", "cuda_run_copy")
+    _wrap("kvxferd.daemon.reader:Reader", "_settle", "settle")
+    _wrap("kvxferd.nixl.worker:NixlThread", "call", "nixl_call")
+    from kvxferd.daemon import pulls
+
+    mark = pulls.Stages.mark
+
+    def traced_mark(self: Any, name: str) -> Any:
+        _stamp("mark:" + name)
+        return mark(self, name)
+
+    pulls.Stages.mark = traced_mark  # type: ignore[method-assign]
+    update = pulls.PullBook.update
+
+    def traced_update(self: Any, transfer_id: str, **changes: Any) -> Any:
+        state = changes.get("state")
+        _stamp(f"update:{state.value if state is not None else '-'}")
+        return update(self, transfer_id, **changes)
+
+    pulls.PullBook.update = traced_update  # type: ignore[method-assign]
+
+
+def _dump() -> None:
+    if "serve" not in sys.argv or "scheduler_socket" not in " ".join(sys.argv):
+        return  # only the decode daemon
+    with open(os.path.join(_DIR, f"timeline-{os.getpid()}.json"), "w") as f:
+        json.dump(STAMPS, f)
+
+
+if _DIR:
+    _install()
+    atexit.register(_dump)
