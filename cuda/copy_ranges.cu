@@ -236,15 +236,17 @@ struct Target {
   int sms;
 };
 
-c10::cuda::CUDAStream stream_of(const at::Tensor& like, int64_t stream) {
-  const auto dev = static_cast<c10::DeviceIndex>(like.device().index());
+c10::cuda::CUDAStream stream_of(c10::DeviceIndex dev, int64_t stream) {
   if (stream == 0) return c10::cuda::getCurrentCUDAStream(dev);
   return c10::cuda::getStreamFromExternal(reinterpret_cast<cudaStream_t>(stream), dev);
 }
 
-Target target(const at::Tensor& like) {
-  const int dev = like.device().index();
-  Target t{c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(dev)).stream(), 0};
+c10::cuda::CUDAStream stream_of(const at::Tensor& like, int64_t stream) {
+  return stream_of(static_cast<c10::DeviceIndex>(like.device().index()), stream);
+}
+
+Target target(c10::DeviceIndex dev) {
+  Target t{c10::cuda::getCurrentCUDAStream(dev).stream(), 0};
   if (cudaDeviceGetAttribute(&t.sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
       t.sms <= 0) {
     t.sms = 1;
@@ -252,12 +254,16 @@ Target target(const at::Tensor& like) {
   return t;
 }
 
+Target target(const at::Tensor& like) {
+  return target(static_cast<c10::DeviceIndex>(like.device().index()));
+}
+
 // One upload of `n` table values from pinned memory, ordered on the current stream; the caching
 // host allocator keeps the pinned block alive until the copy has run.
-at::Tensor upload(const int64_t* rows, int64_t n, const at::Tensor& like) {
+at::Tensor upload(const int64_t* rows, int64_t n, const at::Device& device) {
   auto host = at::empty({n}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
   std::copy(rows, rows + n, host.data_ptr<int64_t>());
-  auto on_dev = at::empty({n}, at::TensorOptions().dtype(at::kLong).device(like.device()));
+  auto on_dev = at::empty({n}, at::TensorOptions().dtype(at::kLong).device(device));
   on_dev.copy_(host, /*non_blocking=*/true);
   return on_dev;
 }
@@ -338,7 +344,7 @@ std::string copy_ranges(at::Tensor table, at::Tensor like, int64_t max_ctas, int
   const c10::cuda::CUDAGuard guard(like.device());
   const c10::cuda::CUDAStreamGuard on_stream(stream_of(like, stream));
   const Target t = target(like);
-  const at::Tensor on_dev = upload(rows, 3 * n, like);
+  const at::Tensor on_dev = upload(rows, 3 * n, like.device());
   const int64_t* d = on_dev.data_ptr<int64_t>();
   return with_width("copy_ranges", s.v, [&](auto w) {
     launch<decltype(w)::value>(variant, d, n, s.longest, max_ctas, t.sms, t.stream);
@@ -380,24 +386,19 @@ void launch_group_inline(const InlineTable& table, int64_t n_runs, int64_t n_reg
       <<<grid, kStrideThreads, 0, stream>>>(table, n_runs, n_regions, total, shift);
 }
 
-std::string copy_group(at::Tensor table, int64_t n_runs, int64_t n_regions, at::Tensor like,
-                       int64_t max_ctas, int64_t stream) {
-  if (!table.defined() || !table.device().is_cpu() || table.scalar_type() != at::kLong ||
-      table.dim() != 1 || !table.is_contiguous()) {
-    return msg("copy_group: the table must be a contiguous 1-D int64 CPU tensor");
-  }
+// copy_group's launch from the table's values (`numel` of them at `rows`, on the host) on
+// device `dev`: everything but the tensor checks of the op, shared by the op and the binding.
+std::string copy_group_rows(const int64_t* rows, int64_t numel, int64_t n_runs,
+                            int64_t n_regions, c10::DeviceIndex dev, int64_t max_ctas,
+                            int64_t stream) {
   if (n_runs <= 0 || n_regions <= 0 || n_regions > 65535 || n_runs >= (int64_t{1} << 31)) {
     return msg("copy_group: bad counts (runs ", n_runs, ", regions in 1..65535)");
   }
-  if (table.numel() != 3 * n_runs + 2 * n_regions) {
-    return msg("copy_group: the table holds ", table.numel(),
+  if (numel != 3 * n_runs + 2 * n_regions) {
+    return msg("copy_group: the table holds ", numel,
                " values; it must hold 3 per run and 2 per region");
   }
-  if (!like.defined() || !like.is_cuda()) {
-    return msg("copy_group: `like` must be a CUDA tensor on the device that copies");
-  }
   if (max_ctas < 0) return msg("copy_group: max_ctas must be >= 0, got ", max_ctas, "");
-  const int64_t* rows = table.data_ptr<int64_t>();
   Scan s;  // the runs: offsets from the bases (0 is fine), lengths, alignment
   uint64_t bits = 0;
   for (int64_t i = 0; i < n_runs; ++i) {
@@ -417,23 +418,36 @@ std::string copy_group(at::Tensor table, int64_t n_runs, int64_t n_regions, at::
     return msg("copy_group: the runs span too many vectors for one launch (",
                s.longest, " bytes in the longest run); cut runs into smaller pieces");
   }
-  const c10::cuda::CUDAGuard guard(like.device());
-  const c10::cuda::CUDAStreamGuard on_stream(stream_of(like, stream));
-  const Target t = target(like);
-  if (table.numel() <= kInlineValues) {  // the table travels with the launch
+  const c10::cuda::CUDAGuard guard(dev);
+  const c10::cuda::CUDAStreamGuard on_stream(stream_of(dev, stream));
+  const Target t = target(dev);
+  if (numel <= kInlineValues) {  // the table travels with the launch
     InlineTable inline_table;
-    std::copy(rows, rows + table.numel(), inline_table.v);
+    std::copy(rows, rows + numel, inline_table.v);
     return with_width("copy_group", s.v, [&](auto w) {
       launch_group_inline<decltype(w)::value>(inline_table, n_runs, n_regions, s.longest,
                                               max_ctas, t.sms, t.stream);
     });
   }
-  const at::Tensor on_dev = upload(rows, table.numel(), like);
+  const at::Tensor on_dev = upload(rows, numel, at::Device(at::kCUDA, dev));
   const int64_t* d = on_dev.data_ptr<int64_t>();
   return with_width("copy_group", s.v, [&](auto w) {
     launch_group<decltype(w)::value>(d, d + 3 * n_runs, n_runs, n_regions, s.longest, max_ctas,
                                      t.sms, t.stream);
   });
+}
+
+std::string copy_group(at::Tensor table, int64_t n_runs, int64_t n_regions, at::Tensor like,
+                       int64_t max_ctas, int64_t stream) {
+  if (!table.defined() || !table.device().is_cpu() || table.scalar_type() != at::kLong ||
+      table.dim() != 1 || !table.is_contiguous()) {
+    return msg("copy_group: the table must be a contiguous 1-D int64 CPU tensor");
+  }
+  if (!like.defined() || !like.is_cuda()) {
+    return msg("copy_group: `like` must be a CUDA tensor on the device that copies");
+  }
+  return copy_group_rows(table.data_ptr<int64_t>(), table.numel(), n_runs, n_regions,
+                         static_cast<c10::DeviceIndex>(like.device().index()), max_ctas, stream);
 }
 
 // Which vector width a table would use (tests and the bench's log); 0 for a bad table.
@@ -444,6 +458,23 @@ int64_t copy_vector_width(at::Tensor table) {
 }
 
 }  // namespace
+
+// copy_group for the Python binding (cuda/bindings.cpp): the table as the address of its
+// `numel` int64 values in host memory (a contiguous CPU tensor's data_ptr(), which the caller
+// keeps alive for the call; the values are copied into the launch or a pinned upload before it
+// returns) and the device as its index. Called as a plain function, not through the dispatcher:
+// a small pull's launch is one such call.
+std::string copy_group_raw(int64_t table, int64_t numel, int64_t n_runs, int64_t n_regions,
+                           int64_t device, int64_t max_ctas, int64_t stream) {
+  if (table == 0) return msg("copy_group: the table's address is null");
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || device < 0 || device >= count) {
+    return msg("copy_group: no CUDA device ", device, " here");
+  }
+  return copy_group_rows(reinterpret_cast<const int64_t*>(table), numel, n_runs, n_regions,
+                         static_cast<c10::DeviceIndex>(device), max_ctas, stream);
+}
+
 }  // namespace kvxferd
 
 TORCH_LIBRARY_FRAGMENT(kvxferd, m) {

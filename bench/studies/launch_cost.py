@@ -1,11 +1,12 @@
 """What a KERNEL pull's launch costs on the host, part by part, on one GPU (session 16): the
-copy op through ``kvxferd.kernels.run_copy`` (a ready 16-run group over 64 regions, the table
-travelling with the launch), the same op called directly, a CPU-only op of the same extension
-(the dispatcher's share), and the completion event (fresh, or reused). p50 of 2,000 calls each,
-synchronised between calls, as a pull launches on an idle stream. Then the op call again in the
-conditions of a daemon: the CPU caches cooled between calls (a 16-block plan and a 64 MiB
-array walked, as a pull's other work does), and a NIXL agent running beside it (its progress
-thread, every 100 us, with the pool's VRAM registered: UCX's CUDA transports are live).
+copy through ``kvxferd.kernels.run_copy`` (a ready 16-run group over 64 regions, the table
+travelling with the launch), the op called directly, the extension's binding
+(``cuda/bindings.cpp``), a CPU-only op of the same extension (the dispatcher's share), and the
+completion event (fresh, or reused). p50 of 2,000 calls each, synchronised between calls, as a
+pull launches on an idle stream. Then again in the conditions of a daemon: the CPU caches
+cooled between calls (a 16-block plan and a 64 MiB array walked, as a pull's other work does),
+and a NIXL agent running beside it (its progress thread, every 100 us, with the pool's VRAM
+registered: UCX's CUDA transports are live).
 
     python -m bench.studies.launch_cost
 """
@@ -83,6 +84,23 @@ def main() -> int:
         op(table, 16, regions, like, 64, s)
 
     _time("op .default, caches cooled between", direct, between=cool)
+    from kvxferd.kernels.loader import cuda_module
+
+    raw = cuda_module().copy_group_raw
+    at, numel = table.data_ptr(), table.numel()
+
+    def binding() -> None:
+        raw(at, numel, 16, regions, 0, 64, s)
+
+    _time("binding (cuda/bindings.cpp)", binding)
+    _time("binding, caches cooled between", binding, between=cool)
+    _time("CPU-only op, caches cooled between", lambda: width(flat), between=cool)
+
+    def warmed() -> None:
+        cool()
+        width(flat)  # the dispatcher's path walked just before
+
+    _time("op .default, cooled, dispatcher warmed", direct, between=warmed)
     from kvxferd.nixl import MemType, NixlAgent
 
     agent = NixlAgent("launch-cost", cuda_device=0)

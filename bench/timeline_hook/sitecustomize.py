@@ -81,6 +81,23 @@ def _install() -> None:
     _wrap("kvxferd.kernels.cuda_ops:", "run_copy", "cuda_run_copy")
     _wrap("kvxferd.daemon.reader:Reader", "_settle", "settle")
     _wrap("kvxferd.nixl.worker:NixlThread", "call", "nixl_call")
+    from kvxferd.kernels import cuda_ops
+
+    find = cuda_ops._op
+
+    def timed_op(name: str) -> Any:
+        op = find(name)
+
+        def call(*args: Any) -> Any:
+            _stamp("op>")
+            try:
+                return op(*args)
+            finally:
+                _stamp("op<")
+
+        return call
+
+    cuda_ops._op = timed_op  # type: ignore[assignment]
     from kvxferd.daemon import pulls
 
     mark = pulls.Stages.mark

@@ -14,7 +14,7 @@ import torch
 
 from kvxferd.errors import InvalidRequest
 from kvxferd.kernels.geometry import BlockIds, KVPermute, check_call
-from kvxferd.kernels.loader import cuda_ops
+from kvxferd.kernels.loader import cuda_module, cuda_ops
 from kvxferd.kernels.ranges import (
     CheckedCopy,
     CopyKernel,
@@ -131,10 +131,21 @@ def run_copy(
         for table in c.tables:
             _raise_if(copy_ranges(table, like, int(max_ctas), int(kernel), stream))
         return
-    copy_group = _op("copy_group")
+    # The binding, not the op: the dispatcher's cold path cost ~50 us per launch in a daemon
+    # (cuda/bindings.cpp). The tables are contiguous int64 CPU tensors (group_table) that
+    # ``c`` keeps alive; the call copies their values before it returns.
+    copy_group = cuda_module().copy_group_raw
+    device = int(like.device.index or 0)
     for g, table in zip(c.groups, c.tables, strict=True):
+        if not (
+            table.dtype is torch.int64
+            and table.device.type == "cpu"
+            and table.dim() == 1
+            and table.is_contiguous()
+        ):
+            raise InvalidRequest("copy_group: the table must be a contiguous 1-D int64 CPU tensor")
         n, k = int(g.length.shape[0]), int(g.regions.shape[0])
-        _raise_if(copy_group(table, n, k, like, int(max_ctas), stream))
+        _raise_if(copy_group(table.data_ptr(), table.numel(), n, k, device, int(max_ctas), stream))
 
 
 def copy_vector_width(dst: RegionsLike, src: RegionsLike, ranges: RangeCopy) -> int:

@@ -1,6 +1,7 @@
 """Which implementation runs, and the JIT build of the CUDA extension.
 
-The CUDA extension (``cuda/staging.cu`` and ``cuda/copy_ranges.cu``) is built with
+The CUDA extension (``cuda/staging.cu`` and ``cuda/copy_ranges.cu``, whose torch ops it
+registers, and ``cuda/bindings.cpp``, its Python module: :func:`cuda_module`) is built with
 :func:`torch.utils.cpp_extension.load` for the compute capabilities of the visible GPUs
 (``sm_90`` on Hopper) into a cache directory under the system temp dir, only when torch sees a
 GPU, torch is a CUDA build, ``nvcc`` is found and the sources are present. Otherwise the
@@ -11,6 +12,7 @@ so the daemon calls it at start-up (``kvxferd.service.app``), never on a pull's 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import shutil
 import tempfile
@@ -28,7 +30,7 @@ from kvxferd.logs import kv
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("staging.cu", "copy_ranges.cu")
+SOURCES = ("staging.cu", "copy_ranges.cu", "bindings.cpp")
 _OPS = (
     "gather_blocks",
     "scatter_blocks",
@@ -60,6 +62,7 @@ class Backend:
 
 _lock = threading.Lock()
 _state: dict[str, Backend] = {}  # "active" once decided
+_module: list[Any] = []  # the built extension's Python module (cuda/bindings.cpp), once built
 
 
 def cuda_source_dir() -> Path:
@@ -97,7 +100,17 @@ def _archs() -> tuple[str, ...]:
 
 
 def build_dir(archs: tuple[str, ...]) -> Path:
-    tag = f"torch{torch.__version__}-cu{torch.version.cuda}-sm{'_'.join(archs)}"
+    """Where the extension is built: one directory per torch, CUDA, architectures and sources
+    (a digest of their contents), so two kvxferd versions on one machine (an upgrade rolling
+    through a host's daemons) never rebuild over each other's library."""
+    digest = hashlib.sha256()
+    for path in sorted(cuda_source_dir().iterdir()):  # the sources and the headers they include
+        if path.suffix in (".cu", ".cuh", ".cpp"):
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    tag = (
+        f"torch{torch.__version__}-cu{torch.version.cuda}-sm{'_'.join(archs)}"
+        f"-src{digest.hexdigest()[:12]}"
+    )
     safe = "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in tag)
     return Path(tempfile.gettempdir()) / "kvxferd-cuda" / safe
 
@@ -112,13 +125,13 @@ def _build(verbose: bool) -> Backend:
     t0 = time.monotonic()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        cpp_extension.load(
+        module = cpp_extension.load(
             name="kvxferd_staging",
             sources=[str(cuda_source_dir() / s) for s in SOURCES],
             extra_cflags=["-O3"],
             extra_cuda_cflags=["-O3", "-lineinfo", *gencode],
             build_directory=str(where),
-            is_python_module=False,
+            is_python_module=True,
             verbose=verbose,
         )
     for w in caught:
@@ -126,6 +139,8 @@ def _build(verbose: bool) -> Backend:
     ops = torch.ops.kvxferd
     for name in _OPS:
         getattr(ops, name)  # raises if the library did not register the op
+    module.copy_group_raw  # noqa: B018 (raises if the binding is missing)
+    _module.append(module)
     dt = time.monotonic() - t0
     log.info(
         "CUDA kernels built",
@@ -164,3 +179,10 @@ def cuda_ops() -> Any:
 
         raise ConfigError(f"the CUDA staging kernels are not available: {b.reason}")
     return torch.ops.kvxferd
+
+
+def cuda_module() -> Any:
+    """The extension's Python module (``cuda/bindings.cpp``: hot-path launches as plain
+    functions) once built; raises when the twin is active."""
+    cuda_ops()
+    return _module[0]

@@ -36,6 +36,10 @@ from kvxferd.wire.local import (
 )
 from kvxferd.wire.peer_client import Metadata, RpcFailure
 
+# How far past an answer's header the first read may take (the answer's body: a StartPull's
+# terminal status is a few hundred bytes).
+READ_AHEAD = 64 << 10
+
 
 class SchedulerSocket:
     """Blocking calls to the Scheduler methods a daemon serves on its socket at ``path``."""
@@ -105,10 +109,17 @@ class SchedulerSocket:
         serialized, and one that timed out closed it); DEADLINE_EXCEEDED when it does not come
         in time."""
         try:
-            size, got, kind = HEADER.unpack(self._read(sock, HEADER.size, deadline))
+            # One read takes the header and what has come of the body (usually all of it).
+            first = self._read(sock, HEADER.size, deadline, more=READ_AHEAD)
+            size, got, kind = HEADER.unpack_from(first)
             if size > MAX_FRAME or kind != ANSWER or got != call_id:
                 raise OSError(f"an unexpected frame (kind {kind}, call {got}, {size} bytes)")
-            return self._read(sock, size, deadline) if size else b""
+            body = first[HEADER.size :]
+            if len(body) > size:  # nothing follows an answer until the next request
+                raise OSError(f"{len(body) - size} bytes past the answer's frame")
+            if len(body) < size:
+                body += self._read(sock, size - len(body), deadline)
+            return body
         except TimeoutError:
             # Closing the connection ends the call on the daemon (a pull it started goes on,
             # as when a gRPC caller gives up) and drops any part of a frame read so far.
@@ -122,14 +133,15 @@ class SchedulerSocket:
                 (),
             ) from exc
 
-    def _read(self, sock: socket.socket, n: int, deadline: float) -> bytes:
+    def _read(self, sock: socket.socket, n: int, deadline: float, more: int = 0) -> bytes:
+        """At least ``n`` bytes (at most ``n + more``: whatever has arrived of them)."""
         buf = bytearray()
         while len(buf) < n:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError
             sock.settimeout(left)
-            chunk = sock.recv(n - len(buf))
+            chunk = sock.recv(n + more - len(buf))
             if not chunk:
                 raise ConnectionError("the daemon closed the connection")
             buf += chunk

@@ -231,6 +231,41 @@ def test_group_bounds_and_bad_tables_are_refused_before_launch(ops: Any) -> None
     assert int(dst[0].sum()) == 0
 
 
+def test_the_launch_binding_refuses_what_the_op_refuses(ops: Any) -> None:
+    """copy_group_raw (cuda/bindings.cpp), what run_copy launches with: the op's refusals, and
+    its own (a null table, a device that is not there); run_copy refuses a table that is not a
+    contiguous 1-D int64 CPU tensor before it hands over its address. Nothing is copied."""
+    from kvxferd.errors import InvalidRequest
+    from kvxferd.kernels import prepare_copy, run_copy
+    from kvxferd.kernels.loader import cuda_module
+    from kvxferd.kernels.ranges import Regions, group_table
+
+    raw = cuda_module().copy_group_raw
+    src = [_random(1024, 1), _random(512, 2)]
+    dst = [torch.zeros(1024, dtype=torch.uint8, device="cuda") for _ in range(2)]
+    d, s = Regions.of("dst", dst), Regions.of("src", src)
+    run = np.array([0], dtype=np.int64)
+    table = group_table(d, s, GroupCopy(np.array([0]), run, run, np.array([8])))
+    at, n = table.data_ptr(), table.numel()
+    assert "3 per run and 2 per region" in raw(at, n, 2, 1, 0, 0, 0)
+    assert "bad counts" in raw(at, n, 1, 0, 0, 0, 0)
+    assert "null" in raw(0, n, 1, 1, 0, 0, 0)
+    assert "no CUDA device 99" in raw(at, n, 1, 1, 99, 0, 0)
+    assert "max_ctas" in raw(at, n, 1, 1, 0, -1, 0)
+    table[0] = -8
+    assert "negative offset" in raw(at, n, 1, 1, 0, 0, 0)
+    copy = prepare_copy(dst, src, [GroupCopy(np.array([0, 1]), run, run, np.array([8]))])
+    bad = copy.tables[0].to(torch.int32)
+    with pytest.raises(InvalidRequest, match="contiguous 1-D int64 CPU tensor"):
+        run_copy(type(copy)(copy.dst, copy.src, None, copy.groups, (bad,), True))
+    torch.cuda.synchronize()
+    assert int(dst[0].sum()) == 0 and int(dst[1].sum()) == 0
+    good = copy.tables[0]
+    assert raw(good.data_ptr(), good.numel(), 1, 2, 0, 0, 0) == ""  # the binding copies
+    torch.cuda.synchronize()
+    assert torch.equal(dst[1][:8], src[1][:8]) and torch.equal(dst[0][:8], src[0][:8])
+
+
 def test_a_pull_planned_by_the_reader_is_copied_exactly_grouped(ops: Any) -> None:
     """The same miniature pull, its regions sharing the planner's arrays, through group_pieces
     (one group of 8 regions)."""
