@@ -1,6 +1,7 @@
-"""Print where a pull's time goes on the decode daemon, from ``bench/timeline_hook`` stamps:
-one window per StartPull (from the frame's arrival to the next StartPull's), each step's p50
-and p90 offset from the window's start, in the order of their p50s.
+"""Print where a pull's time goes on the decode daemon (and the owner's, ``owner:``), from
+``bench/timeline_hook`` stamps: one window per StartPull (from the frame's arrival to the next
+StartPull's), each step's p50 and p90 offset from the window's start, in the order of their
+p50s.
 
     python -m bench.timeline_report DIR [--skip N]
 """
@@ -33,8 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("dir")
     ap.add_argument("--skip", type=int, default=200, help="pulls to skip (warm-up)")
     args = ap.parse_args(argv)
-    (path,) = Path(args.dir).glob("timeline-*.json")
+    (path,) = Path(args.dir).glob("timeline-decode-*.json")
     stamps = [(str(n), float(t)) for n, t in json.loads(path.read_text())]
+    for owner in Path(args.dir).glob("timeline-owner-*.json"):  # one clock on one host
+        stamps += [(f"owner:{n}", float(t)) for n, t in json.loads(owner.read_text())]
+    stamps.sort(key=lambda s: s[1])
     offsets: dict[str, list[float]] = {}
     wins = windows(stamps)[args.skip : -1]
     for w in wins:

@@ -1,9 +1,9 @@
 // The extension's Python module (kvxferd.kernels.loader imports it): launches a KERNEL pull
 // makes on its hot path, bound as plain functions. The same work is registered as torch ops
 // (copy_ranges.cu, staging.cu); an op call goes through the dispatcher (its schema, boxed
-// arguments, dispatch keys), which costs little when warm but ~50 us per call inside a busy
-// daemon, where the CPU caches are cold for it by the time a pull launches
-// (docs/benchmarks.md, "Session 16"). A call here converts a few integers.
+// arguments, dispatch keys), which costs ~2 us warm but 15-50 us with the CPU caches cold for
+// it, as a daemon's are by the time a pull launches (docs/benchmarks.md, "Session 16"). A call
+// here converts a few integers.
 //
 //   copy_group_raw(table: int, numel: int, n_runs: int, n_regions: int, device: int,
 //                  max_ctas: int, stream: int) -> str

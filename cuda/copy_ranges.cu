@@ -6,6 +6,8 @@
 //   kvxferd::copy_ranges(Tensor table, Tensor like, int max_ctas, int variant, int stream=0) -> str
 //   kvxferd::copy_group(Tensor table, int n_runs, int n_regions, Tensor like, int max_ctas,
 //                       int stream=0) -> str
+// and copy_group again as the Python binding copy_group_raw (cuda/bindings.cpp), which the
+// daemon's KERNEL pulls launch with: the table by its host address, the device by its index.
 // table: CPU int64 tensor (n, 3), contiguous: one row [dst_addr, src_addr, nbytes] per piece;
 // like: any CUDA tensor on the device that runs the copy; stream: the cudaStream_t to queue the
 // work on, as an integer (torch.cuda.Stream.cuda_stream), or 0 for that device's current stream

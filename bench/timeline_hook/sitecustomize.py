@@ -1,9 +1,11 @@
-"""Stamp the monotonic clock at the steps of every pull in a decode daemon (``kvxferd serve``
-with a scheduler socket) started with this directory on ``PYTHONPATH`` and ``KVX_TIMELINE_DIR``
-set; at exit it writes ``$KVX_TIMELINE_DIR/timeline-<pid>.json``. With pulls made one at a
-time (``bench.control_path``), ``python -m bench.timeline_report DIR`` cuts the stamps into
-one window per StartPull frame and prints each step's p50 offset from the frame's arrival:
-where a pull's time goes on the daemon's one thread, loop turns included.
+"""Stamp the monotonic clock at the steps of every pull in the daemons (``kvxferd serve``)
+started with this directory on ``PYTHONPATH`` and ``KVX_TIMELINE_DIR`` set; at exit each writes
+``$KVX_TIMELINE_DIR/timeline-<role>-<pid>.json`` (role ``decode``: the daemon with a scheduler
+socket; else ``owner``). With pulls made one at a time (``bench.control_path``),
+``python -m bench.timeline_report DIR`` cuts the stamps into one window per StartPull frame and
+prints each step's p50 offset from the frame's arrival: where a pull's time goes on the decode
+daemon's one thread, loop turns included, and on the owner's (its steps prefixed ``owner:``;
+both daemons of one host share the clock).
 
 For studies only: each stamp adds about a microsecond; nothing in kvxferd changes.
 """
@@ -81,6 +83,7 @@ def _install() -> None:
     _wrap("kvxferd.kernels.cuda_ops:", "run_copy", "cuda_run_copy")
     _wrap("kvxferd.daemon.reader:Reader", "_settle", "settle")
     _wrap("kvxferd.nixl.worker:NixlThread", "call", "nixl_call")
+    _wrap("kvxferd.service.peer_service:PeerService", "ConfirmLease", "ConfirmLease")
     from kvxferd.kernels import cuda_ops
 
     find = cuda_ops._op
@@ -118,9 +121,10 @@ def _install() -> None:
 
 
 def _dump() -> None:
-    if "serve" not in sys.argv or "scheduler_socket" not in " ".join(sys.argv):
-        return  # only the decode daemon
-    with open(os.path.join(_DIR, f"timeline-{os.getpid()}.json"), "w") as f:
+    if "serve" not in sys.argv:
+        return  # another process that inherited the environment
+    role = "decode" if "scheduler_socket" in " ".join(sys.argv) else "owner"
+    with open(os.path.join(_DIR, f"timeline-{role}-{os.getpid()}.json"), "w") as f:
         json.dump(STAMPS, f)
 
 

@@ -31,7 +31,7 @@ _OVERLOADS: dict[str, Any] = {}
 
 def _op(name: str) -> Any:
     """The op's default overload, looked up once: called directly, it skips the overload
-    resolution that ``torch.ops.kvxferd.<name>(...)`` does on every call (a small pull's
+    resolution that ``torch.ops.kvxferd.<name>(...)`` does on every call (a flat copy's
     launch is one such call)."""
     op = _OVERLOADS.get(name)
     if op is None:
@@ -131,9 +131,10 @@ def run_copy(
         for table in c.tables:
             _raise_if(copy_ranges(table, like, int(max_ctas), int(kernel), stream))
         return
-    # The binding, not the op: the dispatcher's cold path cost ~50 us per launch in a daemon
-    # (cuda/bindings.cpp). The tables are contiguous int64 CPU tensors (group_table) that
-    # ``c`` keeps alive; the call copies their values before it returns.
+    # The binding, not the op: the dispatcher's path costs 15-50 us per launch when the CPU
+    # caches are cold for it, as a daemon's are (cuda/bindings.cpp). The tables are contiguous
+    # int64 CPU tensors (group_table) that ``c`` keeps alive; the call copies their values
+    # before it returns.
     copy_group = cuda_module().copy_group_raw
     device = int(like.device.index or 0)
     for g, table in zip(c.groups, c.tables, strict=True):
