@@ -133,18 +133,11 @@ def run_copy(
         return
     # The binding, not the op: the dispatcher's path costs 15-50 us per launch when the CPU
     # caches are cold for it, as a daemon's are (cuda/bindings.cpp). The tables are contiguous
-    # int64 CPU tensors (group_table) that ``c`` keeps alive; the call copies their values
-    # before it returns.
+    # int64 CPU tensors (CheckedCopy checks them when it is made) that ``c`` keeps alive; the
+    # call copies their values before it returns.
     copy_group = cuda_module().copy_group_raw
-    device = int(like.device.index or 0)
+    device = int(c.dst.device.index or 0)  # the device the regions were checked on
     for g, table in zip(c.groups, c.tables, strict=True):
-        if not (
-            table.dtype is torch.int64
-            and table.device.type == "cpu"
-            and table.dim() == 1
-            and table.is_contiguous()
-        ):
-            raise InvalidRequest("copy_group: the table must be a contiguous 1-D int64 CPU tensor")
         n, k = int(g.length.shape[0]), int(g.regions.shape[0])
         _raise_if(copy_group(table.data_ptr(), table.numel(), n, k, device, int(max_ctas), stream))
 

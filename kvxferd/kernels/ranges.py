@@ -307,6 +307,21 @@ class CheckedCopy:
     tables: tuple[torch.Tensor, ...]  # CPU int64, one per launch (none without pieces)
     cuda: bool  # the tables are built: the CUDA kernel runs it, else the twin
 
+    def __post_init__(self) -> None:
+        # The group launches hand a table's address to the extension (cuda/bindings.cpp), so
+        # every such table is checked here, once, where it is made (off the launch's path).
+        if self.cuda and self.ranges is None:
+            for t in self.tables:
+                if not (
+                    t.dtype is torch.int64
+                    and t.device.type == "cpu"
+                    and t.dim() == 1
+                    and t.is_contiguous()
+                ):
+                    raise InvalidRequest(
+                        "copy_group: the table must be a contiguous 1-D int64 CPU tensor"
+                    )
+
     @property
     def pieces(self) -> int:
         if self.ranges is not None:

@@ -233,8 +233,9 @@ def test_group_bounds_and_bad_tables_are_refused_before_launch(ops: Any) -> None
 
 def test_the_launch_binding_refuses_what_the_op_refuses(ops: Any) -> None:
     """copy_group_raw (cuda/bindings.cpp), what run_copy launches with: the op's refusals, and
-    its own (a null table, a device that is not there); run_copy refuses a table that is not a
-    contiguous 1-D int64 CPU tensor before it hands over its address. Nothing is copied."""
+    its own (a null table, a device that is not there); a copy whose table is not a contiguous
+    1-D int64 CPU tensor is refused (when it is made) before any address is handed over.
+    Nothing is copied."""
     from kvxferd.errors import InvalidRequest
     from kvxferd.kernels import prepare_copy, run_copy
     from kvxferd.kernels.loader import cuda_module

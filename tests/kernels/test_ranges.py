@@ -13,6 +13,7 @@ from kvxferd.errors import BlockRangeError, InvalidRequest
 from kvxferd.kernels import GroupCopy, RangeCopy, Regions, copy_groups, copy_ranges, twin
 from kvxferd.kernels.ranges import (
     SMALL,
+    CheckedCopy,
     address_table,
     check_groups,
     check_ranges,
@@ -232,3 +233,23 @@ def test_bounds_and_extent_agree_with_numpy_on_both_sides_of_small(
     assert lo_hi(off) == (int(off.min()), int(off.max()))
     assert extent(off, length) == (int(off.min()), int((off + length).max()))
     assert all(type(v) is int for v in (*lo_hi(off), *extent(off, length)))
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda t: t.to(torch.int32),
+        lambda t: t.reshape(-1, 1),
+        lambda t: torch.stack((t, t), dim=1)[:, 0],  # strided, not contiguous
+    ],
+    ids=["int32", "2-D", "strided"],
+)
+def test_a_copy_for_the_kernel_refuses_a_group_table_it_could_not_hand_over(bad: object) -> None:
+    """The group launch hands a table's address to the extension (cuda/bindings.cpp): a copy
+    made for the kernel holds only contiguous 1-D int64 CPU tables."""
+    d, s = Regions.of("dst", _regions(1)), Regions.of("src", _regions(2))
+    g = GroupCopy(np.array([0, 2]), np.array([0]), np.array([8]), np.array([16]))
+    table = group_table(d, s, g)
+    CheckedCopy(d, s, None, (g,), (table,), True)  # as check_copy makes it
+    with pytest.raises(InvalidRequest, match="contiguous 1-D int64 CPU tensor"):
+        CheckedCopy(d, s, None, (g,), (bad(table),), True)  # type: ignore[operator]
