@@ -78,8 +78,6 @@ def _install() -> None:
     _wrap("kvxferd.daemon.reader:Reader", "_run_pull", "run_pull")
     _wrap("kvxferd.daemon.moves:Mover", "move", "move")
     _wrap("kvxferd.ipc.reader:KernelReader", "_launch", "launch")
-    _wrap("kvxferd.ipc.reader:KernelReader", "_arm", "arm")
-    _wrap("kvxferd.ipc.reader:KernelReader", "release", "release")
     _wrap("kvxferd.ipc.reader:", "wait_event", "wait_event")
     _wrap("kvxferd.ipc.reader:", "run_copy", "run_copy")
     _wrap("kvxferd.kernels.cuda_ops:", "run_copy", "cuda_run_copy")

@@ -115,10 +115,6 @@ class TransferConfig:
     kernel_max_ctas: int = 64
     """KERNEL pulls: most CUDA thread blocks one copy launches (0: two per multiprocessor);
     the rest of the GPU stays free for the engine."""
-    kernel_arm: bool = True
-    """KERNEL pulls: launch a small pull's copy while its lease is confirmed, behind a gate
-    opened at the decision point (docs/strategies.md, "Armed launches"); false: launch after
-    the confirmation."""
     allow_slow_transport: bool = False
     """Allow DIRECT and STAGED pulls of GPU memory over a link probed at TCP speed (refused by
     default, with the fix; docs/nixl.md §7)."""

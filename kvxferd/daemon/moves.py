@@ -110,28 +110,6 @@ class Mover:
             return self.p.staging.kernel_ready(remote, part)
         return None
 
-    def release(
-        self, prepared: Prepared | ReadyPull | None, link: PeerLink, staged: Decision | None
-    ) -> None:
-        """The decision point passed: a KERNEL pull's copy armed before the confirmation
-        (:mod:`kvxferd.ipc.armed`) may run, if it was built for the owner's generation the
-        confirmation found. Call with no await between the decision and :meth:`move`."""
-        if not isinstance(prepared, ReadyPull) or prepared.armed is None:
-            return
-        assert self.p.staging is not None
-        kernel = staged is not None and staged.choice.strategy is Strategy.KERNEL
-        if kernel and link.remote is not None:
-            self.p.staging.kernel_release(prepared, link.remote)
-        else:
-            self.p.staging.kernel_disarm(prepared)
-
-    def disarm(self, prepared: Prepared | ReadyPull | None) -> None:
-        """The pull is over, or will not run: whatever copy it armed ends (aborted unless its
-        gate opened). Idempotent; call on every path."""
-        if isinstance(prepared, ReadyPull) and prepared.armed is not None:
-            assert self.p.staging is not None
-            self.p.staging.kernel_disarm(prepared)
-
     async def move(
         self,
         req: PullRequest,

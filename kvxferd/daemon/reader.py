@@ -137,7 +137,6 @@ class Reader:
         turns = RPC_START_TURNS if link.client.local is None else 0 if EAGER else 1
         for _ in range(turns):
             await asyncio.sleep(0)
-        prepared: Prepared | ReadyPull | None = None
         try:
             plan, part = self._mover.plan(req, remote)
             decision, staged = self._mover.choose(req, link, plan, part)
@@ -148,7 +147,6 @@ class Reader:
             if existing is not None:
                 raise _Twin(existing)
         except BaseException as exc:
-            self._mover.disarm(prepared)
             self._abandon(confirming, link, req.request_id)
             if isinstance(exc, _Twin):
                 return await self.start_pull(req)
@@ -258,7 +256,6 @@ class Reader:
                 )
                 return
             self._posted.add(tid)
-            self._mover.release(prepared, link, staged)  # an armed copy starts here
             self.pulls.update(tid, state=PullState.TRANSFERRING, started_ns=time.time_ns())
             # The owner hears DONE only once this reader saw its READ complete (after the pull
             # is DONE, in the finally below).
@@ -340,7 +337,6 @@ class Reader:
                 invalid_local_blocks=local_blocks if tid in self._posted else (),
             )
         finally:
-            self._mover.disarm(prepared)  # a copy armed but not run is aborted
             link.active -= 1
             self._cancel_requested.discard(tid)
             self._posted.discard(tid)

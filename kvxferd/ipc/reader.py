@@ -14,11 +14,8 @@ addresses; a per-layer cache has one) on a side stream, grid capped at ``max_cta
 keeps SMs. A pull whose mappings changed meanwhile (the confirmation found a new generation)
 does the host work again. The host work is a fixed number of NumPy operations over the pull's
 distinct runs, no Python loop per piece or region, and never the region-by-run product
-(``grouped=False`` flattens it, for comparison). Completion is a CUDA event after the launch.
-
-With the gates (:mod:`.armed`) the copy made ready is launched then too, behind a closed gate
-the daemon opens at the decision point (:meth:`KernelReader.release`) or aborts
-(:meth:`KernelReader.disarm`); :meth:`KernelReader.pull` then only waits for it.
+(``grouped=False`` flattens it, for comparison). Completion is a CUDA event recorded after
+the launch.
 
 A small pull (:data:`INLINE_MAX_BYTES`, :data:`INLINE_MAX_RANGES`) runs on the event loop and
 polls the event between turns of the loop (:func:`.completion.wait_event`; a worker thread
@@ -38,11 +35,11 @@ is raised once the copy has ended: :func:`.completion.settle`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import contextvars
 import functools
 import logging
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -50,9 +47,7 @@ import torch
 
 from kvxferd.blocks.ranges import TransferPlan
 from kvxferd.errors import DeadlineExceeded, KvxferdError, TransportError
-from kvxferd.ipc.armed import Armed, ArmedState, GateSlots, gate_slots
 from kvxferd.ipc.completion import settle, wait_event
-from kvxferd.ipc.kernel_job import KernelJob, PullTimes, ReadyPull, region_bytes
 from kvxferd.ipc.mapping import Key, MappingCache, PeerMaps
 from kvxferd.ipc.pieces import MAX_PIECE_BYTES, distinct_ranges, group_pieces, pieces
 from kvxferd.ipc.publish import IpcPool
@@ -89,6 +84,67 @@ INLINE_MAX_RANGES = 8192
 SPARE_EVENTS = 8
 
 
+@dataclass(frozen=True)
+class KernelJob:
+    """One KERNEL pull: which peer generation to read and by when."""
+
+    transfer_id: str
+    peer_agent: str
+    peer_address: str
+    key: Key  # (agent, instance_id, registration_generation) the pull was planned against
+    ipc: IpcPool
+    deadline: float  # monotonic
+
+
+def region_bytes(pool: KVPool) -> list[torch.Tensor]:
+    """Each region of ``pool`` as a 1-D uint8 tensor over exactly its registered bytes."""
+    out = []
+    for r, m in zip(pool.spec.regions, pool.memory, strict=True):
+        t = pool.tensors[r.name]
+        storage = torch.empty(0, dtype=torch.uint8, device=t.device)
+        offset = t.storage_offset() * t.element_size()
+        out.append(storage.set_(t.untyped_storage(), offset, (m.nbytes,), (1,)))
+    return out
+
+
+@dataclass(frozen=True, eq=False)
+class ReadyPull:
+    """A KERNEL pull's host work, done before its lease is confirmed (:meth:`KernelReader.ready`):
+    the plan cut into pieces, checked against both sides and its launch tables built, for the
+    peer generation's mappings ``maps``. A pull of that plan from those same mappings only
+    launches; any other redoes the work (the regions it was checked against are gone)."""
+
+    plan: TransferPlan
+    maps: PeerMaps
+    copy: CheckedCopy
+    runs: int
+    cut: float  # seconds: the pieces cut
+    check: float  # seconds: checked and the tables built
+
+
+@dataclass
+class PullTimes:
+    """Where the last KERNEL pull's time went (seconds): cutting the plan into pieces, the
+    launch (every piece checked against both sides' regions and the launch tables built, unless
+    that was done before the confirmation, then the tables' upload and the kernel launch), the
+    wait for the copy's event, and the whole pull seen from the event loop (the rest of it is
+    the thread hop, or the loop's turns between polls). ``inline``: the host work ran on the
+    loop; ``polls``: the loop turns it yielded while polling the event; ``thread_wait``: the
+    polls ran out and the wait ended in a worker thread; ``ready``: cut and check ran before
+    the confirmation (:class:`ReadyPull`; ``cut`` and ``check`` are then its times)."""
+
+    cut: float = 0.0
+    launch: float = 0.0
+    wait: float = 0.0
+    call: float = 0.0
+    pieces: int = 0
+    inline: bool = False
+    polls: int = 0
+    thread_wait: bool = False
+    check: float = 0.0  # the pieces checked and the tables built (part of launch before)
+    ready: bool = False  # cut and check were done before the confirmation (ReadyPull)
+
+
 class KernelReader:
     """Runs KERNEL pulls into ``pool`` from peers mapped in ``cache``."""
 
@@ -101,7 +157,6 @@ class KernelReader:
         piece_bytes: int = MAX_PIECE_BYTES,
         kernel: CopyKernel = CopyKernel.STRIDE,
         grouped: bool = True,
-        armed: bool = True,
     ) -> None:
         self.pool = pool
         # Pieces kept per shared array (copy_group), which only the stride kernel runs; else
@@ -121,10 +176,6 @@ class KernelReader:
         self._events: list[torch.cuda.Event] = []
         self._src: tuple[PeerMaps, Regions] | None = None  # the last peer generation's regions
         self._sweeper: asyncio.Task[None] | None = None
-        # Launches armed before the confirmation (kvxferd.ipc.armed): grouped copies only.
-        self._gates: GateSlots | None = None
-        if self.grouped and armed:
-            self._gates = gate_slots(self.device)
         self.backend = ""  # which implementation ran last ("cuda" or "torch")
         self.last = PullTimes()
 
@@ -147,8 +198,6 @@ class KernelReader:
             self._sweeper.cancel()
             self._sweeper = None
         self._src = None
-        if self._gates is not None:
-            self._gates.close()  # every armed launch aborted and ended before the unmapping
         self.cache.close(why)
 
     def prepare(self, key: Key, ipc: IpcPool) -> str | None:
@@ -191,41 +240,9 @@ class KernelReader:
                 t1 = time.perf_counter()
                 copy = prepare_copy(self.local, self._regions(maps, src), rc)
                 t2 = time.perf_counter()
-                armed = self._arm(maps, copy)
         except KvxferdError:
             return None
-        return ReadyPull(plan, maps, copy, runs, t1 - t0, t2 - t1, armed)
-
-    def _arm(self, maps: PeerMaps, copy: CheckedCopy) -> Armed | None:
-        """Launch ``copy`` behind a closed gate, holding ``maps`` open until it ended; None
-        when there are no gates or no free slot (it launches after the confirmation)."""
-        if self._gates is None:
-            return None
-        hold = contextlib.ExitStack()
-        hold.enter_context(maps.use())
-        armed = self._gates.arm(copy, self.max_ctas, hold)
-        if armed is None:
-            hold.close()
-        return armed
-
-    def release(self, ready: ReadyPull, key: Key) -> None:
-        """The pull of ``ready`` passed its decision point (its lease confirmed, not
-        cancelled), confirmed against the owner's generation ``key``: open its armed copy's
-        gate if the copy was built for that generation's mappings, else abort it (the pull
-        then copies from the mappings of ``key``)."""
-        if ready.armed is None:
-            return
-        if ready.maps.key == key and not ready.maps.dropped:
-            ready.armed.open()
-        else:
-            self.disarm(ready)
-
-    def disarm(self, ready: ReadyPull) -> None:
-        """Make sure ``ready``'s armed copy ends: aborted unless its gate opened, its slot and
-        mappings given back once it ended (call on every path of a pull that armed; a no-op
-        once :meth:`pull` waited for it)."""
-        if ready.armed is not None and self._gates is not None:
-            self._gates.reap(ready.armed)
+        return ReadyPull(plan, maps, copy, runs, t1 - t0, t2 - t1)
 
     async def pull(
         self,
@@ -244,11 +261,22 @@ class KernelReader:
         inline = (ready is not None and ready.plan is plan) or self.inline(plan)
         times = self.last = PullTimes(inline=inline)
         try:
-            ran = await self._armed_copy(ready, plan, times) if ready is not None else None
-            if ran is not None:
-                self.backend, runs = ran
-            else:
-                self.backend, runs = await self._copy_now(job, plan, times, ready)
+            maps = self.cache.get(job.key, job.ipc)
+            with maps.use() as src:
+                # Every piece is checked against the local regions and the *mapped* sizes
+                # before anything is launched (kvxferd.kernels.ranges.check_copy), here or
+                # in ready(). Both paths return only once the copy has ended, even if this
+                # task is cancelled meanwhile: the mappings must outlive the copy.
+                regions = self._regions(maps, src)
+                if ready is not None and (ready.maps is not maps or ready.plan is not plan):
+                    ready = None  # prepared against another generation's mappings
+                if times.inline:
+                    self.backend, runs = await self._copy_inline(regions, plan, times, ready)
+                else:
+                    loop = asyncio.get_running_loop()
+                    call = functools.partial(self._copy, regions, plan, times)
+                    ctx = contextvars.copy_context()
+                    self.backend, runs = await settle(loop.run_in_executor(None, ctx.run, call))
             times.call = time.monotonic() - t0
             if time.monotonic() > job.deadline:
                 status = TransferStatus.EXPIRED
@@ -275,51 +303,6 @@ class KernelReader:
             descriptors=runs,
             elapsed_s=time.monotonic() - t0,
         )
-
-    async def _armed_copy(
-        self, ready: ReadyPull, plan: TransferPlan, times: PullTimes
-    ) -> tuple[str, int] | None:
-        """Wait for ``ready``'s armed copy if its gate opened (:meth:`release`; one never
-        released is aborted); which ran and the run count, or None when there is none to wait
-        for or its arming failed (the pull copies again: what ran wrote the same bytes)."""
-        armed = ready.armed
-        if armed is not None and armed.state is ArmedState.ARMED:
-            self.disarm(ready)  # never released: this pull launches its copy itself
-        if armed is None or armed.state is not ArmedState.OPEN or self._gates is None:
-            return None
-        t = time.perf_counter()
-        waited = await wait_event(armed)  # never leaves before the copy ended
-        times.wait = time.perf_counter() - t
-        times.polls, times.thread_wait = waited.polls, waited.thread
-        times.cut, times.check, times.ready, times.armed = ready.cut, ready.check, True, True
-        times.pieces = ready.copy.pieces
-        error = armed.error
-        self._gates.finish(armed)
-        if error:
-            log.warning("an armed kernel launch failed; copying again", extra=kv(error=error))
-            return None
-        if ready.plan is not plan:  # armed for another plan than this pull's: copy this one
-            return None
-        return ("cuda" if ready.copy.cuda else "torch"), ready.runs
-
-    async def _copy_now(
-        self, job: KernelJob, plan: TransferPlan, times: PullTimes, ready: ReadyPull | None
-    ) -> tuple[str, int]:
-        """The copy launched now: host work unless ``ready`` has it, the launch, the wait."""
-        maps = self.cache.get(job.key, job.ipc)
-        with maps.use() as src:
-            # Every piece is checked against both sides' regions (the *mapped* sizes) before
-            # any launch, here or in ready(); both paths return only once the copy ended, even
-            # if this task is cancelled meanwhile: the mappings must outlive the copy.
-            regions = self._regions(maps, src)
-            if ready is not None and (ready.maps is not maps or ready.plan is not plan):
-                ready = None  # prepared against another generation's mappings
-            if times.inline:
-                return await self._copy_inline(regions, plan, times, ready)
-            loop = asyncio.get_running_loop()
-            call = functools.partial(self._copy, regions, plan, times)
-            ctx = contextvars.copy_context()
-            return await settle(loop.run_in_executor(None, ctx.run, call))
 
     def inline(self, plan: TransferPlan) -> bool:
         """Whether ``plan`` is small enough to run on the event loop (:data:`INLINE_MAX_BYTES`,
@@ -395,6 +378,3 @@ class KernelReader:
         done.record(self._stream)
         times.launch = time.perf_counter() - t1
         return ran, runs, done
-
-
-__all__ = ["KernelJob", "KernelReader", "PullTimes", "ReadyPull", "region_bytes"]

@@ -79,7 +79,6 @@ def compose_daemon(
                 enabled=cfg.transfer.cuda_ipc,
                 host_id=host_id(),
                 max_ctas=cfg.transfer.kernel_max_ctas,
-                arm=cfg.transfer.kernel_arm,
                 allow_slow_transport=cfg.transfer.allow_slow_transport,
                 idle_s=2 * cfg.peers.heartbeat_timeout_ms / 1000,
                 publisher=Publisher(enabled=cfg.transfer.cuda_ipc),

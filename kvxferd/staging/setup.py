@@ -51,12 +51,11 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class IpcSide:
     """The daemon's CUDA IPC policy and parts, for its whole life (``transfer.cuda_ipc``,
-    ``transfer.kernel_max_ctas``, ``transfer.kernel_arm``, ``transfer.allow_slow_transport``)."""
+    ``transfer.kernel_max_ctas``, ``transfer.allow_slow_transport``)."""
 
     enabled: bool = True
     host_id: str = ""
     max_ctas: int = 0
-    arm: bool = True
     allow_slow_transport: bool = False
     idle_s: float = 10.0
     publisher: Publisher = field(default_factory=Publisher)
@@ -100,18 +99,6 @@ class Staging:
         if self.kernel is None or remote.ipc is None:
             return None
         return self.kernel.ready(remote.key, remote.ipc, plan)
-
-    def kernel_release(self, ready: ReadyPull, remote: RemoteDescription) -> None:
-        """The pull of ``ready`` passed its decision point against ``remote`` as confirmed:
-        its armed copy runs if it was built for that generation (:meth:`KernelReader.release`)."""
-        if self.kernel is not None:
-            self.kernel.release(ready, remote.key)
-
-    def kernel_disarm(self, ready: ReadyPull) -> None:
-        """The pull of ``ready`` ended or will not run: its armed copy, unless its gate opened,
-        is aborted, and its slot freed once it ended (:meth:`KernelReader.disarm`)."""
-        if self.kernel is not None:
-            self.kernel.disarm(ready)
 
     async def kernel_pull(
         self,
@@ -352,6 +339,6 @@ class StagingFactory:
             return None
         device = next(iter(pool.tensors.values())).device.index or 0
         cache = MappingCache(device=device, opener=self.ipc.opener, idle_s=self.ipc.idle_s)
-        reader = KernelReader(pool, cache, max_ctas=self.ipc.max_ctas, armed=self.ipc.arm)
+        reader = KernelReader(pool, cache, max_ctas=self.ipc.max_ctas)
         reader.start()
         return reader

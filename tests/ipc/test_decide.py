@@ -17,7 +17,6 @@ from kvxferd.daemon.moves import Mover
 from kvxferd.daemon.pulls import PullBook, PullRequest
 from kvxferd.daemon.receiver import PushReceiver
 from kvxferd.errors import SlowTransport
-from kvxferd.ipc.armed import ArmedState
 from kvxferd.ipc.mapping import MappingCache
 from kvxferd.ipc.reader import KernelReader, ReadyPull
 from kvxferd.ipc.transport import TransportReport, classify
@@ -185,64 +184,3 @@ def test_a_kernel_pull_is_prepared_while_its_lease_is_confirmed() -> None:
     assert staging.kernel.pool.checksums(0, [0, 1, 2]) == owner_pool.checksums(0, [8, 9, 10])
     push = Mover(parts, PullBook(), PushReceiver())  # type: ignore[arg-type]
     assert push.prepare(req, link, part, decision) is None  # type: ignore[arg-type]
-
-
-def test_the_decision_point_opens_an_armed_copy_and_every_other_path_aborts_it() -> None:
-    """Prepared ahead, a KERNEL pull's copy is also armed (kvxferd.ipc.armed): it reads nothing
-    until the Mover releases it at the decision point; a pull that does not get there (refused,
-    cancelled) is disarmed and never reads; a release for a generation other than the one the
-    copy was built for aborts it."""
-    staging, link, fh = _setup()
-    owner_pool = KVPool.allocate(preset(TEXT))
-    owner_pool.fill_pattern(0, list(range(16)), seed=21)
-    link.remote.ipc = export_pool(fh, owner_pool, "filled")
-    plan = plan_pull(SPEC, SPEC, [[0, 1, 2]], [[8, 9, 10]], prefix_caching=False)
-    part = plan.per_rank[0]
-    decision = _decide(staging, link, plan=plan)
-    req = PullRequest("t1", "r1", "p:1", ([8, 9, 10],), ([0, 1, 2],), 30.0)  # type: ignore[arg-type]
-    mover = Mover(SimpleNamespace(staging=staging), PullBook(), None)  # type: ignore[arg-type]
-    assert staging.kernel is not None
-    local = staging.kernel.pool
-    before = local.checksums(0, [0, 1, 2])
-
-    async def refused() -> None:
-        ready = mover.prepare(req, link, part, decision)  # type: ignore[arg-type]
-        assert isinstance(ready, ReadyPull) and ready.armed is not None
-        mover.disarm(ready)
-        mover.disarm(ready)
-        assert ready.armed.state is ArmedState.ENDED
-
-    asyncio.run(refused())
-    assert local.checksums(0, [0, 1, 2]) == before
-
-    async def moved_generation() -> None:
-        ready = mover.prepare(req, link, part, decision)  # type: ignore[arg-type]
-        assert isinstance(ready, ReadyPull) and ready.armed is not None
-        link.remote.generation = 2  # the confirmation re-handshook: the owner re-registered
-        mover.release(ready, link, decision)  # type: ignore[arg-type]
-        link.remote.generation = 1
-        assert ready.armed.state is not ArmedState.OPEN
-        mover.disarm(ready)
-
-    asyncio.run(moved_generation())
-    assert local.checksums(0, [0, 1, 2]) == before
-
-    ready = mover.prepare(req, link, part, decision)  # type: ignore[arg-type]
-    assert isinstance(ready, ReadyPull) and ready.armed is not None
-    assert local.checksums(0, [0, 1, 2]) == before  # armed, not run
-    mover.release(ready, link, decision)  # type: ignore[arg-type]
-    assert ready.armed.state is ArmedState.OPEN
-    result = asyncio.run(
-        staging.kernel_pull(
-            "t1",
-            link.remote,  # type: ignore[arg-type]
-            peer_address="p:1",
-            plan=part,
-            local_blocks=plan.local_kernel_blocks,
-            deadline=time.monotonic() + 30,
-            ready=ready,
-        )
-    )
-    assert result.status is TransferStatus.DONE, result.reason
-    assert staging.kernel.last.armed
-    assert local.checksums(0, [0, 1, 2]) == owner_pool.checksums(0, [8, 9, 10])

@@ -267,57 +267,6 @@ def test_the_launch_binding_refuses_what_the_op_refuses(ops: Any) -> None:
     assert torch.equal(dst[1][:8], src[1][:8]) and torch.equal(dst[0][:8], src[0][:8])
 
 
-def test_an_armed_copy_waits_for_its_gate_and_an_aborted_one_reads_nothing(ops: Any) -> None:
-    """The gates (cuda/gates.h) on the GPU: an armed copy is queued behind a closed gate (its
-    stream waits: no byte moves, however long), runs once the gate opens, and an aborted one
-    ends without writing; bad tables are refused before anything is queued; a slot is reused
-    once its work ended; close aborts what is still armed."""
-    import contextlib
-    import time
-
-    from kvxferd.ipc.armed import ABORTED, OPEN, CudaGates, GateSlots
-    from kvxferd.kernels import prepare_copy
-    from kvxferd.kernels.loader import cuda_module
-
-    native = cuda_module().Gates(0, 2)
-    assert native.unusable() == ""
-    gates = CudaGates(native)
-    src = [_random(1 << 20, 5), _random(1 << 20, 6)]
-    dst = [torch.zeros(1 << 20, dtype=torch.uint8, device="cuda") for _ in range(2)]
-    run = np.array([0, 1 << 19], dtype=np.int64)
-    copy = prepare_copy(
-        dst, src, [GroupCopy(np.array([0, 1]), run, run[::-1].copy(), np.array([1 << 18] * 2))]
-    )
-    assert gates.arm(0, copy, 8) == ""
-    assert "still in use" in gates.arm(0, copy, 8)
-    time.sleep(0.05)  # the worker queued it long ago; the gate holds it
-    assert gates.poll(0) == 0
-    torch.cuda.synchronize()  # other streams' work is not held up by it
-    assert int(dst[0].sum()) == 0 and int(dst[1].sum()) == 0
-    gates.set(0, OPEN)
-    gates.wait(0)
-    assert gates.poll(0) == 1 and gates.error(0) == ""
-    for d, s in zip(dst, src, strict=True):
-        assert torch.equal(d[: 1 << 18], s[1 << 19 : (1 << 19) + (1 << 18)])
-        assert torch.equal(d[1 << 19 : (1 << 19) + (1 << 18)], s[: 1 << 18])
-    for d in dst:
-        d.zero_()
-    assert gates.arm(0, copy, 8) == ""  # the slot again, its work having ended
-    gates.set(0, ABORTED)
-    gates.wait(0)
-    torch.cuda.synchronize()
-    assert int(dst[0].sum()) == 0 and int(dst[1].sum()) == 0
-    bad = type(copy)(copy.dst, copy.src, None, copy.groups, (copy.tables[0][:4].clone(),), True)
-    assert "3 per run and 2 per region" in gates.arm(1, bad, 8)
-    assert gates.poll(1) == 1  # nothing was queued
-    slots = GateSlots(gates)
-    armed = slots.arm(copy, 8, contextlib.ExitStack())
-    assert armed is not None
-    slots.close()  # aborts it, waits for it
-    torch.cuda.synchronize()
-    assert int(dst[0].sum()) == 0 and int(dst[1].sum()) == 0
-
-
 def test_a_pull_planned_by_the_reader_is_copied_exactly_grouped(ops: Any) -> None:
     """The same miniature pull, its regions sharing the planner's arrays, through group_pieces
     (one group of 8 regions)."""
