@@ -57,7 +57,6 @@
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <cuda.h>
 #include <cuda_runtime.h>
 #include <torch/library.h>
 
@@ -67,13 +66,9 @@
 #include <string>
 #include <type_traits>
 
-#include "gates.h"
 #include "staging.cuh"
 
 namespace kvxferd {
-
-// The driver's cuStreamWaitValue32 (gated launches; see gates.h).
-using WaitValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
 
 constexpr int kIpcUnroll = 8;
 constexpr int kStrideThreads = 512;
@@ -131,26 +126,10 @@ __global__ void __launch_bounds__(kStrideThreads)
   copy_runs<V, true>(table, 0, 0, total, shift);
 }
 
-// Whether a gated launch may copy: its gate (a word of host memory, see gates.h) reads
-// kGateOpen. The stream waited for the gate to leave kGateClosed before the kernel started, so
-// it reads kGateOpen or kGateAborted, never changing after; thread 0 of each CTA reads it once.
-// Ungated launches (gate null) always copy.
-__device__ __forceinline__ bool gate_open(const unsigned int* gate) {
-  if (gate == nullptr) return true;
-  __shared__ unsigned int open;
-  if (threadIdx.x == 0) {
-    open = *reinterpret_cast<const volatile unsigned int*>(gate) == kGateOpen ? 1u : 0u;
-  }
-  __syncthreads();
-  return open != 0;
-}
-
 template <int V, bool kGlobal>
 __device__ __forceinline__ void copy_group_body(const int64_t* __restrict__ runs,
                                                 const int64_t* __restrict__ bases,
-                                                int64_t n_regions, int64_t total, int shift,
-                                                const unsigned int* gate) {
-  if (!gate_open(gate)) return;  // aborted: the lease was not confirmed, nothing is read
+                                                int64_t n_regions, int64_t total, int shift) {
   // Regions blockIdx.y, blockIdx.y + gridDim.y, ...: a capped grid has fewer rows than regions.
   for (int64_t r = blockIdx.y; r < n_regions; r += gridDim.y) {
     copy_runs<V, kGlobal>(runs, table_at<kGlobal>(bases + 2 * r),
@@ -161,8 +140,8 @@ __device__ __forceinline__ void copy_group_body(const int64_t* __restrict__ runs
 template <int V>
 __global__ void __launch_bounds__(kStrideThreads)
     copy_group_kernel(const int64_t* __restrict__ runs, const int64_t* __restrict__ bases,
-                      int64_t n_regions, int64_t total, int shift, const unsigned int* gate) {
-  copy_group_body<V, true>(runs, bases, n_regions, total, shift, gate);
+                      int64_t n_regions, int64_t total, int shift) {
+  copy_group_body<V, true>(runs, bases, n_regions, total, shift);
 }
 
 // A table small enough to travel as the launch's parameter (the runs, then the bases): no
@@ -176,9 +155,8 @@ struct InlineTable {
 template <int V>
 __global__ void __launch_bounds__(kStrideThreads)
     copy_group_inline_kernel(const __grid_constant__ InlineTable table, int64_t n_runs,
-                             int64_t n_regions, int64_t total, int shift,
-                             const unsigned int* gate) {
-  copy_group_body<V, false>(table.v, table.v + 3 * n_runs, n_regions, total, shift, gate);
+                             int64_t n_regions, int64_t total, int shift) {
+  copy_group_body<V, false>(table.v, table.v + 3 * n_runs, n_regions, total, shift);
 }
 
 template <int V>
@@ -391,148 +369,74 @@ dim3 group_grid(K kernel, int64_t total, int64_t n_regions, int64_t cap, int sms
 
 template <int V>
 void launch_group(const int64_t* runs, const int64_t* bases, int64_t n_runs, int64_t n_regions,
-                  int64_t longest, int64_t cap, int sms, cudaStream_t stream,
-                  const unsigned int* gate) {
+                  int64_t longest, int64_t cap, int sms, cudaStream_t stream) {
   int shift = 0;
   while ((int64_t{1} << shift) < longest / V) ++shift;
   const int64_t total = n_runs << shift;
   const dim3 grid = group_grid(copy_group_kernel<V>, total, n_regions, cap, sms);
-  copy_group_kernel<V>
-      <<<grid, kStrideThreads, 0, stream>>>(runs, bases, n_regions, total, shift, gate);
+  copy_group_kernel<V><<<grid, kStrideThreads, 0, stream>>>(runs, bases, n_regions, total, shift);
 }
 
 template <int V>
 void launch_group_inline(const InlineTable& table, int64_t n_runs, int64_t n_regions,
-                         int64_t longest, int64_t cap, int sms, cudaStream_t stream,
-                         const unsigned int* gate) {
+                         int64_t longest, int64_t cap, int sms, cudaStream_t stream) {
   int shift = 0;
   while ((int64_t{1} << shift) < longest / V) ++shift;
   const int64_t total = n_runs << shift;
   const dim3 grid = group_grid(copy_group_inline_kernel<V>, total, n_regions, cap, sms);
   copy_group_inline_kernel<V>
-      <<<grid, kStrideThreads, 0, stream>>>(table, n_runs, n_regions, total, shift, gate);
+      <<<grid, kStrideThreads, 0, stream>>>(table, n_runs, n_regions, total, shift);
 }
 
-}  // namespace
-
-// copy_group's checks of a table's values (`numel` of them at `rows`, on the host): the counts,
-// every run's offsets and length, every region's bases; the vector width and the longest run.
-GroupCheck copy_group_check(const int64_t* rows, int64_t numel, int64_t n_runs,
-                            int64_t n_regions, int64_t max_ctas) {
-  GroupCheck c;
+// copy_group's launch from the table's values (`numel` of them at `rows`, on the host) on
+// device `dev`: everything but the tensor checks of the op, shared by the op and the binding.
+std::string copy_group_rows(const int64_t* rows, int64_t numel, int64_t n_runs,
+                            int64_t n_regions, c10::DeviceIndex dev, int64_t max_ctas,
+                            int64_t stream) {
   if (n_runs <= 0 || n_regions <= 0 || n_regions > 65535 || n_runs >= (int64_t{1} << 31)) {
-    c.err = msg("copy_group: bad counts (runs ", n_runs, ", regions in 1..65535)");
-    return c;
+    return msg("copy_group: bad counts (runs ", n_runs, ", regions in 1..65535)");
   }
   if (numel != 3 * n_runs + 2 * n_regions) {
-    c.err = msg("copy_group: the table holds ", numel,
-                " values; it must hold 3 per run and 2 per region");
-    return c;
+    return msg("copy_group: the table holds ", numel,
+               " values; it must hold 3 per run and 2 per region");
   }
-  if (max_ctas < 0) {
-    c.err = msg("copy_group: max_ctas must be >= 0, got ", max_ctas, "");
-    return c;
-  }
-  uint64_t bits = 0;  // the runs: offsets from the bases (0 is fine), lengths, alignment
+  if (max_ctas < 0) return msg("copy_group: max_ctas must be >= 0, got ", max_ctas, "");
+  Scan s;  // the runs: offsets from the bases (0 is fine), lengths, alignment
+  uint64_t bits = 0;
   for (int64_t i = 0; i < n_runs; ++i) {
     const int64_t dst = rows[3 * i], src = rows[3 * i + 1], len = rows[3 * i + 2];
-    if (dst < 0 || src < 0) {
-      c.err = msg("copy_group: run ", i, " has a negative offset");
-      return c;
-    }
-    if (len <= 0) {
-      c.err = msg("copy_group: run ", i, " is empty or negative");
-      return c;
-    }
+    if (dst < 0 || src < 0) return msg("copy_group: run ", i, " has a negative offset");
+    if (len <= 0) return msg("copy_group: run ", i, " is empty or negative");
     bits |= static_cast<uint64_t>(dst) | static_cast<uint64_t>(src) | static_cast<uint64_t>(len);
-    c.longest = std::max(c.longest, len);
+    s.longest = std::max(s.longest, len);
   }
   const int64_t* bases = rows + 3 * n_runs;
   for (int64_t r = 0; r < 2 * n_regions; ++r) {
-    if (bases[r] == 0) {
-      c.err = msg("copy_group: region ", r / 2, " has a null base address");
-      return c;
-    }
+    if (bases[r] == 0) return msg("copy_group: region ", r / 2, " has a null base address");
     bits |= static_cast<uint64_t>(bases[r]);
   }
-  while (bits % static_cast<uint64_t>(c.v)) c.v >>= 1;
-  if (c.longest / c.v > (int64_t{1} << 40) / n_runs) {
-    c.err = msg("copy_group: the runs span too many vectors for one launch (", c.longest,
-                " bytes in the longest run); cut runs into smaller pieces");
+  while (bits % static_cast<uint64_t>(s.v)) s.v >>= 1;
+  if (s.longest / s.v > (int64_t{1} << 40) / n_runs) {
+    return msg("copy_group: the runs span too many vectors for one launch (",
+               s.longest, " bytes in the longest run); cut runs into smaller pieces");
   }
-  return c;
-}
-
-// cuStreamWaitValue32 from the driver, found once through the runtime (no link to libcuda);
-// null where the driver lacks it.
-WaitValue32 wait_value32() {
-  static const WaitValue32 fn = []() -> WaitValue32 {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-#if CUDART_VERSION >= 12050
-    const cudaError_t e = cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", &p, 12000,
-                                                           cudaEnableDefault, &found);
-#else
-    const cudaError_t e =
-        cudaGetDriverEntryPoint("cuStreamWaitValue32", &p, cudaEnableDefault, &found);
-#endif
-    if (e != cudaSuccess || found != cudaDriverEntryPointSuccess) return nullptr;
-    return reinterpret_cast<WaitValue32>(p);
-  }();
-  return fn;
-}
-
-// Queue, on `stream`, a wait for the gate word at device address `gate` to leave kGateClosed
-// (gates.h); "" or why it could not be queued.
-std::string queue_gate_wait(int64_t stream, const unsigned int* gate) {
-  if (stream == 0) return msg("copy_group: a gated launch needs a stream of its own");
-  const WaitValue32 wait = wait_value32();
-  if (wait == nullptr) {
-    return msg("copy_group: this CUDA driver has no cuStreamWaitValue32 (gated launches)");
-  }
-  const CUresult r = wait(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(gate),
-                          kGateClosed + 1, CU_STREAM_WAIT_VALUE_GEQ);
-  if (r != CUDA_SUCCESS) {
-    return msg("copy_group: queueing the wait for the gate failed (CUresult ", r, ")");
-  }
-  return {};
-}
-
-// copy_group's launch of a table copy_group_check passed, on device `device`: shared by the
-// op, the binding and the armed launches (gates.cu). `gate`: null, or the device address of a
-// gate word the kernels read (queue_gate_wait first, on the same stream).
-std::string copy_group_launch(const int64_t* rows, int64_t numel, int64_t n_runs,
-                              int64_t n_regions, const GroupCheck& c, int64_t device,
-                              int64_t max_ctas, int64_t stream, const unsigned int* gate) {
-  const auto dev = static_cast<c10::DeviceIndex>(device);
   const c10::cuda::CUDAGuard guard(dev);
   const c10::cuda::CUDAStreamGuard on_stream(stream_of(dev, stream));
   const Target t = target(dev);
   if (numel <= kInlineValues) {  // the table travels with the launch
     InlineTable inline_table;
     std::copy(rows, rows + numel, inline_table.v);
-    return with_width("copy_group", c.v, [&](auto w) {
-      launch_group_inline<decltype(w)::value>(inline_table, n_runs, n_regions, c.longest,
-                                              max_ctas, t.sms, t.stream, gate);
+    return with_width("copy_group", s.v, [&](auto w) {
+      launch_group_inline<decltype(w)::value>(inline_table, n_runs, n_regions, s.longest,
+                                              max_ctas, t.sms, t.stream);
     });
   }
   const at::Tensor on_dev = upload(rows, numel, at::Device(at::kCUDA, dev));
   const int64_t* d = on_dev.data_ptr<int64_t>();
-  return with_width("copy_group", c.v, [&](auto w) {
-    launch_group<decltype(w)::value>(d, d + 3 * n_runs, n_runs, n_regions, c.longest, max_ctas,
-                                     t.sms, t.stream, gate);
+  return with_width("copy_group", s.v, [&](auto w) {
+    launch_group<decltype(w)::value>(d, d + 3 * n_runs, n_runs, n_regions, s.longest, max_ctas,
+                                     t.sms, t.stream);
   });
-}
-
-namespace {
-
-// copy_group's checks and launch from the table's values (ungated).
-std::string copy_group_rows(const int64_t* rows, int64_t numel, int64_t n_runs,
-                            int64_t n_regions, c10::DeviceIndex dev, int64_t max_ctas,
-                            int64_t stream) {
-  const GroupCheck c = copy_group_check(rows, numel, n_runs, n_regions, max_ctas);
-  if (!c.err.empty()) return c.err;
-  return copy_group_launch(rows, numel, n_runs, n_regions, c, dev, max_ctas, stream, nullptr);
 }
 
 std::string copy_group(at::Tensor table, int64_t n_runs, int64_t n_regions, at::Tensor like,

@@ -30,7 +30,7 @@ from kvxferd.logs import kv
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("staging.cu", "copy_ranges.cu", "gates.cu", "bindings.cpp")
+SOURCES = ("staging.cu", "copy_ranges.cu", "bindings.cpp")
 _OPS = (
     "gather_blocks",
     "scatter_blocks",
@@ -105,7 +105,7 @@ def build_dir(archs: tuple[str, ...]) -> Path:
     through a host's daemons) never rebuild over each other's library."""
     digest = hashlib.sha256()
     for path in sorted(cuda_source_dir().iterdir()):  # the sources and the headers they include
-        if path.suffix in (".cu", ".cuh", ".cpp", ".h"):
+        if path.suffix in (".cu", ".cuh", ".cpp"):
             digest.update(path.name.encode() + b"\0" + path.read_bytes())
     tag = (
         f"torch{torch.__version__}-cu{torch.version.cuda}-sm{'_'.join(archs)}"
