@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Compile the CUDA kernels (cuda/*.cu, cuda/bindings.cpp) on a machine without a GPU or a CUDA
+# Compile the CUDA kernels (the sources kvxferd.kernels.loader builds) on a machine without a GPU or a CUDA
 # toolkit: a compile error is found here in ~3 minutes instead of on a lent GPU machine. Nothing
 # is linked or run. nvcc comes from NVIDIA's pip wheels (nvidia-cuda-nvcc with the nvvm and crt
 # of the same release, the runtime and CCCL headers), installed into a cached virtualenv; torch's
@@ -29,24 +29,28 @@ fi
 nv=$(find "$env" -path '*/nvidia/cu*/bin/nvcc' -type f | head -1)
 [ -n "$nv" ] || { echo "no nvcc under $env: remove it and run again" >&2; exit 1; }
 nv_root=$(dirname "$(dirname "$nv")")
-torch_inc=$("$PYTHON" -c "import torch.utils.cpp_extension as c; print(c.include_paths()[0])")
+# torch's own header paths, and the sources the loader builds (kvxferd.kernels.loader.SOURCES).
+mapfile -t torch_incs < <("$PYTHON" -c "import torch.utils.cpp_extension as c; print(*c.include_paths(), sep='\n')")
+mapfile -t sources < <("$PYTHON" -c "from kvxferd.kernels.loader import SOURCES; print(*SOURCES, sep='\n')")
 py_inc=$("$PYTHON" -c "import sysconfig; print(sysconfig.get_paths()['include'])")
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 mkdir -p "$work/inc/c10/cuda/impl"
 printf '#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n' > "$work/inc/c10/cuda/impl/cuda_cmake_macros.h"
-incs=(-I"$work/inc" -I"$nv_root/include" -I"$torch_inc" -I"$torch_inc/torch/csrc/api/include"
-  -I"$py_inc" -DTORCH_EXTENSION_NAME=kvxferd_staging)
+incs=(-I"$work/inc" -I"$nv_root/include" "${torch_incs[@]/#/-I}" -I"$py_inc"
+  -DTORCH_EXTENSION_NAME=kvxferd_staging)
 export PATH=$nv_root/bin:$PATH
 rc=0
-for src in cuda/*.cu; do
-  echo "nvcc $src (sm_$ARCH)"
-  "$nv" -std=c++20 -O3 -c "$src" -o "$work/$(basename "$src").o" "${incs[@]}" \
-    -gencode="arch=compute_$ARCH,code=sm_$ARCH" --diag-suppress=20013,20015,3306 || rc=1
-done
-for src in cuda/*.cpp; do
-  echo "c++ $src"
-  c++ -std=c++20 -O1 -Wall -c "$src" -o "$work/$(basename "$src").o" "${incs[@]}" || rc=1
+for name in "${sources[@]}"; do
+  src=cuda/$name
+  if [[ $name == *.cu ]]; then
+    echo "nvcc $src (sm_$ARCH)"
+    "$nv" -std=c++20 -O3 -c "$src" -o "$work/$name.o" "${incs[@]}" \
+      -gencode="arch=compute_$ARCH,code=sm_$ARCH" --diag-suppress=20013,20015,3306 || rc=1
+  else
+    echo "c++ $src"
+    c++ -std=c++20 -O1 -Wall -c "$src" -o "$work/$name.o" "${incs[@]}" || rc=1
+  fi
 done
 [ $rc -eq 0 ] && echo "the CUDA sources compile" || echo "the CUDA sources do not compile" >&2
 exit $rc
