@@ -137,10 +137,15 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             try:
                 await context.send_initial_metadata(())  # registered: see the proto's comment
                 async for rec in stream:
-                    yield scheduler_pb2.WatchTransfersResponse(status=status_to_proto(rec))
+                    msg = scheduler_pb2.WatchTransfersResponse(status=status_to_proto(rec))
                     if rec.state is PullState.DONE and rec.finished_ns >= since:
-                        # handed to gRPC: from the terminal status to this watcher's message
+                        # From the terminal status to this watcher's message, built and about to
+                        # be handed to gRPC. Observed before the yield: the generator resumes
+                        # only when gRPC wants the next message, and a watcher that cancels on
+                        # the terminal status closes it at the yield, so an observation after
+                        # it would be lost whenever the caller is quick.
                         notify.observe(max(0.0, (time.time_ns() - rec.finished_ns) / 1e9))
+                    yield msg
             finally:
                 stream.close()
         except KvxferdError as err:
