@@ -230,6 +230,30 @@ def test_a_pull_reports_where_its_time_went(pair: tuple[Daemon, Daemon]) -> None
     run(go())
 
 
+def test_a_watcher_that_hangs_up_at_the_end_is_still_counted(pair: tuple[Daemon, Daemon]) -> None:
+    """``notify`` is observed once per watcher that was sent a DONE status, also when the
+    watcher cancels its stream the moment it reads that status (the usual client: wait for the
+    end, then hang up) and the metrics are read right after."""
+    pulls = 6
+
+    async def go() -> None:
+        c = Client(*pair)
+        before = _stage_counts(pair[1].metrics).get("notify", 0)
+        for i in range(pulls):
+            watch = c.decode.WatchTransfers(scheduler_pb2.WatchTransfersRequest())
+            await watch.initial_metadata()
+            held = await c.hold(f"hang-up-{i}", [40 + i])
+            st = await c.pull(held, [50 + i], transfer_id=f"hang-up-{i}-pull")
+            async for msg in watch:
+                if msg.status.transfer_id == st.transfer_id and msg.status.state in TERMINAL:
+                    assert msg.status.state == scheduler_pb2.TRANSFER_STATE_DONE
+                    break
+            watch.cancel()
+        assert _stage_counts(pair[1].metrics).get("notify", 0) - before == pulls
+
+    run(go())
+
+
 def _info_lines(daemon: Daemon, start: int) -> list[dict[str, object]]:
     """INFO (and louder) records the daemon logged after byte ``start`` of its log."""
     text = daemon.log.read_bytes()[start:].decode(errors="replace")
