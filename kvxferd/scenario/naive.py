@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 Int64Array = npt.NDArray[np.int64]
 START_TIMEOUT_S = 300.0
+FLOOR_TIMEOUT_S = 600.0  # as the naive pull's engine allows
 
 
 @dataclass(frozen=True)
@@ -139,7 +140,12 @@ class NaiveReader:
     def floor(self, local: Int64Array, remote: Int64Array) -> NaiveResult:
         """The bare-NIXL floor of a DIRECT pull: the descriptors DIRECT would post (the naive
         plan's ranges coalesced where contiguous on both sides, as the daemon builds them),
-        posted as one READ by the raw agent and polled in a plain loop (no engine, no daemon)."""
+        posted as one READ by the raw agent and polled in a plain loop (no engine, no daemon).
+
+        The loop runs on the agent's NIXL thread (kvxferd/nixl/worker.py), where the agent's
+        calls run inline: polled from this thread, every poll was a hand-off to that thread and
+        back, and a loop of them held the interpreter against the thread doing the work, so
+        the "floor" ran slower than the daemon's own READ of the same descriptors."""
         from kvxferd.nixl import XferOp, XferState
         from kvxferd.transfer.descriptors import RegionTable, build_descriptors
 
@@ -153,16 +159,20 @@ class NaiveReader:
             merge=True,
         )
         mem = mem_type(self.device)
-        t0 = time.perf_counter()
-        h = self.agent.post(
-            XferOp.READ, loc, rem, peer=self.owner.name, local_mem=mem, remote_mem=self.owner.mem
-        )
-        try:
-            while self.agent.poll(h) is not XferState.DONE:
-                pass
-            dt = time.perf_counter() - t0
-        finally:
-            self.agent.release(h)
+        agent, peer, remote_mem = self.agent, self.owner.name, self.owner.mem
+
+        def read() -> float:  # on the NIXL thread
+            t0 = time.perf_counter()
+            h = agent.post(XferOp.READ, loc, rem, peer=peer, local_mem=mem, remote_mem=remote_mem)
+            try:
+                while agent.poll(h) is not XferState.DONE:
+                    if time.perf_counter() - t0 > FLOOR_TIMEOUT_S:
+                        raise TimeoutError(f"the floor's READ did not end in {FLOOR_TIMEOUT_S}s")
+                return time.perf_counter() - t0
+            finally:
+                agent.release(h)
+
+        dt = self.agent.submit(read).result()
         return NaiveResult(int(loc[:, 1].sum()), int(loc.shape[0]), dt)
 
     def verify(self, local: Int64Array, remote: Int64Array, samples: int, seed: int) -> int:
