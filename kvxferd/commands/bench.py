@@ -9,7 +9,8 @@ For each request size (tokens) and block-ID pattern, on the dense Llama-3-8B-sha
 * **naive**: the vLLM connector's scheme, one NIXL descriptor per (layer, block), between two
   processes with raw NIXL agents (:mod:`kvxferd.scenario.naive`);
 * **floor**: the descriptors a DIRECT pull posts (the naive ranges coalesced), posted as one
-  READ by the same raw agents in a plain post/poll loop: what NIXL itself costs, no daemon;
+  READ by the same raw agents in a plain post/poll loop on the agent's NIXL thread: what NIXL
+  itself costs, no daemon;
 * **kvxferd**, one row per ``--strategy`` (``kernel``, ``direct``, ``staged``, ``auto``,
   ``cma``: ``kernel`` with the row named for what it runs on host memory): a prefill and a
   decode daemon (``kvxferd serve``); the time from ``StartPull`` to the terminal status on
@@ -295,7 +296,8 @@ def run(args: argparse.Namespace) -> int:
     print(
         "\nraw copy: torch copy_ of the same bytes (the faster of one copy and one per layer);"
         " naive: one NIXL descriptor per (layer, block); floor: the descriptors DIRECT posts,"
-        " one READ by a bare NIXL agent in a post/poll loop; kvxferd <strategy>: <what ran>:"
+        " one READ by a bare NIXL agent in a post/poll loop on its NIXL thread; kvxferd"
+        " <strategy>: <what ran>:"
         " StartPull with wait to its answer (the terminal status) on the decode daemon's"
         " scheduler socket (server.scheduler_socket) through two daemons, after"
         " one untimed pull of the size; x raw / x naive:"
