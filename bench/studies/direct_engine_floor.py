@@ -26,6 +26,7 @@ import numpy as np
 
 from kvxferd.blocks.ranges import RegionRanges, TransferPlan
 from kvxferd.scenario.naive import NaiveReader, PoolShape, naive_owner
+from kvxferd.transfer import TransferStatus
 
 
 def main() -> None:
@@ -56,14 +57,17 @@ def main() -> None:
             t0 = time.monotonic()
             res = reader.engine.submit(f"probe-{i}", owner.name, plan).result(600)
             t1 = time.monotonic()
-            assert res.status.value == "DONE" and res.descriptors == 32, res
+            assert res.status is TransferStatus.DONE and res.descriptors == 32, res
             if i < 2:
                 continue  # warm-up
             floor.append(f)
             total.append(t1 - t0)
             post.append(res.posted_at - t0)
             xfer.append(res.completed_at - res.posted_at)
-        med = lambda v: statistics.median(v) * 1e3  # noqa: E731
+
+        def med(v: list[float]) -> float:
+            return statistics.median(v) * 1e3
+
         print(f"1 GiB, 32 descriptors, {args.device}, median of {args.repeat} (ms):")
         print(f"  floor (bare, on the NIXL thread)   {med(floor):8.3f}")
         print(f"  engine submit -> result            {med(total):8.3f}")
