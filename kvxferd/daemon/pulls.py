@@ -70,6 +70,11 @@ class PullRecord:
 _FIELDS = frozenset(f.name for f in dataclasses.fields(PullRecord))
 
 
+def unix_ns(monotonic_t: float) -> int:
+    """A time on the monotonic clock as unix time in ns (for the status's timestamps)."""
+    return time.time_ns() + round((monotonic_t - time.monotonic()) * 1e9)
+
+
 def revised(rec: PullRecord, changes: dict[str, object]) -> PullRecord:
     """``rec`` with ``changes``: what ``dataclasses.replace`` returns, without its generated
     ``__init__`` setting all 20 frozen fields one by one (a pull revises its record ~5 times

@@ -23,7 +23,7 @@ from kvxferd.blocks.ranges import TransferPlan
 from kvxferd.daemon.moves import Mover, account
 from kvxferd.daemon.parts import Parts
 from kvxferd.daemon.peers import PeerLink
-from kvxferd.daemon.pulls import PullBook, PullRecord, PullRequest, PullState, Stages
+from kvxferd.daemon.pulls import PullBook, PullRecord, PullRequest, PullState, Stages, unix_ns
 from kvxferd.daemon.receiver import PushReceiver
 from kvxferd.daemon.shares import Share, Shares
 from kvxferd.errors import (
@@ -159,7 +159,7 @@ class Reader:
                 peer_address=req.peer_address,
                 nbytes=part.nbytes,
                 naive_descriptors=part.naive_descriptors,
-                deadline_ns=time.time_ns() + int((deadline - time.monotonic()) * 1e9),
+                deadline_ns=unix_ns(deadline),
                 strategy=decision.choice.strategy.value if decision else "DIRECT",
                 strategy_reason=decision.choice.reason
                 if decision
@@ -289,9 +289,13 @@ class Reader:
             share.done = state is PullState.DONE
             if staged is not None and not result.completed_at:  # CMA marked post/transfer
                 stages.mark("transfer")
+            # started_unix_ns is when the READ was posted: for a NIXL READ, when its post call
+            # began on the NIXL thread (the TRANSFERRING stamp precedes the hand-off to it).
+            posted = {"started_ns": unix_ns(t)} if (t := result.post_started_at) else {}
             self.pulls.update(
                 tid,
                 state=state,
+                **posted,
                 posted_descriptors=result.descriptors,
                 error=error,
                 invalid_local_blocks=invalid if state is not PullState.DONE else (),

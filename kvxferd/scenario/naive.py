@@ -75,6 +75,7 @@ class NaiveResult:
     nbytes: int
     descriptors: int
     seconds: float
+    post_seconds: float = 0.0  # of ``seconds``, the post call alone (the floor's READ only)
 
     @property
     def gbps(self) -> float:
@@ -161,19 +162,20 @@ class NaiveReader:
         mem = mem_type(self.device)
         agent, peer, remote_mem = self.agent, self.owner.name, self.owner.mem
 
-        def read() -> float:  # on the NIXL thread
+        def read() -> tuple[float, float]:  # on the NIXL thread
             t0 = time.perf_counter()
             h = agent.post(XferOp.READ, loc, rem, peer=peer, local_mem=mem, remote_mem=remote_mem)
+            t1 = time.perf_counter()
             try:
                 while agent.poll(h) is not XferState.DONE:
                     if time.perf_counter() - t0 > FLOOR_TIMEOUT_S:
                         raise TimeoutError(f"the floor's READ did not end in {FLOOR_TIMEOUT_S}s")
-                return time.perf_counter() - t0
+                return time.perf_counter() - t0, t1 - t0
             finally:
                 agent.release(h)
 
-        dt = self.agent.submit(read).result()
-        return NaiveResult(int(loc[:, 1].sum()), int(loc.shape[0]), dt)
+        dt, post = self.agent.submit(read).result()
+        return NaiveResult(int(loc[:, 1].sum()), int(loc.shape[0]), dt, post)
 
     def verify(self, local: Int64Array, remote: Int64Array, samples: int, seed: int) -> int:
         """Compare ``samples`` random (layer, block) pairs with the owner; return mismatches."""

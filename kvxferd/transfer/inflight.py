@@ -47,7 +47,8 @@ class Transfer:
     _remote: Int64Array | None = field(default=None, repr=False)
     _notif: bytes = field(default=b"", repr=False)
     _handle: XferHandle | None = field(default=None, repr=False)
-    posted_at: float = 0.0
+    post_started_at: float = 0.0  # the data plane starts: the post call begins
+    posted_at: float = 0.0  # the post call returned
 
     async def wait(self) -> TransferResult:
         return await asyncio.wrap_future(self.future)
@@ -99,7 +100,8 @@ class InFlight:
         if xfer.nbytes == 0:
             self._finish_empty(xfer)
             return
-        if self._clock() >= xfer.deadline:
+        now = self._clock()
+        if now >= xfer.deadline:
             self.finish(
                 xfer,
                 TransferStatus.EXPIRED,
@@ -108,6 +110,7 @@ class InFlight:
             return
         assert xfer._local is not None and xfer._remote is not None
         mems = self._mems(xfer.peer)
+        xfer.post_started_at = now
         try:
             if mems is None:
                 raise PeerUnavailable(f"peer {xfer.peer} was disconnected")
@@ -205,6 +208,7 @@ class InFlight:
             post_us=post_us,
             xfer_us=xfer_us,
             nixl_descriptors=ndesc,
+            post_started_at=xfer.post_started_at if xfer.posted_at else 0.0,
             posted_at=xfer.posted_at,
             completed_at=self._clock(),
         )

@@ -43,7 +43,8 @@ class TransferResult:
     post_us: int | None = None
     xfer_us: int | None = None
     nixl_descriptors: int | None = None
-    posted_at: float = 0.0  # engine clock (monotonic) when NIXL accepted the post; 0 if never
+    post_started_at: float = 0.0  # engine clock (monotonic) when the post call began; 0 if never
+    posted_at: float = 0.0  # engine clock when NIXL accepted the post; 0 if never
     completed_at: float = 0.0  # engine clock when the end was seen
 
     @classmethod

@@ -47,6 +47,24 @@ def test_contiguous_read_moves_exact_bytes_in_one_descriptor_per_region(
     assert not reader.words(0)[: 10 * WORDS].any() and not reader.words(1)[74 * WORDS :].any()
 
 
+def test_a_read_reports_when_its_post_began_was_accepted_and_ended(
+    owner: OwnerProcess, reader: Reader
+) -> None:
+    """The data plane's clock (TransferResult: post_started_at, posted_at, completed_at; the
+    decode daemon's started_unix_ns is the first): in order, after the submit, on the
+    engine's monotonic clock; a transfer with nothing to read was never posted."""
+    local, remote = np.arange(0, 8), np.arange(8, 16)
+    plan = per_block_plan(local, remote, num_layers=2, block_bytes=BLOCK)
+    t0 = time.monotonic()
+    res = reader.engine.submit("clock", owner.name, plan).result(10)
+    t1 = time.monotonic()
+    assert res.status is TransferStatus.DONE, res.reason
+    assert t0 <= res.post_started_at <= res.posted_at <= res.completed_at <= t1
+    empty = reader.engine.submit("clock-empty", owner.name, TransferPlan(())).result(5)
+    assert empty.status is TransferStatus.DONE
+    assert empty.post_started_at == empty.posted_at == 0.0
+
+
 def test_fragmented_read_moves_exact_bytes(owner: OwnerProcess, reader: Reader) -> None:
     _clear(reader)
     rng = np.random.default_rng(7)
