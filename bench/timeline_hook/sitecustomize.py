@@ -82,8 +82,26 @@ def _install() -> None:
     _wrap("kvxferd.ipc.reader:", "run_copy", "run_copy")
     _wrap("kvxferd.kernels.cuda_ops:", "run_copy", "cuda_run_copy")
     _wrap("kvxferd.daemon.reader:Reader", "_settle", "settle")
-    _wrap("kvxferd.nixl.worker:NixlThread", "call", "nixl_call")
+    from kvxferd.nixl import worker
+
+    call = worker.NixlThread.call
+
+    def traced_call(self: Any, fn: Any, *args: Any) -> Any:
+        # Named by the function called, and whether the caller is the NIXL thread itself.
+        label = f"nixl_call:{getattr(fn, '__name__', '?')}{'' if self.on_thread else '@loop'}"
+        _stamp(label + ">")
+        try:
+            return call(self, fn, *args)
+        finally:
+            _stamp(label + "<")
+
+    worker.NixlThread.call = traced_call  # type: ignore[method-assign]
     _wrap("kvxferd.service.peer_service:PeerService", "ConfirmLease", "ConfirmLease")
+    # DIRECT (session 19): the hand-off to the NIXL thread, its post, the end and the hand-back.
+    _wrap("kvxferd.transfer.engine:TransferEngine", "submit_prepared", "submit")
+    _wrap("kvxferd.transfer.inflight:InFlight", "post", "nixl_post")
+    _wrap("kvxferd.transfer.inflight:InFlight", "finish", "finish")
+    _wrap("kvxferd.transfer.inflight:Transfer", "wait", "xfer_wait")
     from kvxferd.kernels import cuda_ops
 
     find = cuda_ops._op

@@ -75,7 +75,11 @@ async def open_memory(
         agent_name(cfg),
         cuda_device=cuda,
         options=AgentOptions(
-            progress_delay_us=cfg.nixl.progress_delay_us, num_threads=cfg.nixl.num_threads
+            progress_delay_us=cfg.nixl.progress_delay_us,
+            num_threads=cfg.nixl.num_threads,
+            # The daemon times each pull itself (its stages), so it reads no NIXL telemetry: a
+            # completion then goes from the end seen to its result without that call.
+            capture_telemetry=False,
         ),
     )
     agent.start()

@@ -17,7 +17,7 @@ import numpy.typing as npt
 
 from kvxferd.blocks.ranges import PullPlan, TransferPlan
 from kvxferd.ipc.cma import allow_readers
-from kvxferd.ipc.cma_link import CmaSide, cma_job, cma_why_not
+from kvxferd.ipc.cma_link import NOT_CONSIDERED, CmaSide, cma_job, cma_why_not
 from kvxferd.ipc.cma_reader import CmaReader
 from kvxferd.ipc.eligibility import kernel_ineligible, kernel_only_refusal
 from kvxferd.ipc.mapping import MappingCache, Opener, cuda_opener
@@ -158,19 +158,28 @@ def decide(
     """Pick the strategy of one pull and, for STAGED, cut it into chunks. ``link``: the peer
     as handshaken (its host, CUDA IPC export and probed transport), for KERNEL and the slow
     transport refusal; raises :class:`~kvxferd.errors.SlowTransport` for that refusal."""
-    kernel_why = _kernel_why(staging, local, link, part, peer)
-    cma_why = (
-        cma_why_not(
-            staging.cma_side,
-            local,
-            link,
-            reader=staging.cma is not None,
-            nbytes=part.nbytes,
-            peer=peer,
+    remote_only = link.remote.kernel_only if link is not None and link.remote else ""
+    local_only = staging.ipc.publisher.kernel_only
+    if staging.mode in (Mode.DIRECT, Mode.STAGED) and not (remote_only or local_only):
+        # Forced to NIXL: choose() takes neither same-host copy, so their checks (KERNEL's
+        # opens the peer's mappings, CMA's probes its process) would be thrown away. A
+        # KERNEL-only pool still gets them: its refusal says why KERNEL could not run.
+        kernel_why: str | None = NOT_CONSIDERED
+        cma_why: str | None = NOT_CONSIDERED
+    else:
+        kernel_why = _kernel_why(staging, local, link, part, peer)
+        cma_why = (
+            cma_why_not(
+                staging.cma_side,
+                local,
+                link,
+                reader=staging.cma is not None,
+                nbytes=part.nbytes,
+                peer=peer,
+            )
+            if link is not None
+            else NOT_CONSIDERED
         )
-        if link is not None
-        else "not considered"
-    )
     chunks: list[Chunk] = []
     if staging.mode in (Mode.AUTO, Mode.KERNEL) and (kernel_why is None or cma_why is None):
         why: str | None = "not needed: a same-host copy runs"  # choose() takes KERNEL or CMA
@@ -204,13 +213,12 @@ def decide(
         kernel_ineligible=kernel_why,
         cma_ineligible=cma_why,
     )
-    remote_only = link.remote.kernel_only if link is not None and link.remote else ""
     refused = kernel_only_refusal(  # a pool served by KERNEL only (kvxferd.ipc.eligibility)
         strategy=choice.strategy.value,
         why_not_kernel=kernel_why or f"this daemon's transfer.strategy = {staging.mode.value}",
         nbytes=part.nbytes,
         remote_kernel_only=remote_only,
-        local_kernel_only=staging.ipc.publisher.kernel_only,
+        local_kernel_only=local_only,
         peer=peer,
     )
     if refused is not None:

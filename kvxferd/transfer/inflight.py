@@ -212,21 +212,23 @@ class InFlight:
             posted_at=xfer.posted_at,
             completed_at=self._clock(),
         )
-        log.log(
-            logging.DEBUG if status is TransferStatus.DONE else logging.WARNING,
-            "transfer ended",
-            extra=kv(
-                transfer_id=xfer.transfer_id,
-                peer=xfer.peer,
-                status=status.value,
-                bytes=xfer.nbytes,
-                descriptors=xfer.descriptors,
-                elapsed_ms=round(result.elapsed_s * 1e3, 3),
-                reason=result.reason or "-",
-            ),
-        )
         if not xfer.future.done():
-            xfer.future.set_result(result)
+            xfer.future.set_result(result)  # before the log line: the waiting loop wakes now
+        level = logging.DEBUG if status is TransferStatus.DONE else logging.WARNING
+        if log.isEnabledFor(level):  # a DONE is logged only at debug: build nothing then
+            log.log(
+                level,
+                "transfer ended",
+                extra=kv(
+                    transfer_id=xfer.transfer_id,
+                    peer=xfer.peer,
+                    status=status.value,
+                    bytes=xfer.nbytes,
+                    descriptors=xfer.descriptors,
+                    elapsed_ms=round(result.elapsed_s * 1e3, 3),
+                    reason=result.reason or "-",
+                ),
+            )
 
 
 __all__ = ["InFlight", "Transfer"]

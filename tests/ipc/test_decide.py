@@ -112,6 +112,17 @@ def test_a_same_host_copy_does_not_work_out_staged(monkeypatch: pytest.MonkeyPat
     assert asked == ["facts"]
 
 
+@pytest.mark.parametrize("mode", [Mode.DIRECT, Mode.STAGED])
+def test_a_pull_forced_to_nixl_does_not_work_out_kernel(mode: Mode) -> None:
+    """transfer.strategy = direct or staged: a same-host peer that KERNEL could copy from is
+    read over NIXL, and its CUDA IPC handles are not opened for a copy that will not run."""
+    staging, link, fh = _setup(mode=mode)
+    d = _decide(staging, link)
+    assert d.choice.strategy is Strategy.DIRECT  # STAGED falls back: no staging ring here
+    assert f"transfer.strategy = {mode.value}" in d.choice.reason or "STAGED" in d.choice.reason
+    assert fh.opened == []
+
+
 def test_another_host_over_a_slow_gpu_link_is_refused_with_the_fix() -> None:
     staging, link, _ = _setup(host="h2", transport=SLOW)
     with pytest.raises(SlowTransport) as ei:
