@@ -16,7 +16,7 @@ import numpy.typing as npt
 
 from kvxferd.blocks.ranges import RegionRanges, SharedRanges, TransferPlan
 from kvxferd.errors import BlockRangeError, InvalidRequest
-from kvxferd.kernels.ranges import lo_hi
+from kvxferd.kernels.ranges import extent, lo_hi
 
 Int64Array = npt.NDArray[np.int64]
 
@@ -249,6 +249,48 @@ def _check_bounds(
         )
 
 
+def _group_fits(table: RegionTable, g: RunGroup, offset: Int64Array) -> bool:
+    """Whether every run of ``g`` lies inside every region of ``g`` on ``table``'s side: each
+    region reads every run, so the runs' extent against the group's smallest region decides."""
+    lo_r, hi_r = lo_hi(g.regions)
+    if lo_r < 0 or hi_r >= table.num_regions:
+        return False
+    start, end = extent(offset, g.length)
+    return start >= 0 and end <= lo_hi(table.length[g.regions])[0]
+
+
+def _group_rows(table: RegionTable, g: RunGroup, offset: Int64Array) -> Int64Array:
+    """``g``'s descriptors on ``table``'s side: its regions in order, each with every run."""
+    k, m = int(g.regions.size), int(g.length.size)
+    out = np.empty((k, m, 3), dtype=np.int64)
+    np.add(table.base[g.regions][:, None], offset, out=out[:, :, 0])
+    out[:, :, 1] = g.length
+    out[:, :, 2] = table.dev[g.regions][:, None]
+    return out.reshape(k * m, 3)
+
+
+def _grouped(
+    groups: list[RunGroup], local: RegionTable, remote: RegionTable
+) -> tuple[Int64Array, Int64Array]:
+    """:func:`build_descriptors` of runs shared by regions: each group's bounds checked once
+    against its smallest region, its rows built by broadcasting; where a check fails, the flat
+    check of every row raises, so the refusal is the one the flat path gives."""
+    sides = ((local, "local"), (remote, "remote"))
+    for i, (table, side) in enumerate(sides):
+        if not all(_group_fits(table, g, g.remote_offset if i else g.local_offset) for g in groups):
+            region, lo, ro, ln = flatten(groups)
+            _check_bounds(side, table, region, ro if i else lo, ln)
+            raise BlockRangeError(f"{side} ranges leave their regions")  # the check raised
+    if not groups:
+        empty = np.empty((0, 3), dtype=np.int64)
+        return empty, empty.copy()
+    loc = [_group_rows(local, g, g.local_offset) for g in groups]
+    rem = [_group_rows(remote, g, g.remote_offset) for g in groups]
+    if len(groups) == 1:
+        return loc[0], rem[0]
+    return np.concatenate(loc), np.concatenate(rem)
+
+
 def build_descriptors(
     plan: TransferPlan,
     local: RegionTable,
@@ -264,7 +306,13 @@ def build_descriptors(
     :func:`plan_runs`); ``max_desc_bytes`` then cuts longer ranges (:func:`split_runs`).
     Proportional to the plan's distinct arrays and ranges, not to the regions.
     """
-    region, lo, ro, ln = plan_runs(plan, merge=merge)
+    if merge and max_desc_bytes is None:
+        runs = run_groups(plan)
+        if not isinstance(runs, tuple):
+            return _grouped(runs, local, remote)
+        region, lo, ro, ln = runs
+    else:
+        region, lo, ro, ln = plan_runs(plan, merge=merge)
     _check_bounds("local", local, region, lo, ln)
     _check_bounds("remote", remote, region, ro, ln)
     if max_desc_bytes is not None:

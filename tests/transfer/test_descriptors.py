@@ -7,8 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvxferd.blocks import plan_pull
 from kvxferd.blocks.ranges import RegionRanges, TransferPlan
 from kvxferd.errors import BlockRangeError, InvalidRequest
+from kvxferd.layout.presets import preset
 from kvxferd.transfer.descriptors import RegionTable, build_descriptors, coalesce, split_runs
 
 LOCAL = RegionTable.from_array([[0x10000, 1 << 20, 0], [0x400000, 1 << 20, 1]])
@@ -140,3 +142,51 @@ def test_build_descriptors_splits_after_merging() -> None:
     assert (rem[:, 0] - REMOTE.base[0]).tolist() == [0, 5 * 4096, 10 * 4096, 15 * 4096]
     assert loc[:, 1].tolist() == [5 * 4096, 5 * 4096, 5 * 4096, 4096]
     assert (loc[:, 0] - LOCAL.base[0]).tolist() == [0, 5 * 4096, 10 * 4096, 15 * 4096]
+
+
+_SPECS = {
+    name: preset(f"{name}:num_blocks=12")
+    for name in ("dense", "hybrid", "mla")  # one group; two groups; many regions of one size
+}
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.sampled_from(sorted(_SPECS)),
+    st.data(),
+    st.lists(st.integers(-3, 0), min_size=0, max_size=4),
+)
+def test_grouped_descriptors_are_the_flat_ones(
+    name: str, data: st.DataObject, cut: list[int]
+) -> None:
+    """Runs shared by regions are checked and laid out once per group (the planner's common
+    case); the result, or the refusal, is the flat path's (every row built and checked; the
+    flat path runs when ranges are cut, here by a limit no range reaches). ``cut`` shrinks
+    some regions of one side by up to three blocks, so that some plans leave them; half the
+    time that side also lacks its last region."""
+    spec = _SPECS[name]
+    ids = st.lists(st.integers(0, 11), min_size=0, max_size=8, unique=True)
+    local = [data.draw(ids) for _ in spec.groups]
+    remote = [data.draw(st.permutations(ids_)) for ids_ in local]
+    part = plan_pull(spec, spec, remote, local, prefix_caching=False).per_rank[0]
+    rows = np.array(
+        [[(i + 1) << 32, r.nbytes, i % 3] for i, r in enumerate(spec.regions)], dtype=np.int64
+    )
+    side = data.draw(st.sampled_from(["local", "remote"]))
+    short = rows.copy()
+    for k, c in enumerate(cut):
+        r = spec.regions[(k * 7) % len(spec.regions)]
+        short[(k * 7) % len(spec.regions), 1] = r.nbytes + c * r.block_len
+    if data.draw(st.booleans()):  # that side registered one region fewer than the plan names
+        short = short[:-1]
+    lt = RegionTable.from_array(short if side == "local" else rows)
+    rt = RegionTable.from_array(short if side == "remote" else rows)
+
+    def outcome(**kw: int) -> tuple[str, object]:
+        try:
+            loc, rem = build_descriptors(part, lt, rt, **kw)
+        except (BlockRangeError, InvalidRequest) as exc:
+            return type(exc).__name__, str(exc)
+        return "ok", (loc.tolist(), rem.tolist())
+
+    assert outcome() == outcome(max_desc_bytes=1 << 62)
