@@ -280,7 +280,10 @@ def _grouped(
         if not all(_group_fits(table, g, g.remote_offset if i else g.local_offset) for g in groups):
             region, lo, ro, ln = flatten(groups)
             _check_bounds(side, table, region, ro if i else lo, ln)
-            raise BlockRangeError(f"{side} ranges leave their regions")  # the check raised
+            raise BlockRangeError(  # not reached: the flat check raised
+                f"{side} ranges leave their regions",
+                fix="check block IDs against the registered block counts",
+            )
     if not groups:
         empty = np.empty((0, 3), dtype=np.int64)
         return empty, empty.copy()
