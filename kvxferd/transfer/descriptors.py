@@ -272,21 +272,8 @@ def _group_rows(table: RegionTable, g: RunGroup, offset: Int64Array) -> Int64Arr
 def _grouped(
     groups: list[RunGroup], local: RegionTable, remote: RegionTable
 ) -> tuple[Int64Array, Int64Array]:
-    """:func:`build_descriptors` of runs shared by regions: each group's bounds checked once
-    against its smallest region, its rows built by broadcasting; where a check fails, the flat
-    check of every row raises, so the refusal is the one the flat path gives."""
-    sides = ((local, "local"), (remote, "remote"))
-    for i, (table, side) in enumerate(sides):
-        if not all(_group_fits(table, g, g.remote_offset if i else g.local_offset) for g in groups):
-            region, lo, ro, ln = flatten(groups)
-            _check_bounds(side, table, region, ro if i else lo, ln)
-            raise BlockRangeError(  # not reached: the flat check raised
-                f"{side} ranges leave their regions",
-                fix="check block IDs against the registered block counts",
-            )
-    if not groups:
-        empty = np.empty((0, 3), dtype=np.int64)
-        return empty, empty.copy()
+    """:func:`build_descriptors` of runs shared by regions, every group known to fit both
+    sides (:func:`_group_fits`): each group's rows built by broadcasting."""
     loc = [_group_rows(local, g, g.local_offset) for g in groups]
     rem = [_group_rows(remote, g, g.remote_offset) for g in groups]
     if len(groups) == 1:
@@ -312,7 +299,15 @@ def build_descriptors(
     if merge and max_desc_bytes is None:
         runs = run_groups(plan)
         if not isinstance(runs, tuple):
-            return _grouped(runs, local, remote)
+            # Runs shared by regions: each group checked once against its smallest region on
+            # each side. A group that does not fit goes the flat way below, whose check of
+            # every row gives the refusal.
+            if runs and all(
+                _group_fits(local, g, g.local_offset) and _group_fits(remote, g, g.remote_offset)
+                for g in runs
+            ):
+                return _grouped(runs, local, remote)
+            runs = flatten(runs)
         region, lo, ro, ln = runs
     else:
         region, lo, ro, ln = plan_runs(plan, merge=merge)
