@@ -7,7 +7,7 @@ share of the samples (inclusive, each frame counted once per stack) and the leaf
 ``--pulls-per-s``: the pulls the daemon served per second while it was sampled (the control
 path's pulls divided by its wall time), ``--seconds``: how long it was sampled (py-spy's
 ``-d``): each figure is then also given in µs per pull.
-Recorded with ``--gil`` (bench/device_session14b.sh), the samples are the thread holding the
+Recorded with ``--gil`` (bench/device/session14b.sh), the samples are the thread holding the
 GIL, so the shares are of the daemon's Python time, not of the pull's latency.
 """
 
