@@ -56,9 +56,10 @@ from kvxferd.service.compose import compose_daemon
 from kvxferd.service.heap import serving_heap
 from kvxferd.service.listeners import GRPC_OPTIONS, Listeners, bind, hostport
 from kvxferd.service.live import live_source, observe_pulls
-from kvxferd.service.local_peer import LocalPeerServer, serve_sockets
+from kvxferd.service.local_peer import LocalPeerServer
 from kvxferd.service.memory import open_memory, pool_spec
 from kvxferd.service.servicers import EngineService, PeerService, SchedulerService
+from kvxferd.service.sockets import serve_sockets
 from kvxferd.transfer import LeaseTable, NotificationPump, TransferEngine
 from kvxferd.v1 import (
     engine_pb2,

@@ -23,6 +23,7 @@ checked when set.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import logging
@@ -37,18 +38,16 @@ from typing import Any, cast
 import grpc
 from grpc import aio
 
-from kvxferd.config import Config
-from kvxferd.daemon.core import Daemon
 from kvxferd.logs import kv
 from kvxferd.metrics import Metrics
 from kvxferd.metrics.rpc import observe_served
 from kvxferd.service.auth import token_refusal
 from kvxferd.tasks import start_now
+from kvxferd.wire.errors import message_for
 from kvxferd.wire.local import (
     CANCEL,
     METHODS,
     REQUEST,
-    SCHEDULER_METHODS,
     FrameError,
     FrameSplitter,
     answer_frame,
@@ -133,44 +132,88 @@ def _forget(calls: dict[int, asyncio.Task[None]], call_id: int, _: object) -> No
     calls.pop(call_id, None)
 
 
+# Answers a connection may leave unread before it stops being read: past this many bytes
+# waiting in its write buffer, the frames already read wait unstarted and reading pauses until
+# the caller has taken most of its answers (asyncio's flow control: pause_writing and
+# resume_writing). A caller that sends requests and never reads the answers thus holds at most
+# this much of the daemon's memory (plus one read of frames and the answers of calls running),
+# however many it sends.
+WRITE_HIGH_WATER = 4 << 20
+
+
 class _Calls(asyncio.Protocol):
     """One connection to a :class:`LocalPeerServer`: each REQUEST frame starts its call as the
     bytes arrive (:func:`kvxferd.tasks.start_now`: a handler that answers without waiting has
     written its answer before this returns), a CANCEL frame cancels that call, and a malformed
-    frame closes the connection, cancelling its calls."""
+    frame (or a REQUEST reusing the ID of a call still running) closes the connection,
+    cancelling its calls. While the connection's unread answers exceed
+    :data:`WRITE_HIGH_WATER`, frames wait in order and nothing more is read."""
 
     def __init__(self, server: LocalPeerServer) -> None:
         self._server = server
         self._frames = FrameSplitter()
         self._calls: dict[int, asyncio.Task[None]] = {}
+        self._held: collections.deque[tuple[int, int, bytes]] = collections.deque()
+        self._backed_up = False
         self.transport: asyncio.Transport | None = None
         self.lost = asyncio.get_running_loop().create_future()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        self.transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
         self._server._conns.add(self)
+
+    def pause_writing(self) -> None:
+        # Called by the transport from inside a write: the frames after this one wait.
+        self._backed_up = True
+        if self.transport is not None:
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self._backed_up = False
+        if self.transport is None or self.transport.is_closing():
+            return
+        self.transport.resume_reading()
+        try:
+            while self._held and not self._backed_up:
+                self._frame(*self._held.popleft())
+        except FrameError as exc:
+            self._refuse(exc)
 
     def data_received(self, data: bytes) -> None:
         assert self.transport is not None
         try:
             for call_id, kind, body in self._frames.feed(data):
-                if kind == REQUEST:
-                    call = start_now(self._server._serve(call_id, body, self.transport))
-                    if not call.done():
-                        self._calls[call_id] = call
-                        call.add_done_callback(functools.partial(_forget, self._calls, call_id))
-                elif kind == CANCEL:
-                    running = self._calls.pop(call_id, None)
-                    if running is not None:
-                        running.cancel()
+                if self._backed_up or self._held:
+                    self._held.append((call_id, kind, body))
                 else:
-                    raise FrameError(f"unexpected frame kind {kind}")
+                    self._frame(call_id, kind, body)
         except FrameError as exc:
-            log.warning(
-                "closing a local socket connection",
-                extra=kv(why=str(exc), service=self._server.name),
-            )
-            self.close()
+            self._refuse(exc)
+
+    def _frame(self, call_id: int, kind: int, body: bytes) -> None:
+        assert self.transport is not None
+        if kind == REQUEST:
+            if call_id in self._calls:
+                raise FrameError(f"call ID {call_id} is already in use by a running call")
+            call = start_now(self._server._serve(call_id, body, self.transport))
+            if not call.done():
+                self._calls[call_id] = call
+                call.add_done_callback(functools.partial(_forget, self._calls, call_id))
+        elif kind == CANCEL:
+            running = self._calls.pop(call_id, None)
+            if running is not None:
+                running.cancel()
+        else:
+            raise FrameError(f"unexpected frame kind {kind}")
+
+    def _refuse(self, exc: FrameError) -> None:
+        log.warning(
+            "closing a local socket connection",
+            extra=kv(why=str(exc), service=self._server.name),
+        )
+        self._held.clear()
+        self.close()
 
     def close(self) -> None:
         if self.transport is not None:
@@ -178,6 +221,7 @@ class _Calls(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._server._conns.discard(self)
+        self._held.clear()
         for call in self._calls.values():
             call.cancel()
         self._calls.clear()
@@ -247,6 +291,10 @@ class LocalPeerServer:
             method, code, frame = await self._answer(call_id, body)
         except asyncio.CancelledError:
             return  # the caller gave up (or we are closing): nothing to answer
+        except Exception as exc:  # a bug outside the handlers: still an answer, and logged
+            log.exception("local socket call failed", extra=kv(service=self.name))
+            method, code = "unknown", grpc.StatusCode.INTERNAL
+            frame = answer_frame(call_id, code, message_for(exc))
         if not transport.is_closing():
             transport.write(frame)  # the caller's answer first, then our books
         observe_served(self._m, self.name, method, code.name, t0)
@@ -295,63 +343,3 @@ class LocalPeerServer:
             grpc.StatusCode.OK,
             answer_frame(call_id, grpc.StatusCode.OK, answer=answer.SerializeToString()),
         )
-
-
-async def serve_local(
-    cfg: Config, service: Any, metrics: Metrics, token: str, daemon: Daemon
-) -> LocalPeerServer | None:
-    """Start the same-host Peer socket ``peers.local_socket`` asks for and advertise it in
-    the handshake; None when it is off or cannot be served (logged: pulls then use gRPC)."""
-    path = socket_path(cfg.peers.local_socket, daemon.instance_id)
-    if not path:
-        return None
-    if cfg.peers.local_socket == "auto":
-        with contextlib.suppress(OSError):
-            for stale in sweep_stale(os.path.dirname(path)):
-                log.info("removed a dead daemon's Peer socket", extra=kv(socket=stale))
-    try:
-        server = LocalPeerServer(service, metrics, path, token)
-        await server.start()
-    except (OSError, ValueError) as exc:
-        log.warning(
-            "same-host Peer socket not served; Peer calls use gRPC only",
-            extra=kv(socket=path, error=str(exc), fix="set peers.local_socket to a writable path"),
-        )
-        return None
-    daemon.local_socket = path
-    return server
-
-
-async def serve_scheduler(
-    cfg: Config, service: Any, metrics: Metrics, token: str, daemon: Daemon
-) -> LocalPeerServer | None:
-    """Start the scheduler socket ``server.scheduler_socket`` names (None when empty) and
-    advertise it in Describe's PoolInfo. It was asked for explicitly, so a path that cannot be
-    served stops the daemon's start with why."""
-    path = cfg.server.scheduler_socket
-    if not path:
-        return None
-    try:
-        server = LocalPeerServer(
-            service, metrics, path, token, name=SCHEDULER, methods=SCHEDULER_METHODS, mode=0o660
-        )
-        await server.start()
-    except (OSError, ValueError) as exc:
-        raise OSError(
-            f"server.scheduler_socket: cannot serve on {path}: {exc}; pick a writable path"
-            " that no other daemon serves on, or leave it empty"
-        ) from exc
-    log.info("serving the scheduler socket", extra=kv(socket=path))
-    daemon.scheduler_socket = path
-    return server
-
-
-async def serve_sockets(
-    cfg: Config, peer: Any, scheduler: Any, metrics: Metrics, *, token: str, d: Daemon
-) -> tuple[LocalPeerServer, ...]:
-    """The same-host Peer socket and the scheduler socket, those configured and served."""
-    servers = (
-        await serve_local(cfg, peer, metrics, token, d),
-        await serve_scheduler(cfg, scheduler, metrics, token, d),
-    )
-    return tuple(s for s in servers if s is not None)

@@ -86,10 +86,29 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+# gRPC carries a status message in a header, percent-encoding every byte outside printable
+# ASCII (up to 3x), and refuses a call whose metadata exceeds 8 KiB in all: a message that
+# repeats a caller's long input (an ID of 70,000 characters) would fail the call with
+# RESOURCE_EXHAUSTED instead of its own status. Messages are cut to this many UTF-8 bytes.
+MESSAGE_LIMIT = 1800
+
+
+def clip(text: str, limit: int = MESSAGE_LIMIT) -> str:
+    """``text`` cut to at most ``limit`` bytes of UTF-8 (on a character boundary), saying how
+    many bytes were cut; unchanged when it fits."""
+    raw = text.encode()
+    if len(raw) <= limit:
+        return text
+    kept = raw[: limit - 32].decode(errors="ignore")
+    return f"{kept}... ({len(raw) - len(kept.encode())} bytes cut)"
+
+
 def message_for(exc: BaseException) -> str:
     if isinstance(exc, e.KvxferdError):
-        return str(exc)
-    return f"internal error ({type(exc).__name__}: {exc}); this is a kvxferd bug, please report it"
+        return clip(str(exc))
+    return clip(
+        f"internal error ({type(exc).__name__}: {exc}); this is a kvxferd bug, please report it"
+    )
 
 
 # The status message already carries the whole text; the trailer carries the structure and

@@ -41,6 +41,7 @@ from typing import Any, cast
 import grpc
 
 from kvxferd.v1 import peer_pb2, scheduler_pb2
+from kvxferd.wire.errors import clip
 from kvxferd.wire.peer_client import Metadata, NotSent, RpcFailure
 
 HEADER = struct.Struct("!IIB")
@@ -123,6 +124,8 @@ def _decode_pairs(raw: bytes) -> tuple[tuple[str, str | bytes], ...]:
             pairs.append((key, bytes.fromhex(value) if key.endswith("-bin") else value))
     except (ValueError, TypeError) as exc:
         raise FrameError(f"undecodable metadata: {exc}") from exc
+    except RecursionError:  # JSON nested deeper than the interpreter's stack
+        raise FrameError("undecodable metadata: nested too deeply") from None
     return tuple(pairs)
 
 
@@ -191,6 +194,13 @@ def parse_request(body: bytes) -> tuple[str, tuple[tuple[str, str | bytes], ...]
     return method, meta, timeout_us / 1e6, body[at + n_name + n_meta :]
 
 
+# An answer's details and trailer are sized by u16 fields: the details are cut to this many
+# bytes (a message that repeats a caller's long input), and a trailer that does not fit is
+# dropped (the details still say what went wrong).
+MAX_DETAILS = 4096
+MAX_TRAILER = 0xFFFF
+
+
 def answer_frame(
     call_id: int,
     code: grpc.StatusCode,
@@ -198,7 +208,9 @@ def answer_frame(
     trailer: Sequence[tuple[str, str | bytes]] = (),
     answer: bytes = b"",
 ) -> bytes:
-    text, trail = details.encode(), encode_pairs(trailer)
+    text, trail = clip(details, MAX_DETAILS).encode(), encode_pairs(trailer)
+    if len(trail) > MAX_TRAILER:
+        trail = b""
     head = ANSWER_HEAD.pack(code.value[0], len(text), len(trail))
     return frame(call_id, ANSWER, head, text, trail, answer)
 

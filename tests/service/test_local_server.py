@@ -7,6 +7,7 @@ daemon's), and with eager tasks where Python has them (kvxferd/tasks.py)."""
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -175,5 +176,87 @@ def test_closing_the_server_cancels_running_calls_and_fails_the_callers(
         assert err.value.code() is grpc.StatusCode.UNAVAILABLE
         assert client.peer is None and not client.current(client.connection)
         await client.close()
+
+    _run(loop_factory, main())
+
+
+@pytest.mark.parametrize("loop_factory", LOOPS)
+def test_a_caller_that_reads_no_answers_stops_being_read_and_loses_no_call(
+    tmp_path: Path, loop_factory: Callable[[], asyncio.AbstractEventLoop]
+) -> None:
+    # Each Heartbeat's answer repeats its 4 KiB request: a caller that sends and never reads
+    # would otherwise make the server buffer answers without bound. Past WRITE_HIGH_WATER of
+    # unread answers the server stops reading, so the caller's sends block; once it reads,
+    # every call it sent is answered, in order.
+    async def main() -> None:
+        server, _ = await _server(tmp_path / "s.sock")
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        await loop.sock_connect(sock, server.path)
+        frames = [
+            request_frame(
+                i, "Heartbeat", (), 30.0, peer_pb2.HeartbeatRequest(renew_request_ids=["r" * 4096])
+            )
+            for i in range(1, 12_001)  # 49 MB of requests, as many of answers
+        ]
+        sent, pending, blocked_since = 0, b"", None
+        while sent < len(frames) or pending:
+            if not pending:
+                pending = frames[sent]
+                sent += 1
+            try:
+                pending = pending[sock.send(pending) :]
+                blocked_since = None
+            except BlockingIOError:
+                blocked_since = blocked_since or loop.time()
+                if loop.time() - blocked_since > 0.5:
+                    break  # the server stopped reading
+                await asyncio.sleep(0.005)
+        assert blocked_since is not None, (
+            "the server read every request of a caller that reads nothing"
+        )
+        assert sent * len(frames[0]) < 20 << 20  # ~4 MiB of answers, plus the socket buffers
+
+        reader, writer = await asyncio.open_unix_connection(sock=sock)
+        writer.write(pending + b"".join(frames[sent:]))  # the rest, sent as the answers are read
+        sender = asyncio.ensure_future(writer.drain())
+        for want in range(1, len(frames) + 1):
+            call_id, kind, body = await asyncio.wait_for(read_frame(reader), 10)
+            assert (call_id, kind) == (want, ANSWER)
+            assert parse_answer(body)[0] is grpc.StatusCode.OK
+        await sender
+        writer.close()
+        await server.close()
+
+    _run(loop_factory, main())
+
+
+@pytest.mark.parametrize("loop_factory", LOOPS)
+def test_a_request_reusing_a_running_calls_id_closes_the_connection(
+    tmp_path: Path, loop_factory: Callable[[], asyncio.AbstractEventLoop]
+) -> None:
+    # A second call under the ID of one still running would make the first impossible to
+    # cancel (a CANCEL names calls by ID): a protocol error, like a malformed frame.
+    async def main() -> None:
+        server, svc = await _server(tmp_path / "s.sock")
+        reader, writer = await asyncio.open_unix_connection(server.path)
+        first = peer_pb2.ExtendLeaseRequest(request_id="first")
+        writer.write(request_frame(5, "ExtendLease", (), 30.0, first))
+        await _until(lambda: svc.started == ["first"])
+        writer.write(request_frame(5, "Heartbeat", (), 30.0, peer_pb2.HeartbeatRequest()))
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # closed, nothing answered
+        await _until(lambda: svc.cancelled == ["first"])
+        writer.close()
+        await writer.wait_closed()
+        # A finished call's ID may be used again.
+        reader, writer = await asyncio.open_unix_connection(server.path)
+        for _ in range(2):
+            writer.write(request_frame(7, "Heartbeat", (), 5.0, peer_pb2.HeartbeatRequest()))
+            call_id, kind, _ = await asyncio.wait_for(read_frame(reader), 5)
+            assert (call_id, kind) == (7, ANSWER)
+        writer.close()
+        await writer.wait_closed()
+        await server.close()
 
     _run(loop_factory, main())

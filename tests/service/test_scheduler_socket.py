@@ -191,6 +191,42 @@ def test_hostile_frames_are_refused_and_the_daemon_serves_on(pair: tuple[Daemons
         s.close()
 
 
+def test_callers_long_inputs_are_answered_with_their_own_status_on_both_paths(
+    pair: tuple[Daemons, str],
+) -> None:
+    # A refusal repeats the caller's input ("no transfer 'x...'"): cut to fit, it still
+    # answers NOT_FOUND, never RESOURCE_EXHAUSTED from gRPC's metadata limit or, on the
+    # socket, no answer at all (the details' u16 length overflowed).
+    ds, path = pair
+    _, over_grpc, over_socket = _clients(ds)
+    try:
+        for client in (over_grpc, over_socket):
+            with pytest.raises(KvxferdRpcError) as err:
+                client.get_transfer("x" * 70_000)
+            assert err.value.code is grpc.StatusCode.NOT_FOUND
+            assert "bytes cut" in err.value.details
+            assert len(err.value.details.encode()) <= 4096
+        # An unknown method of the longest name a frame can carry, before the token check.
+        got = raw_exchange(path, _request(b"\x01" * 65_000, b""))
+        assert got[9] == grpc.StatusCode.UNIMPLEMENTED.value[0]
+        assert b"bytes cut" in got and len(got) < 5000
+    finally:
+        over_grpc.close()
+        over_socket.close()
+    assert ds["decode"].alive()  # type: ignore[operator]
+
+
+def test_metadata_nested_too_deeply_is_invalid_argument(pair: tuple[Daemons, str]) -> None:
+    ds, path = pair
+    method = b"ListPeers"
+    meta = b"[" * 60_000
+    head = struct.pack("!HHI", len(method), len(meta), 1_000_000) + method + meta
+    got = raw_exchange(path, struct.pack("!IIB", len(head), 4, 1) + head)
+    assert got[9] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert b"nested too deeply" in got
+    assert ds["decode"].alive()  # type: ignore[operator]
+
+
 def test_a_caller_that_gives_up_waiting_leaves_the_pull_running(
     pair: tuple[Daemons, str],
 ) -> None:
