@@ -20,18 +20,18 @@ import numpy as np
 import numpy.typing as npt
 
 from kvxferd.blocks.ranges import TransferPlan
+from kvxferd.daemon.claims import ReadClaims
 from kvxferd.daemon.moves import Mover, account
 from kvxferd.daemon.parts import Parts
 from kvxferd.daemon.peers import PeerLink
 from kvxferd.daemon.pulls import PullBook, PullRecord, PullRequest, PullState, Stages, unix_ns
 from kvxferd.daemon.receiver import PushReceiver
-from kvxferd.daemon.shares import Share, Shares
+from kvxferd.daemon.shares import Share, Shares, ends_share, outcome
 from kvxferd.errors import (
     AlreadyExists,
     Cancelled,
     DeadlineExceeded,
     KvxferdError,
-    LeaseRefused,
     PeerUnavailable,
     ResourceExhausted,
 )
@@ -49,13 +49,6 @@ Int64Array = npt.NDArray[np.int64]
 # Loop turns a grpc.aio unary call needs before its request is sent (measured: 1, or 2 with a
 # client interceptor); planning first would hold the request back for the whole planning.
 RPC_START_TURNS = 3
-
-_TERMINAL = {
-    TransferStatus.DONE: PullState.DONE,
-    TransferStatus.FAILED: PullState.FAILED,
-    TransferStatus.CANCELLED: PullState.CANCELLED,
-    TransferStatus.EXPIRED: PullState.EXPIRED,
-}
 
 
 class _Twin(Exception):
@@ -79,6 +72,8 @@ class Reader:
         self.push = parts.limits.transfer_mode == "push"
         self.receiver = PushReceiver()
         self.shares = Shares(parts, self.pulls, self._abort_read)
+        self.claims = ReadClaims()
+        self._no_decision = "push mode: the owner WRITEs" if self.push else "staging not configured"
         self._mover = Mover(parts, self.pulls, self.receiver if self.push else None)
 
     async def start_pull(self, req: PullRequest) -> tuple[PullRecord, bool]:
@@ -129,15 +124,17 @@ class Reader:
         stages.mark("handshake")
         remote = link.remote
         assert remote is not None
+        # One pull of this daemon reads an owner's request at a time (kvxferd/daemon/claims.py).
+        if not self.claims.claim(link.address, req.request_id, req.transfer_id):
+            return await self._twin(req, link.address, deadline)
         # The confirmation is sent before we plan and build; the owner answers meanwhile. The
         # READ is posted only once it succeeded (_run_pull): freed blocks are never read.
         confirming = start_now(self.shares.confirm(link, req.request_id, req.remote_ids, deadline))
-        # The same-host socket sends in the task's first step: already taken when the task
-        # started eagerly (Python >= 3.12), else on the next loop turn.
-        turns = RPC_START_TURNS if link.client.local is None else 0 if EAGER else 1
-        for _ in range(turns):
-            await asyncio.sleep(0)
         try:
+            # The same-host socket sends in the task's first step (run now where eager, 3.12+).
+            turns = RPC_START_TURNS if link.client.local is None else 0 if EAGER else 1
+            for _ in range(turns):
+                await asyncio.sleep(0)
             plan, part = self._mover.plan(req, remote)
             decision, staged = self._mover.choose(req, link, plan, part)
             stages.mark("plan")
@@ -147,7 +144,7 @@ class Reader:
             if existing is not None:
                 raise _Twin(existing)
         except BaseException as exc:
-            self._abandon(confirming, link, req.request_id)
+            self._abandon(confirming, link, req)
             if isinstance(exc, _Twin):
                 return await self.start_pull(req)
             raise
@@ -161,11 +158,7 @@ class Reader:
                 naive_descriptors=part.naive_descriptors,
                 deadline_ns=unix_ns(deadline),
                 strategy=decision.choice.strategy.value if decision else "DIRECT",
-                strategy_reason=decision.choice.reason
-                if decision
-                else "push mode: the owner WRITEs"
-                if self.push
-                else "staging not configured",
+                strategy_reason=decision.choice.reason if decision else self._no_decision,
                 fingerprint=req.fingerprint,
             )
         )
@@ -190,13 +183,29 @@ class Reader:
         )
         return rec, True
 
-    def _abandon(self, confirming: asyncio.Future[Share], link: PeerLink, rid: str) -> None:
+    async def _twin(self, req: PullRequest, addr: str, deadline: float) -> tuple[PullRecord, bool]:
+        """A StartPull of a transfer whose twin (same ID) is starting: the twin's pull, once
+        it exists (or this one, if the twin gave up before it did)."""
+        while self.claims.reading(addr, req.request_id) == req.transfer_id:
+            if self.pulls.find(req.transfer_id) is not None:
+                break
+            if time.monotonic() > deadline:
+                raise DeadlineExceeded(
+                    f"transfer {req.transfer_id!r} did not start within the pull's deadline",
+                    fix="raise deadline_ms",
+                )
+            await asyncio.sleep(1e-3)
+        return await self.start_pull(req)
+
+    def _abandon(self, confirming: asyncio.Future[Share], link: PeerLink, req: PullRequest) -> None:
         """A pull that will not run: stop its confirmation, and give back the share if the
-        owner granted one."""
+        owner granted one (which ends it: the request stays claimed as read)."""
 
         def done(f: asyncio.Future[Share]) -> None:
-            if not f.cancelled() and f.exception() is None:
-                self.p.spawn(self.shares.release(link, rid, done=False))
+            granted = not f.cancelled() and f.exception() is None
+            self.claims.release(link.address, req.request_id, req.transfer_id, ended=granted)
+            if granted:
+                self.p.spawn(self.shares.release(link, req.request_id, done=False))
 
         confirming.add_done_callback(done)
         confirming.cancel()
@@ -272,20 +281,9 @@ class Reader:
             )
             if self.push and result.status is TransferStatus.DONE:
                 share.ticket = 0  # the owner ended our share itself when its WRITE completed
-            state = _TERMINAL[result.status]
-            error = result.error or (
-                None if state is PullState.DONE else KvxferdError(result.reason)
+            state, error, invalid = outcome(
+                result, share, local_blocks, req.peer_address, tid in self._cancel_requested
             )
-            invalid = result.invalid_blocks
-            if state is PullState.DONE and (share.lost or time.monotonic() > share.valid_until):
-                state, invalid = PullState.FAILED, local_blocks
-                error = LeaseRefused(
-                    f"the lease share on {req.peer_address} lapsed or was lost before the READ"
-                    " completed, so the owner may have reused the blocks",
-                    field="request_id",
-                    fix="pull again after re-running the prefill; check the peers' heartbeats"
-                    " (peers.heartbeat_timeout_ms) and load",
-                )
             share.done = state is PullState.DONE
             if staged is not None and not result.completed_at:  # CMA marked post/transfer
                 stages.mark("transfer")
@@ -345,6 +343,8 @@ class Reader:
             self._cancel_requested.discard(tid)
             self._posted.discard(tid)
             held = self.shares.by_transfer.pop(tid, None)
+            ended = held is not None and ends_share(held, self.pulls.get(tid).state)
+            self.claims.release(link.address, req.request_id, tid, ended=ended)
             # Watchers (woken by the terminal update) hear it first; the owner and books after.
             asyncio.get_running_loop().call_soon(
                 self._settle, req, link, held, self.pulls.get(tid), time.monotonic() - t0

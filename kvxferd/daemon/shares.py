@@ -30,7 +30,7 @@ from kvxferd.errors import (
 )
 from kvxferd.logs import kv
 from kvxferd.peers import compat_digest
-from kvxferd.transfer import notify
+from kvxferd.transfer import TransferResult, TransferStatus, notify
 from kvxferd.v1 import peer_pb2
 
 log = logging.getLogger(__name__)
@@ -69,6 +69,50 @@ class Share:
     address: str
     done: bool = False
     lost: bool = False
+
+
+_TERMINAL = {
+    TransferStatus.DONE: PullState.DONE,
+    TransferStatus.FAILED: PullState.FAILED,
+    TransferStatus.CANCELLED: PullState.CANCELLED,
+    TransferStatus.EXPIRED: PullState.EXPIRED,
+}
+
+
+def outcome(
+    result: TransferResult,
+    share: Share,
+    local_blocks: tuple[Int64Array, ...],
+    address: str,
+    cancelled: bool,
+) -> tuple[PullState, KvxferdError | None, tuple[Int64Array, ...]]:
+    """A read's terminal state, error and invalid local blocks, judged against its share. A
+    read that ended DONE after its share lapsed, or that ended at all after the owner reported
+    the share lost (the heartbeat then stopped it: docs/reliability.md), FAILS listing every
+    local block, since the owner may have reused the blocks meanwhile; only a read a caller
+    cancelled (``cancelled``) stays CANCELLED."""
+    state = _TERMINAL[result.status]
+    lapsed = state is PullState.DONE and time.monotonic() > share.valid_until
+    if lapsed or (share.lost and not (cancelled and state is PullState.CANCELLED)):
+        return (
+            PullState.FAILED,
+            LeaseRefused(
+                f"the lease share on {address} lapsed or was lost before the READ"
+                " completed, so the owner may have reused the blocks",
+                field="request_id",
+                fix="pull again after re-running the prefill; check the peers' heartbeats"
+                " (peers.heartbeat_timeout_ms) and load",
+            ),
+            local_blocks,
+        )
+    error = result.error or (None if state is PullState.DONE else KvxferdError(result.reason))
+    return state, error, result.invalid_blocks
+
+
+def ends_share(held: Share, state: PullState) -> bool:
+    """Whether a pull that ended in ``state`` ends its share (:meth:`Shares.settle`): read, or
+    given up by a cancel; a FAILED or EXPIRED pull keeps it for a retry."""
+    return bool(held.ticket) and (held.done or state is PullState.CANCELLED)
 
 
 class Shares:
@@ -212,11 +256,11 @@ class Shares:
         without a notification or a caller gave the pull up. A FAILED or EXPIRED pull keeps
         it until it lapses (heartbeat timeout), so the scheduler can retry the same lease from
         this daemon meanwhile."""
-        if not held.ticket:
+        if not ends_share(held, state):
             return
         if held.done and notify:
             self.p.spawn(self.notify_done(link, request_id, held.ticket))
-        elif held.done or state is PullState.CANCELLED:
+        else:
             self.p.spawn(self.release(link, request_id, done=held.done))
 
     def ensure_heartbeat(self, link: PeerLink) -> None:

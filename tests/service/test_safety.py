@@ -307,3 +307,38 @@ def test_watch_named_ends_and_watch_all_starts_with_a_snapshot(daemons: Daemons)
         everything.cancel()
 
     run(go())
+
+
+def test_two_pulls_of_one_request_never_read_under_one_share(daemons: Daemons) -> None:
+    """An owner gives a decode daemon one share of a request, whatever number of pulls it runs
+    (kvxferd/daemon/claims.py). A second pull of the same request while the first reads would
+    read under that share, and the first to end (a full prefix hit ends at once) would release
+    the blocks under the other. So the second pull is refused, naming the first: while it
+    reads, and after it read (the owner would refuse a second read by the same reader). The
+    first pull reads exactly the held bytes, and the blocks are released once, after it."""
+
+    async def go() -> None:
+        c = client(daemons)
+        held = await hold(c, "dup-1", list(range(40, 64)), ttl_ms=30_000)
+        rel = Releases(c, ["dup-1"])
+        first = await c.pull(held, list(range(0, 24)), transfer_id="dup-first")  # type: ignore[arg-type]
+        assert first.transfer_id == "dup-first"
+        for tid, local in (("dup-hit", []), ("dup-second", list(range(24, 48)))):
+            with pytest.raises(aio.AioRpcError) as ei:
+                await c.pull(held, local, transfer_id=tid)  # type: ignore[arg-type]
+            assert ei.value.code() is C.FAILED_PRECONDITION
+            assert "dup-first" in (ei.value.details() or "")  # the pull to wait for
+        done = await c.wait("dup-first")
+        assert done.state == scheduler_pb2.TRANSFER_STATE_DONE, done.error.message
+        assert await c.digests(c.decode, list(range(0, 24))) == await c.digests(
+            c.prefill, list(range(40, 64))
+        )
+        got = await rel.wait("dup-1", 5)
+        assert got.reason == 1  # RELEASE_REASON_DONE, once the first pull had read
+        with pytest.raises(aio.AioRpcError) as ei:
+            await c.pull(held, [], transfer_id="dup-after")  # type: ignore[arg-type]
+        assert ei.value.code() is C.FAILED_PRECONDITION
+        assert "already ended its share" in (ei.value.details() or "")
+        rel.close()
+
+    run(go())

@@ -1,0 +1,110 @@
+"""At most one pull of this daemon reads an owner's request at a time.
+
+An owner gives each reader (each handshake session, so each decode daemon) one share of a
+request's lease, whatever number of pulls that reader runs: a second ConfirmLease from the same
+reader renews the share it has and answers with the same ticket (kvxferd/transfer/leases.py).
+Two pulls of one request from one daemon would therefore read under one share, and the first
+to end would end it for both: its READ_DONE (or its release) lets the owner hand the blocks back
+to its engine while the other pull still reads them, and that pull would then end DONE with
+whatever the engine wrote there.
+
+:class:`ReadClaims` keeps, per (owner address, request ID), the pull that reads it, from before
+its confirmation is sent until it ends. A second pull meanwhile is refused (``LeaseRefused``,
+naming the pull to wait for). When a pull ends its share (read, or cancelled: the owner then
+refuses any further confirmation from this reader), later pulls of that request are refused
+here for :data:`ENDED_TTL_S`, as the owner would refuse them, since the READ_DONE notification
+may still be on its way and a confirmation sent now could overtake it. A pull that ends keeping
+its share (FAILED, EXPIRED: the share lapses on the owner unless a retry confirms it) frees
+the request at once, so the scheduler can retry the same lease from this daemon.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from kvxferd.errors import LeaseRefused
+
+# How long a request whose share this daemon ended stays refused here. Past it, a confirmation
+# reaches the owner long after the READ_DONE or the release it could have overtaken, and the
+# owner refuses it itself.
+ENDED_TTL_S = 600.0
+
+Key = tuple[str, str]  # (the owner's address, the request ID)
+
+
+class ReadClaims:
+    """The pulls reading each (owner, request) of this daemon, and the requests whose share it
+    ended recently."""
+
+    def __init__(
+        self, *, ended_ttl_s: float = ENDED_TTL_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._ttl = ended_ttl_s
+        self._clock = clock
+        self._reading: dict[Key, str] = {}
+        self._ended: dict[Key, tuple[float, str]] = {}  # in order of expiry (one TTL for all)
+
+    def claim(self, address: str, request_id: str, transfer_id: str) -> bool:
+        """``transfer_id`` is about to confirm and read ``request_id`` on ``address``: True
+        once claimed; False when a pull of that same transfer ID claimed it first (a twin
+        StartPull, which must confirm nothing and answer with that pull). Raises
+        :class:`LeaseRefused` when another pull of this daemon reads it, or one ended its
+        share."""
+        key = (address, request_id)
+        other = self._reading.get(key)
+        if other == transfer_id:
+            return False
+        if other is not None:
+            raise LeaseRefused(
+                f"request {request_id!r} on {address} is being read by transfer {other!r} of"
+                " this daemon; a second pull would read under the same lease share, and the"
+                " first to end could release the blocks under the other",
+                field="request_id",
+                fix=f"wait for transfer {other} to end (WatchTransfers, or StartPull with"
+                " wait) and pull again only if it failed",
+            )
+        self._expire()
+        ended = self._ended.get(key)
+        if ended is not None:
+            raise LeaseRefused(
+                f"transfer {ended[1]!r} of this daemon already ended its share of request"
+                f" {request_id!r} on {address} (it read the blocks, or was cancelled); the"
+                " owner refuses a second read by the same reader",
+                field="request_id",
+                fix="use what that pull read, or hold the request again on the prefill daemon"
+                " (a new lease) and pull that",
+            )
+        self._reading[key] = transfer_id
+        return True
+
+    def release(self, address: str, request_id: str, transfer_id: str, *, ended: bool) -> None:
+        """``transfer_id`` stopped reading (it ended, or will not run); ``ended``: it ended
+        its share, so later pulls of the request are refused for a while."""
+        key = (address, request_id)
+        if self._reading.get(key) != transfer_id:
+            return
+        del self._reading[key]
+        if ended:
+            self._expire()
+            self._ended.pop(key, None)  # re-inserted last: the dict stays in expiry order
+            self._ended[key] = (self._clock() + self._ttl, transfer_id)
+
+    def reading(self, address: str, request_id: str) -> str | None:
+        return self._reading.get((address, request_id))
+
+    @property
+    def ended(self) -> int:
+        """Requests whose share ended recently (refused here until their TTL passes)."""
+        return len(self._ended)
+
+    def _expire(self) -> None:
+        now = self._clock()
+        while self._ended:
+            key, (until, _) = next(iter(self._ended.items()))
+            if until > now:
+                return
+            del self._ended[key]
+
+
+__all__ = ["ENDED_TTL_S", "ReadClaims"]

@@ -1,0 +1,80 @@
+"""kvxferd/daemon/claims.py: at most one pull of a daemon reads an owner's request at a time,
+and none after one ended its share (for a while), as the module's docstring says."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvxferd.daemon.claims import ReadClaims
+from kvxferd.errors import LeaseRefused
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_a_second_pull_of_a_request_being_read_is_refused_naming_the_first() -> None:
+    claims = ReadClaims()
+    assert claims.claim("owner:1", "r", "A")
+    with pytest.raises(LeaseRefused) as err:
+        claims.claim("owner:1", "r", "B")
+    assert "'A'" in err.value.message and err.value.field == "request_id"
+    assert "wait for transfer A" in err.value.fix
+    # Another request, or the same request of another owner (another share), is free.
+    assert claims.claim("owner:1", "s", "C")
+    assert claims.claim("owner:2", "r", "D")
+
+
+def test_a_twin_of_the_same_transfer_is_told_so_not_refused() -> None:
+    claims = ReadClaims()
+    assert claims.claim("owner:1", "r", "A")
+    assert claims.claim("owner:1", "r", "A") is False  # the twin waits for A's pull
+    assert claims.reading("owner:1", "r") == "A"
+
+
+def test_a_pull_that_keeps_its_share_frees_the_request_at_once() -> None:
+    claims = ReadClaims()
+    claims.claim("owner:1", "r", "A")
+    claims.release("owner:1", "r", "A", ended=False)  # FAILED or EXPIRED: a retry may read
+    assert claims.reading("owner:1", "r") is None
+    assert claims.claim("owner:1", "r", "B")
+
+
+def test_a_pull_that_ended_its_share_refuses_later_pulls_until_the_ttl() -> None:
+    clock = Clock()
+    claims = ReadClaims(ended_ttl_s=60.0, clock=clock)
+    claims.claim("owner:1", "r", "A")
+    claims.release("owner:1", "r", "A", ended=True)
+    with pytest.raises(LeaseRefused) as err:
+        claims.claim("owner:1", "r", "B")
+    assert "'A'" in err.value.message and "already ended its share" in err.value.message
+    assert err.value.fix
+    clock.t += 59.0
+    with pytest.raises(LeaseRefused):
+        claims.claim("owner:1", "r", "B")
+    clock.t += 2.0  # past the TTL: the owner refuses a second read itself from now on
+    assert claims.claim("owner:1", "r", "B")
+
+
+def test_only_the_claiming_pull_releases_its_claim() -> None:
+    claims = ReadClaims()
+    claims.claim("owner:1", "r", "A")
+    claims.release("owner:1", "r", "B", ended=True)  # not B's: nothing changes
+    assert claims.reading("owner:1", "r") == "A"
+    with pytest.raises(LeaseRefused) as err:
+        claims.claim("owner:1", "r", "C")
+    assert "being read by transfer 'A'" in err.value.message
+
+
+def test_ended_requests_expire_in_order_and_do_not_accumulate() -> None:
+    clock = Clock()
+    claims = ReadClaims(ended_ttl_s=10.0, clock=clock)
+    for i in range(1000):
+        claims.claim("owner:1", f"r{i}", f"t{i}")
+        claims.release("owner:1", f"r{i}", f"t{i}", ended=True)
+        clock.t += 0.1  # 100 s in all: all but the last ~100 have expired
+    assert claims.ended <= 101
