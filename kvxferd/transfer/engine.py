@@ -112,6 +112,7 @@ class TransferEngine:
         self._flight = InFlight(
             agent,
             mems=self._mems,
+            stale=self._stale,
             on_end=self._ended,
             min_poll_s=self._opts.min_poll_s,
             max_poll_s=self._opts.max_poll_s,
@@ -198,12 +199,21 @@ class TransferEngine:
             p = self._peers.get(peer)
             return None if p is None else (self._local_mem, p.mem)
 
+    def _stale(self, xfer: Transfer) -> str:
+        with self._lock:
+            if self._peers.get(xfer.peer) is not xfer._peer_state:
+                return f"peer {xfer.peer} was replaced (it handshaked again) before the READ"
+            if self._local is not xfer._local_table:
+                return "the local KV pool changed (an engine attached or detached) before the READ"
+        return ""
+
     def _ended(self, xfer: Transfer) -> None:
-        """A transfer ended (NIXL thread): free its share of the peer's budget."""
+        """A transfer ended (NIXL thread): free its share of the budget of the peer entry it
+        was admitted against (a replaced peer's new entry never carried it)."""
         with self._lock:
             self._transfers.pop(xfer.transfer_id, None)
-            p = self._peers.get(xfer.peer)
-            if p is not None:
+            p = xfer._peer_state
+            if isinstance(p, _Peer):
                 p.inflight_bytes -= xfer.nbytes
                 p.inflight -= 1
 
@@ -292,6 +302,8 @@ class TransferEngine:
             _local=local,
             _remote=remote,
             _notif=notif,
+            _peer_state=p,
+            _local_table=prep.table,
         )
         with self._lock:
             if transfer_id in self._transfers:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvxferd.blocks.ranges import TransferPlan
-from kvxferd.errors import DeadlineExceeded, KvxferdError, PeerUnavailable
+from kvxferd.errors import Cancelled, DeadlineExceeded, KvxferdError, PeerUnavailable
 from kvxferd.logs import kv
 from kvxferd.nixl import MemType, NixlAgent, XferHandle, XferOp, XferState
 from kvxferd.transfer.descriptors import Int64Array
@@ -47,6 +47,10 @@ class Transfer:
     _remote: Int64Array | None = field(default=None, repr=False)
     _notif: bytes = field(default=b"", repr=False)
     _handle: XferHandle | None = field(default=None, repr=False)
+    # What it was admitted against: the peer's entry and the local regions of its descriptors
+    # (TransferEngine); checked when it is posted, and its bytes are returned to that entry.
+    _peer_state: object = field(default=None, repr=False)
+    _local_table: object = field(default=None, repr=False)
     post_started_at: float = 0.0  # the data plane starts: the post call begins
     posted_at: float = 0.0  # the post call returned
 
@@ -61,6 +65,9 @@ class InFlight:
     """The NIXL thread's side of a :class:`~kvxferd.transfer.engine.TransferEngine`.
 
     ``mems(peer)``: (local, remote) memory types for a post, None once the peer is gone.
+    ``stale(transfer)``: why a transfer may no longer be posted (the peer it was built for was
+    replaced, or the local regions were swapped since), or ``""``; asked right before each
+    post, on the NIXL thread, which also runs every replacement and swap.
     ``on_end(transfer)``: called once per transfer as it ends, before its future resolves."""
 
     def __init__(
@@ -68,6 +75,7 @@ class InFlight:
         agent: NixlAgent,
         *,
         mems: Callable[[str], tuple[MemType, MemType] | None],
+        stale: Callable[[Transfer], str],
         on_end: Callable[[Transfer], None],
         min_poll_s: float,
         max_poll_s: float,
@@ -75,6 +83,7 @@ class InFlight:
     ) -> None:
         self._agent = agent
         self._mems = mems
+        self._stale = stale
         self._on_end = on_end
         self._min_poll_s = min_poll_s
         self._max_poll_s = max_poll_s
@@ -109,6 +118,10 @@ class InFlight:
             )
             return
         assert xfer._local is not None and xfer._remote is not None
+        why = self._stale(xfer)
+        if why:  # its descriptors point at memory that is no longer the peer's, or ours
+            self.finish(xfer, TransferStatus.CANCELLED, Cancelled(why, fix="retry the pull"))
+            return
         mems = self._mems(xfer.peer)
         xfer.post_started_at = now
         try:
