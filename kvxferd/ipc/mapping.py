@@ -256,7 +256,14 @@ class MappingCache:
                     # Mapped into *our* device's context (the copy runs there); a peer GPU
                     # is reached through peer access, which the open enables.
                     m = opened[r.handle] = self._opener(r.handle, self.device)
-                if m.size and r.offset + r.nbytes > m.size:
+                if not m.size:  # cuMemGetAddressRange failed: no bound to check against
+                    raise SpecError(
+                        f"the size of the CUDA allocation behind the peer's region {i} could"
+                        " not be read, so a copy from it could not be kept inside it",
+                        fix="pulls from this peer use NIXL (transfer.strategy = auto falls"
+                        " back); restart the peer if this persists",
+                    )
+                if r.offset + r.nbytes > m.size:
                     raise SpecError(
                         f"the peer's region {i} ([{r.offset}, {r.offset + r.nbytes})) runs past"
                         f" its CUDA allocation of {m.size} bytes",

@@ -48,7 +48,10 @@ def extent(offset: Int64Array, length: Int64Array) -> tuple[int, int]:
     if offset.shape[0] <= SMALL:
         xs = offset.tolist()
         return min(xs), max(map(operator.add, xs, length.tolist()))
-    return int(offset.min()), int((offset + length).max())
+    ends = offset + length
+    if bool((ends < offset).any()):  # past 2^63 (int64 wrapped), or a negative length
+        return int(offset.min()), max(int(o) + int(n) for o, n in zip(offset, length, strict=True))
+    return int(offset.min()), int(ends.max())
 
 
 class CopyKernel(IntEnum):
@@ -223,12 +226,13 @@ def check_ranges(dst: RegionsLike, src: RegionsLike, rc: RangeCopy) -> tuple[Reg
     if int(rc.length.min()) <= 0:
         raise BlockRangeError("copy_ranges: a piece is empty or negative", field="ranges")
     for name, off, size in (("dst", rc.dst_offset, d.size), ("src", rc.src_offset, s.size)):
-        end = off + rc.length
-        bad = np.flatnonzero((off < 0) | (end > size[r]))
+        # off > size - length, not off + length > size: the sum may wrap past 2^63.
+        bad = np.flatnonzero((off < 0) | (off > size[r] - rc.length))
         if bad.size:
             k = int(bad[0])
+            end = int(off[k]) + int(rc.length[k])
             raise BlockRangeError(
-                f"copy_ranges: piece {k} reads bytes [{int(off[k])}, {int(end[k])}) of {name}"
+                f"copy_ranges: piece {k} reads bytes [{int(off[k])}, {end}) of {name}"
                 f" region {int(r[k])}, which has {int(size[r[k]])} bytes ({bad.size} piece(s)"
                 " outside their region)",
                 field=f"ranges[{k}]",

@@ -237,13 +237,14 @@ def _check_bounds(
             fix="re-handshake: the peers' region lists differ",
         )
     size = table.length[region]
-    outside = np.flatnonzero((off < 0) | (off + ln > size))
+    # off > size - ln, not off + ln > size: the sum may wrap past 2^63.
+    outside = np.flatnonzero((off < 0) | (off > size - ln))
     if outside.size:
         k = int(outside[0])
         r = int(region[k])
         raise BlockRangeError(
             f"{side} ranges of region {r} leave the region (0..{int(table.length[r])} bytes):"
-            f" one covers bytes [{int(off[k])}, {int(off[k] + ln[k])})",
+            f" one covers bytes [{int(off[k])}, {int(off[k]) + int(ln[k])})",
             field=f"ranges[{r}]",
             fix="check block IDs against the registered block counts",
         )

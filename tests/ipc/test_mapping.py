@@ -9,7 +9,7 @@ import torch
 from kvxferd.errors import PeerUnavailable, SpecError
 from kvxferd.ipc.mapping import MappingCache
 from kvxferd.ipc.publish import IpcPool, IpcRegion
-from tests.ipc.fakes import UUID, FakeHost, handle, ordinal_of
+from tests.ipc.fakes import UUID, FakeHost, FakeMapped, handle, ordinal_of
 
 
 class Clock:
@@ -150,3 +150,24 @@ def test_a_gpu_not_visible_here_is_refused() -> None:
     with pytest.raises(SpecError, match="not visible"):
         _cache(host).get(("owner", "i1", 1), other)
     assert host.opened == []
+
+
+def test_an_allocation_whose_size_could_not_be_read_is_refused() -> None:
+    """An open whose size cuMemGetAddressRange could not tell (IpcMapping.size 0) leaves no
+    bound to check a region against: refused, and what was opened is closed."""
+
+    class Sizeless(FakeHost):
+        def open(self, h: bytes, device: int) -> FakeMapped:
+            m = super().open(h, device)
+            return Sizeless.Mapped(m.host, m.name, m.buf)
+
+        class Mapped(FakeMapped):
+            @property
+            def size(self) -> int:
+                return 0
+
+    host = Sizeless()
+    ipc = _export(host, "sizeless", [4096])
+    with pytest.raises(SpecError, match="could not be read"):
+        _cache(host).get(("owner", "i1", 1), ipc)
+    assert host.open_now == 0

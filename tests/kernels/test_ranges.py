@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvxferd.blocks.ranges import RegionRanges, TransferPlan
 from kvxferd.errors import BlockRangeError, InvalidRequest
 from kvxferd.kernels import GroupCopy, RangeCopy, Regions, copy_groups, copy_ranges, twin
 from kvxferd.kernels.ranges import (
@@ -21,6 +22,7 @@ from kvxferd.kernels.ranges import (
     group_table,
     lo_hi,
 )
+from kvxferd.transfer.descriptors import RegionTable, build_descriptors
 
 SIZES = [4096, 1000, 2048]
 
@@ -253,3 +255,29 @@ def test_a_copy_for_the_kernel_refuses_a_group_table_it_could_not_hand_over(bad:
     CheckedCopy(d, s, None, (g,), (table,), True)  # as check_copy makes it
     with pytest.raises(InvalidRequest, match="contiguous 1-D int64 CPU tensor"):
         CheckedCopy(d, s, None, (g,), (bad(table),), True)  # type: ignore[operator]
+
+
+WRAPS = (1 << 63) - 100  # a start whose end, offset + length, wraps past int64
+
+
+@pytest.mark.parametrize("runs", [1, SMALL + 1])  # Python ints, then NumPy's int64
+def test_a_range_whose_end_wraps_past_int64_is_refused_by_every_check(runs: int) -> None:
+    """The bounds checks compare offset > size - length: a start near 2^63 whose end wraps
+    negative in int64 would pass offset + length > size."""
+    d, s = _regions(1), _regions(2)
+    with pytest.raises(BlockRangeError):
+        check_ranges(d, s, RangeCopy(_a([0]), _a([0]), _a([WRAPS]), _a([64])))
+    src = _a([0] * (runs - 1) + [WRAPS])
+    group = GroupCopy(_a([0]), _a(np.arange(runs) * 8), src, _a([8] * runs))
+    with pytest.raises(BlockRangeError):
+        check_groups(d, s, [group])
+    assert extent(src, _a([8] * runs))[1] == WRAPS + 8  # exact, as Python ints
+    local = RegionTable.from_array([[0x10000, 1 << 16, 0]])
+    remote = RegionTable.from_array([[0x7000000, 1 << 16, 0]])
+    plan = TransferPlan((RegionRanges(0, "r", _a([0]), _a([WRAPS]), _a([4096])),))
+    with pytest.raises(BlockRangeError):
+        build_descriptors(plan, local, remote)
+
+
+def _a(values: object) -> np.ndarray:
+    return np.asarray(values, dtype=np.int64)
