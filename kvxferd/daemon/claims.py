@@ -20,10 +20,11 @@ the request at once, so the scheduler can retry the same lease from this daemon.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 
-from kvxferd.errors import LeaseRefused
+from kvxferd.errors import DeadlineExceeded, LeaseRefused
 
 # How long a request whose share this daemon ended stays refused here. Past it, a confirmation
 # reaches the owner long after the READ_DONE or the release it could have overtaken, and the
@@ -89,6 +90,25 @@ class ReadClaims:
             self._expire()
             self._ended.pop(key, None)  # re-inserted last: the dict stays in expiry order
             self._ended[key] = (self._clock() + self._ttl, transfer_id)
+
+    async def twin(
+        self,
+        address: str,
+        request_id: str,
+        transfer_id: str,
+        started: Callable[[], object],
+        deadline: float,
+    ) -> None:
+        """Wait while a twin StartPull of ``transfer_id`` holds the claim and its pull has not
+        ``started`` (returns a truthy value once it exists); past ``deadline`` (monotonic),
+        :class:`DeadlineExceeded`."""
+        while self._reading.get((address, request_id)) == transfer_id and not started():
+            if self._clock() > deadline:
+                raise DeadlineExceeded(
+                    f"transfer {transfer_id!r} did not start within the pull's deadline",
+                    fix="raise deadline_ms",
+                )
+            await asyncio.sleep(1e-3)
 
     def reading(self, address: str, request_id: str) -> str | None:
         return self._reading.get((address, request_id))

@@ -302,6 +302,13 @@ class PeerDirectory:
             link.last_error = str(err)
             log.warning("handshake refused", extra=kv(peer=link.address, error=str(err)))
             raise
+        except asyncio.CancelledError:  # no longer in progress: the next pull handshakes anew
+            link.state = LinkState.UNREACHABLE
+            link.last_error = (
+                "the handshake did not finish: the pull that started it gave up (its deadline,"
+                " or its caller) before the peer answered"
+            )
+            raise
         channel = await self._use_local(link, remote)
         if self._probe is not None:
             link.transport = await self._probe(link, remote)

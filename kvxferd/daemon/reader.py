@@ -13,6 +13,7 @@ on the agent's thread.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 
@@ -32,6 +33,7 @@ from kvxferd.errors import (
     Cancelled,
     DeadlineExceeded,
     KvxferdError,
+    LeaseRefused,
     PeerUnavailable,
     ResourceExhausted,
 )
@@ -124,9 +126,17 @@ class Reader:
         stages.mark("handshake")
         remote = link.remote
         assert remote is not None
-        # One pull of this daemon reads an owner's request at a time (kvxferd/daemon/claims.py).
-        if not self.claims.claim(link.address, req.request_id, req.transfer_id):
-            return await self._twin(req, link.address, deadline)
+        # One pull of this daemon reads an owner's request at a time (kvxferd/daemon/claims.py);
+        # a refused request that is also malformed is refused as malformed (planning raises).
+        try:
+            claimed = self.claims.claim(link.address, req.request_id, req.transfer_id)
+        except LeaseRefused:
+            self._mover.plan(req, remote)
+            raise
+        if not claimed:  # a twin StartPull (same transfer ID) is starting: answer with its pull
+            started = functools.partial(self.pulls.find, req.transfer_id)
+            await self.claims.twin(link.address, req.request_id, req.transfer_id, started, deadline)
+            return await self.start_pull(req)
         # The confirmation is sent before we plan and build; the owner answers meanwhile. The
         # READ is posted only once it succeeded (_run_pull): freed blocks are never read.
         confirming = start_now(self.shares.confirm(link, req.request_id, req.remote_ids, deadline))
@@ -182,20 +192,6 @@ class Reader:
             now=True,
         )
         return rec, True
-
-    async def _twin(self, req: PullRequest, addr: str, deadline: float) -> tuple[PullRecord, bool]:
-        """A StartPull of a transfer whose twin (same ID) is starting: the twin's pull, once
-        it exists (or this one, if the twin gave up before it did)."""
-        while self.claims.reading(addr, req.request_id) == req.transfer_id:
-            if self.pulls.find(req.transfer_id) is not None:
-                break
-            if time.monotonic() > deadline:
-                raise DeadlineExceeded(
-                    f"transfer {req.transfer_id!r} did not start within the pull's deadline",
-                    fix="raise deadline_ms",
-                )
-            await asyncio.sleep(1e-3)
-        return await self.start_pull(req)
 
     def _abandon(self, confirming: asyncio.Future[Share], link: PeerLink, req: PullRequest) -> None:
         """A pull that will not run: stop its confirmation, and give back the share if the

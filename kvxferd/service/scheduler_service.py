@@ -22,7 +22,7 @@ from kvxferd.v1 import (
     scheduler_pb2_grpc,
 )
 from kvxferd.wire.codec import group_ids_from_proto, group_ids_to_proto
-from kvxferd.wire.errors import message_for, status_for, trailer_for
+from kvxferd.wire.errors import kind_of, message_for, status_for, trailer_for
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +75,9 @@ def fill_status(msg: scheduler_pb2.TransferStatus, rec: PullRecord) -> None:
     msg.finished_unix_ns = rec.finished_ns
     msg.deadline_unix_ns = rec.deadline_ns
     msg.revision = rec.revision
-    if rec.error is not None:
-        msg.error.message = str(rec.error)
+    if rec.error is not None:  # common.proto's ErrorDetail: the class, and each part alone
+        msg.error.kind = kind_of(rec.error)
+        msg.error.message = rec.error.message
         msg.error.field = rec.error.field
         msg.error.fix = rec.error.fix
     if rec.stage_times is not None:

@@ -121,9 +121,14 @@ def _short(text: str) -> str:
     return text if len(text) <= _TEXT_LIMIT else text[: _TEXT_LIMIT - 3] + "..."
 
 
+def kind_of(err: e.KvxferdError) -> common_pb2.ErrorKind.ValueType:
+    """``err``'s ErrorKind (UNSPECIFIED only for a class the proto does not know)."""
+    return _KIND_OF.get(type(err), common_pb2.ERROR_KIND_UNSPECIFIED)  # type: ignore[return-value]
+
+
 def detail_for(err: e.KvxferdError) -> common_pb2.ErrorDetail:
     detail = common_pb2.ErrorDetail(
-        kind=_KIND_OF.get(type(err), common_pb2.ERROR_KIND_UNSPECIFIED),  # type: ignore[arg-type]
+        kind=kind_of(err),
         message=_short(err.message),
         field=_short(err.field),
         fix=_short(err.fix),

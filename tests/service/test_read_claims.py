@@ -3,10 +3,12 @@ and none after one ended its share (for a while), as the module's docstring says
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from kvxferd.daemon.claims import ReadClaims
-from kvxferd.errors import LeaseRefused
+from kvxferd.errors import DeadlineExceeded, LeaseRefused
 
 
 class Clock:
@@ -78,3 +80,32 @@ def test_ended_requests_expire_in_order_and_do_not_accumulate() -> None:
         claims.release("owner:1", f"r{i}", f"t{i}", ended=True)
         clock.t += 0.1  # 100 s in all: all but the last ~100 have expired
     assert claims.ended <= 101
+
+
+def test_a_twin_waits_for_its_pull_to_start_or_for_the_claim_to_go() -> None:
+    clock = Clock()
+    claims = ReadClaims(clock=clock)
+    claims.claim("owner:1", "r", "A")
+    started: list[bool] = []
+
+    async def go() -> None:
+        waiting = asyncio.ensure_future(
+            claims.twin("owner:1", "r", "A", lambda: bool(started), deadline=clock.t + 5)
+        )
+        await asyncio.sleep(0.01)
+        assert not waiting.done()
+        started.append(True)  # the twin's pull exists now
+        await asyncio.wait_for(waiting, 1)
+        # Or its claim goes (the twin gave up before its pull existed).
+        started.clear()
+        waiting = asyncio.ensure_future(
+            claims.twin("owner:1", "r", "A", lambda: False, clock.t + 5)
+        )
+        await asyncio.sleep(0.01)
+        claims.release("owner:1", "r", "A", ended=False)
+        await asyncio.wait_for(waiting, 1)
+        claims.claim("owner:1", "r", "A")
+        with pytest.raises(DeadlineExceeded):  # and never past the pull's deadline
+            await claims.twin("owner:1", "r", "A", lambda: False, deadline=clock.t - 1)
+
+    asyncio.run(go())

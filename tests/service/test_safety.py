@@ -342,3 +342,34 @@ def test_two_pulls_of_one_request_never_read_under_one_share(daemons: Daemons) -
         rel.close()
 
     run(go())
+
+
+def test_twin_start_pulls_of_one_transfer_confirm_once_and_answer_with_one_pull(
+    daemons: Daemons,
+) -> None:
+    """Identical StartPulls (same transfer ID) arriving together: one pull runs and every call
+    answers with it (scheduler.proto: an identical retry returns the existing transfer); its
+    bytes are the held ones, and the owner releases the blocks once, as read (a twin that gave
+    back the share would have ended it under the running pull)."""
+
+    async def go() -> None:
+        c = client(daemons)
+        held = await hold(c, "twin-1", [1, 2, 3], ttl_ms=30_000)
+        rel = Releases(c, ["twin-1"])
+        req = scheduler_pb2.StartPullRequest(
+            transfer_id="twin-t",
+            request_id=held.request_id,  # type: ignore[attr-defined]
+            peer_address=held.peer_address,  # type: ignore[attr-defined]
+            remote_block_ids=held.remote_block_ids,  # type: ignore[attr-defined]
+            local_block_ids=group_ids_to_proto([[40, 41, 42]]),
+        )
+        answers = await asyncio.gather(*(c.decode.StartPull(req) for _ in range(4)))
+        assert {a.status.transfer_id for a in answers} == {"twin-t"}
+        assert sum(a.created for a in answers) == 1
+        done = await c.wait("twin-t")
+        assert done.state == scheduler_pb2.TRANSFER_STATE_DONE, done.error.message
+        assert await c.digests(c.decode, [40, 41, 42]) == await c.digests(c.prefill, [1, 2, 3])
+        assert (await rel.wait("twin-1", 5)).reason == 1  # released once read: DONE
+        rel.close()
+
+    run(go())

@@ -146,3 +146,39 @@ def test_dead_addresses_do_not_grow_the_peer_directory(tmp_path: Path) -> None:
         run(go())
     finally:
         ds.stop()
+
+
+def test_a_handshake_a_pull_gave_up_on_is_not_listed_in_progress(tmp_path: Path) -> None:
+    """A peer that accepts TCP and never answers: the pull's deadline (0.5 s) ends the pull
+    DEADLINE_EXCEEDED during the handshake (whose own timeout is 5 s). Past it no handshake is
+    in progress, so ListPeers must not say CONNECTING ("Handshake in progress") but
+    UNREACHABLE, with why."""
+    ds = launch(tmp_path, DaemonOptions("decode", SPEC))
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(4)  # accepts, never answers
+    address = f"127.0.0.1:{silent.getsockname()[1]}"
+    try:
+
+        async def go() -> None:
+            sched = scheduler_pb2_grpc.SchedulerStub(aio.insecure_channel(ds["decode"].grpc))
+            with pytest.raises(aio.AioRpcError) as ei:
+                await sched.StartPull(
+                    scheduler_pb2.StartPullRequest(
+                        request_id="silent",
+                        peer_address=address,
+                        remote_block_ids=group_ids_to_proto([[1]]),
+                        local_block_ids=group_ids_to_proto([[1]]),
+                        deadline_ms=500,
+                    )
+                )
+            assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, ei.value.details()
+            peers = await sched.ListPeers(scheduler_pb2.ListPeersRequest())
+            (peer,) = [p for p in peers.peers if p.address == address]
+            assert peer.handshake_state == scheduler_pb2.HANDSHAKE_STATE_UNREACHABLE
+            assert "gave up" in peer.last_error.message
+
+        run(go())
+    finally:
+        silent.close()
+        ds.stop()

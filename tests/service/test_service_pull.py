@@ -12,7 +12,7 @@ import grpc
 import pytest
 from grpc import aio
 
-from kvxferd.v1 import engine_pb2, engine_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from kvxferd.v1 import common_pb2, engine_pb2, engine_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from kvxferd.wire.codec import group_ids_to_proto
 from tests.service.conftest import Daemon
 
@@ -129,7 +129,11 @@ def test_pull_of_a_request_not_held_fails_without_reading(pair: tuple[Daemon, Da
         st = await c.pull(fake, [63])
         done = await c.wait(st.transfer_id)
         assert done.state == scheduler_pb2.TRANSFER_STATE_FAILED
-        assert "not held" in done.error.message
+        # common.proto's ErrorDetail: the error's class, and message, field and fix each alone.
+        err = done.error
+        assert err.kind == common_pb2.ERROR_KIND_NOT_FOUND, err
+        assert "not held" in err.message and err.fix and err.fix not in err.message
+        assert err.field == "request_id" and not err.message.startswith("request_id:")
         assert await c.digests(c.decode, [63]) == before
 
     run(go())
