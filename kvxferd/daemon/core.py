@@ -196,6 +196,8 @@ class Daemon:
             raise InvalidRequest(
                 f"group {group} does not exist; the spec has {len(spec.groups)}",
                 field="group_index",
+                fix=f"pass a group_index below {len(spec.groups)} (the KV cache groups of"
+                " Describe's spec)",
             )
         g = spec.groups[group]
         if kernel or g.kind.is_state:

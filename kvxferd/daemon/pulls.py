@@ -250,7 +250,11 @@ class PullRequest:
         """Refuse a request a caller can fix: empty or malformed IDs and address, a deadline
         outside ``(0, max_deadline_s]``."""
         if not self.request_id:
-            raise InvalidRequest("request_id is empty", field="request_id")
+            raise InvalidRequest(
+                "request_id is empty",
+                field="request_id",
+                fix="pass the request ID the prefill engine held (HoldResponse.request_id)",
+            )
         notify.check_request_id(self.request_id)
         if not self.peer_address:
             raise InvalidRequest(

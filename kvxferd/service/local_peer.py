@@ -59,6 +59,10 @@ log = logging.getLogger(__name__)
 SERVICE = "kvxferd.v1.Peer"
 SCHEDULER = "kvxferd.v1.Scheduler"
 MAX_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
+FRAME_FIX = (
+    "frame calls as kvxferd/wire/local.py describes, as kvxferd.wire.scheduler_socket and"
+    " kvxferd.client do"
+)
 
 
 def socket_path(setting: str, instance_id: str) -> str:
@@ -304,7 +308,8 @@ class LocalPeerServer:
             method, meta, timeout_s, raw = parse_request(body)
         except FrameError as exc:
             code = grpc.StatusCode.INVALID_ARGUMENT
-            return "unknown", code, answer_frame(call_id, code, f"malformed request: {exc}")
+            text = f"malformed request: {exc} (fix: {FRAME_FIX})"
+            return "unknown", code, answer_frame(call_id, code, text)
         types = self._methods.get(method)
         if types is None:
             code = grpc.StatusCode.UNIMPLEMENTED
@@ -323,7 +328,10 @@ class LocalPeerServer:
             request.ParseFromString(raw)
         except Exception:  # protobuf's DecodeError
             code = grpc.StatusCode.INVALID_ARGUMENT
-            text = f"the {method} request does not decode as {types[0].__name__}"
+            text = (
+                f"the {method} request does not decode as {types[0].__name__}"
+                f" (fix: send that message, serialized; {FRAME_FIX})"
+            )
             return method, code, answer_frame(call_id, code, text)
         ctx = LocalContext(meta, f"unix:{self.path}", time.monotonic() + timeout_s)
         try:

@@ -90,9 +90,14 @@ class LeaseTable:
         with self._lock:
             return sum(lease.reading for lease in self._leases.values())
 
-    def _ttl(self, ttl_s: float, what: str = "lease TTL", key: str = "ttl_s") -> float:
+    def _ttl(self, ttl_s: float, what: str = "lease TTL", key: str = "ttl_ms") -> float:
         if not 0 < ttl_s <= self.max_ttl_s:
-            raise InvalidRequest(f"{what} {ttl_s}s is outside (0, {self.max_ttl_s}]", field=key)
+            most = int(self.max_ttl_s * 1000)
+            raise InvalidRequest(
+                f"{what} of {round(ttl_s * 1000)} ms is outside (0, {most}] ms",
+                field=key,
+                fix=f"ask for at most {most} ms (this owner's longest lease)",
+            )
         return ttl_s
 
     # -- owner ------------------------------------------------------------------------------
@@ -115,7 +120,10 @@ class LeaseTable:
         with self._lock:
             if request_id in self._leases:
                 raise AlreadyExists(
-                    f"request {request_id!r} already holds a lease", field="request_id"
+                    f"request {request_id!r} already holds a lease",
+                    field="request_id",
+                    fix="hold a request ID once: it stays held until its readers are done or its"
+                    " TTL passes (WatchReleases says when); give a new request its own ID",
                 )
             lease = Lease(request_id, blocks, readers, self._clock() + ttl, ttl)
             self._leases[request_id] = lease

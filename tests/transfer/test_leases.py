@@ -240,3 +240,17 @@ def test_blocks_are_never_released_while_a_share_is_reading(
         except (LeaseRefused, NotFound, PermissionDenied):
             pass
     assert len(seen) <= 1
+
+
+def test_hold_refusals_name_the_wire_field_and_say_how_to_fix_them(
+    table: tuple[LeaseTable, list[Released]],
+) -> None:
+    t, _ = table
+    with pytest.raises(InvalidRequest) as err:
+        t.hold("r", [np.array([1])], readers=1, ttl_s=4294967.295)  # HoldRequest.ttl_ms
+    assert err.value.field == "ttl_ms" and "4294967295 ms" in err.value.message
+    assert str(int(t.max_ttl_s * 1000)) in err.value.fix
+    t.hold("r", [np.array([1])], readers=1, ttl_s=5)
+    with pytest.raises(AlreadyExists) as dup:
+        t.hold("r", [np.array([1])], readers=1, ttl_s=5)
+    assert dup.value.field == "request_id" and "new request its own ID" in dup.value.fix
