@@ -155,3 +155,9 @@ class SlowTransport(KvxferdError):
     """A VRAM-to-VRAM pull would run over a transport at TCP speed (UCX active messages), and
     ``transfer.allow_slow_transport`` is off: refused with the transport, its measured rate and
     the fix, rather than moving GPU memory 3,000 times slower than the link (docs/nixl.md §7)."""
+
+
+class StateConflict(KvxferdError):
+    """The call is well formed but the daemon's state does not allow it now: an engine session
+    for an attachment that is not the current one, a Detach while requests are still held.
+    Answered FAILED_PRECONDITION (engine.proto): change the state first, then call again."""

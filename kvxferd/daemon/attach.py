@@ -54,9 +54,9 @@ from kvxferd.daemon.slot import Served
 from kvxferd.errors import (
     AlreadyExists,
     EngineDetached,
-    InvalidRequest,
     KvxferdError,
     LeaseRefused,
+    StateConflict,
 )
 from kvxferd.layout.spec import MemoryType
 from kvxferd.logs import kv
@@ -191,7 +191,7 @@ class Attacher:
     def open_session(self, attachment_id: str) -> Attachment:
         att = self.attachment
         if att is None or att.attachment_id != attachment_id:
-            raise InvalidRequest(
+            raise StateConflict(
                 f"attachment {attachment_id!r} is not the current one"
                 f" ({att.attachment_id if att else 'none attached'})",
                 field="attachment_id",
@@ -239,14 +239,14 @@ class Attacher:
                     "nothing is attached to detach", fix="Attach first (Describe shows the state)"
                 )
             if attachment_id and attachment_id != att.attachment_id:
-                raise InvalidRequest(
+                raise StateConflict(
                     f"attachment {attachment_id!r} is not the current one ({att.attachment_id})",
                     field="attachment_id",
                     fix="detach the attachment you made, or leave attachment_id empty",
                 )
             held = self.d.owner.held_request_ids()
             if held and not force:
-                raise InvalidRequest(
+                raise StateConflict(
                     f"{len(held)} requests are held (e.g. {held[:3]}); detaching would free"
                     " blocks readers may still be reading",
                     field="force",

@@ -12,7 +12,7 @@ import grpc
 from kvxferd.daemon.attach import Attacher
 from kvxferd.daemon.core import Daemon
 from kvxferd.daemon.owner import Release
-from kvxferd.errors import InvalidRequest, KvxferdError
+from kvxferd.errors import InvalidRequest, KvxferdError, StateConflict
 from kvxferd.logs import kv
 from kvxferd.service.attaching import attach_request_from_proto, pool_info
 from kvxferd.service.rpc import Ctx, rpc
@@ -147,7 +147,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 )
                 return engine_pb2.DetachResponse(released_requests=n)
             if not request.force:
-                raise InvalidRequest(
+                raise StateConflict(
                     "this daemon owns its pool; Detach only releases held requests with force",
                     field="force",
                     fix="set force = true to cancel every held request",

@@ -101,6 +101,10 @@ class _ErrorKindEnumTypeWrapper(google.protobuf.internal.enum_type_wrapper._Enum
     """UnknownSession (a kind of Unauthenticated): the peer session is unknown; handshake again."""
     ERROR_KIND_SLOW_TRANSPORT: _ErrorKind.ValueType  # 18
     """SlowTransport: a VRAM link would run at TCP speed and transfer.allow_slow_transport is off."""
+    ERROR_KIND_STATE_CONFLICT: _ErrorKind.ValueType  # 19
+    """StateConflict: the daemon's state does not allow the call now (a stale attachment ID; a
+    Detach while requests are held).
+    """
 
 class ErrorKind(_ErrorKind, metaclass=_ErrorKindEnumTypeWrapper):
     """The kind of a kvxferd error: one value per class in kvxferd/errors.py (most specific class)."""
@@ -145,6 +149,10 @@ ERROR_KIND_UNKNOWN_SESSION: ErrorKind.ValueType  # 17
 """UnknownSession (a kind of Unauthenticated): the peer session is unknown; handshake again."""
 ERROR_KIND_SLOW_TRANSPORT: ErrorKind.ValueType  # 18
 """SlowTransport: a VRAM link would run at TCP speed and transfer.allow_slow_transport is off."""
+ERROR_KIND_STATE_CONFLICT: ErrorKind.ValueType  # 19
+"""StateConflict: the daemon's state does not allow the call now (a stale attachment ID; a
+Detach while requests are held).
+"""
 Global___ErrorKind: typing_extensions.TypeAlias = ErrorKind
 
 @typing.final

@@ -28,6 +28,7 @@ STATUS_TABLE: tuple[tuple[type[e.KvxferdError], grpc.StatusCode], ...] = (
     (e.ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
     (e.IncompatiblePeer, grpc.StatusCode.FAILED_PRECONDITION),
     (e.SlowTransport, grpc.StatusCode.FAILED_PRECONDITION),
+    (e.StateConflict, grpc.StatusCode.FAILED_PRECONDITION),
     (e.LeaseRefused, grpc.StatusCode.FAILED_PRECONDITION),
     (e.PeerUnavailable, grpc.StatusCode.UNAVAILABLE),
     (e.TransportError, grpc.StatusCode.UNAVAILABLE),

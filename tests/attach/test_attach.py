@@ -25,6 +25,7 @@ from kvxferd.v1 import (
     scheduler_pb2_grpc,
 )
 from kvxferd.wire.codec import group_ids_to_proto
+from kvxferd.wire.errors import detail_from_rpc
 from tests.lineproc import LineProcess
 from tests.service.conftest import Daemon, launch
 
@@ -284,3 +285,32 @@ def test_both_engines_reattached_with_a_new_layout_are_pulled_from(tmp_path: Pat
                 reader.kill()
     finally:
         ds.stop()
+
+
+def test_calls_the_pools_state_does_not_allow_are_failed_precondition(
+    pair: tuple[Daemon, Daemon],
+) -> None:
+    """engine.proto: a Session for a stale or unknown attachment ID, and a Detach without
+    force while requests are held (or of an owned pool), fail with FAILED_PRECONDITION: well
+    formed calls, refused for the state they meet, each saying what to change."""
+    att, owned = pair
+
+    def refused(call: Any) -> common_pb2.ErrorDetail:
+        with pytest.raises(grpc.RpcError) as err:
+            call()
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, err.value.details()
+        detail = detail_from_rpc(err.value)
+        assert detail is not None and detail.kind == common_pb2.ERROR_KIND_STATE_CONFLICT
+        assert detail.fix
+        return detail
+
+    stub = _engine_stub(att)
+    refused(lambda: list(stub.Session(engine_pb2.SessionRequest(attachment_id="no-such"))))
+    refused(lambda: _engine_stub(owned).Detach(engine_pb2.DetachRequest()))
+    eng = Engine(att.engine_socket, "--request", "held-at-detach")
+    try:
+        eng.line()  # attached, and the request held
+        assert refused(lambda: stub.Detach(engine_pb2.DetachRequest())).field == "force"
+        assert stub.Describe(engine_pb2.DescribeRequest()).pool.state  # still attached
+    finally:
+        eng.detach()
