@@ -165,6 +165,11 @@ def detail_from_rpc(exc: grpc.RpcError) -> common_pb2.ErrorDetail | None:
     return None
 
 
+def class_of_detail(detail: common_pb2.ErrorDetail) -> type[e.KvxferdError] | None:
+    """The kvxferd error class an ErrorDetail names (None for UNSPECIFIED or an unknown kind)."""
+    return _CLASS_OF.get(detail.kind)
+
+
 def error_from_rpc(exc: grpc.RpcError, what: str, address: str) -> e.KvxferdError:
     """The kvxferd error behind a failed call to ``address`` (doing ``what``)."""
     call: Any = exc

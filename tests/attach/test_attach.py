@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from kvxferd.engine import EngineClient, shared_tensors
-from kvxferd.errors import AlreadyExists, InvalidRequest
+from kvxferd.errors import AlreadyExists, InvalidRequest, StateConflict
 from kvxferd.layout.presets import preset
 from kvxferd.scenario.daemons import DaemonOptions
 from kvxferd.v1 import (
@@ -314,3 +314,17 @@ def test_calls_the_pools_state_does_not_allow_are_failed_precondition(
         assert stub.Describe(engine_pb2.DescribeRequest()).pool.state  # still attached
     finally:
         eng.detach()
+
+
+def test_the_engine_client_raises_the_class_the_daemon_sent(pair: tuple[Daemon, Daemon]) -> None:
+    """kvxferd.engine: a refusal comes back as the daemon's own error class (its trailer),
+    with its field and fix, not a class guessed from the status code (FAILED_PRECONDITION
+    alone would read as LeaseRefused)."""
+    att, _ = pair
+    with EngineClient(att.engine_socket) as client:
+        attachment = client.attach(PRESET)
+        attachment.hold("held-for-client", [[1, 2]])
+        with pytest.raises(StateConflict) as err:
+            attachment.detach(force=False)
+        assert err.value.field == "force" and err.value.fix
+        assert attachment.detach() == 1  # with force: the held request released
