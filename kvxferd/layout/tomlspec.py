@@ -72,9 +72,13 @@ def spec_from_dict(data: Mapping[str, Any], *, source: str = "spec") -> KVCacheS
                 str(exc), field=where, fix="see docs/spec.md for allowed values"
             ) from exc
         shape_raw = _req(r, "shape", where)
-        if not isinstance(shape_raw, list) or not all(isinstance(d, int) for d in shape_raw):
-            raise SpecError("shape must be a list of integers", field=f"{where}.shape")
-        repeat = int(r.get("repeat", 1))
+        if not isinstance(shape_raw, list) or not all(_is_int(d) for d in shape_raw):
+            raise SpecError(
+                f"shape must be a list of integers, got {shape_raw!r}",
+                field=f"{where}.shape",
+                fix="write the region tensor's shape, e.g. shape = [600, 2, 16, 8, 128]",
+            )
+        repeat = _int(r, "repeat", where) if "repeat" in r else 1
         base_name = str(_req(r, "name", where))
         if repeat > 1 and "{i}" not in base_name:
             raise SpecError(
@@ -91,7 +95,7 @@ def spec_from_dict(data: Mapping[str, Any], *, source: str = "spec") -> KVCacheS
                     layout=layout,
                     shape=tuple(shape_raw),
                     memory=memory,
-                    block_stride=int(r.get("block_stride", 0)),
+                    block_stride=_int(r, "block_stride", where) if "block_stride" in r else 0,
                 )
             )
     return KVCacheSpec(str(data.get("model", "")), tuple(groups), tuple(regions))
@@ -140,8 +144,16 @@ def _req(t: Mapping[str, Any], key: str, where: str) -> Any:
     return t[key]
 
 
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def _int(t: Mapping[str, Any], key: str, where: str) -> int:
     v = _req(t, key, where)
-    if not isinstance(v, int) or isinstance(v, bool):
-        raise SpecError(f"{key} must be an integer, got {v!r}", field=f"{where}.{key}")
-    return v
+    if not _is_int(v):
+        raise SpecError(
+            f"{key} must be an integer, got {v!r}",
+            field=f"{where}.{key}",
+            fix=f"write {key} as a whole number without quotes (docs/spec.md)",
+        )
+    return int(v)

@@ -260,3 +260,26 @@ def test_fill_pattern_makes_every_block_distinct() -> None:
     other = KVPool.allocate(preset("dense:num_blocks=600,num_layers=2"))
     other.fill_pattern(0, range(600), seed=4)
     assert set(other.checksums(0, list(range(600)))).isdisjoint(digests)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("repeat", "thirty-two"),
+        ("repeat", 2.9),  # was truncated to 2
+        ("block_stride", 1024.9),  # was truncated to 1024
+        ("block_stride", True),
+        ("shape", [4, 2, 16, True, 8]),  # a boolean is not a dimension
+    ],
+)
+def test_toml_numbers_are_whole_numbers_or_refused_naming_the_key(key: str, value: object) -> None:
+    region = {"name": "r{i}", "group": "g", "dtype": "bf16", "layout": "NHD"}
+    region |= {"shape": [4, 2, 16, 1, 8], key: value}
+    data = {
+        "model": "m",
+        "groups": [{"name": "g", "kind": "full_attention", "logical_block_size": 16}],
+        "regions": [region],
+    }
+    with pytest.raises(SpecError) as err:
+        spec_from_dict(data)
+    assert err.value.field == f"regions[0].{key}" and err.value.fix
