@@ -65,6 +65,7 @@ class KVPool:
             expected.model,
             expected.groups,
             {r.name: (r.group, tensors[r.name]) for r in expected.regions if r.name in tensors},
+            prefer={r.name: r.layout for r in expected.regions},
         )
         exp_regions = {r.name: r for r in expected.regions}
         problems = []

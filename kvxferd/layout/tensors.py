@@ -41,13 +41,21 @@ def stride_order(shape: Sequence[int], strides: Sequence[int]) -> tuple[int, ...
 
 
 def infer_layout(
-    name: str, kind: GroupKind, shape: Sequence[int], strides: Sequence[int], itemsize: int
+    name: str,
+    kind: GroupKind,
+    shape: Sequence[int],
+    strides: Sequence[int],
+    itemsize: int,
+    *,
+    prefer: Layout | None = None,
 ) -> TensorLayout:
     """Infer and verify the layout of a tensor of ``shape``/``strides`` (in elements).
 
     A layout fits when, in its stride order, every dim inside a block is dense (so one block
     is one contiguous span) and the block dim is outermost with a stride of at least one
-    block. Size-1 dims carry no stride information and are skipped.
+    block. Size-1 dims carry no stride information and are skipped, so with one head (or one
+    token) per block NHD and HND both fit, their bytes the same: ``prefer`` (the layout a spec
+    declares) is taken when it fits, else the first that does.
     """
     where = f"tensor {name!r} (shape {list(shape)}, strides {list(strides)})"
     fitting = [
@@ -75,7 +83,7 @@ def infer_layout(
             " heads, head_size) in NHD or HND order, (layers, num_blocks, ...) cross-layer,"
             " (num_blocks, ...) for MLA and state",
         )
-    layout = fitting[0]
+    layout = prefer if prefer in fitting else fitting[0]
     bdim = layout.block_dim
     if layout.has_kv_halves and shape[bdim + 1] != 2:
         hint = " (dim 0 is 2: this looks like a K/V-first layout)" if shape[0] == 2 else ""
@@ -110,8 +118,11 @@ def spec_from_tensors(
     model: str,
     groups: Sequence[KVGroup],
     tensors: Mapping[str, tuple[int, torch.Tensor]],
+    prefer: Mapping[str, Layout] | None = None,
 ) -> KVCacheSpec:
-    """Spec of ``tensors``: ``{region name: (group index, tensor)}`` in registration order."""
+    """Spec of ``tensors``: ``{region name: (group index, tensor)}`` in registration order;
+    ``prefer``: per region, the layout to read where the tensor's strides allow more than one
+    (:func:`infer_layout`)."""
     regions: list[Region] = []
     for name, (gi, t) in tensors.items():
         if not 0 <= gi < len(groups):
@@ -123,7 +134,8 @@ def spec_from_tensors(
             dtype = KVDType.from_torch_name(str(t.dtype))
         except ValueError as exc:
             raise SpecError(str(exc), field=name) from exc
-        tl = infer_layout(name, groups[gi].kind, t.shape, t.stride(), dtype.itemsize)
+        want = prefer.get(name) if prefer is not None else None
+        tl = infer_layout(name, groups[gi].kind, t.shape, t.stride(), dtype.itemsize, prefer=want)
         memory = MemoryType.VRAM if t.device.type == "cuda" else MemoryType.DRAM
         regions.append(
             Region(

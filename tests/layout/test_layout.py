@@ -23,6 +23,7 @@ from kvxferd.layout import (
 )
 from kvxferd.layout.alloc import allocate_pool
 from kvxferd.layout.tensors import infer_layout, spec_from_tensors
+from kvxferd.pool import KVPool
 
 SMALL = [
     "dense:num_blocks=8",
@@ -283,3 +284,22 @@ def test_toml_numbers_are_whole_numbers_or_refused_naming_the_key(key: str, valu
     with pytest.raises(SpecError) as err:
         spec_from_dict(data)
     assert err.value.field == f"regions[0].{key}" and err.value.fix
+
+
+def test_one_head_per_block_reads_as_the_layout_the_spec_declares() -> None:
+    """With one KV head per block NHD and HND have the same bytes (docs/domain.md §2: layouts
+    are read, never assumed): tensors allocated exactly as an HND spec describes attach as HND
+    (they were read as NHD and refused), and with nothing declared NHD, the first, is read."""
+    spec = preset("dense:num_blocks=8,num_kv_heads=1,head_size=16,layout=HND")
+    assert {r.layout for r in spec.regions} == {Layout.HND}
+    pool = KVPool.from_tensors(spec, allocate_pool(spec))
+    assert {r.layout for r in pool.spec.regions} == {Layout.HND}
+    t = allocate_pool(spec)[spec.regions[0].name]
+    kind = spec.groups[0].kind
+    assert infer_layout("x", kind, t.shape, t.stride(), 2).layout is Layout.NHD
+    assert infer_layout("x", kind, t.shape, t.stride(), 2, prefer=Layout.HND).layout is Layout.HND
+    # A preference the strides rule out is not taken: two heads, allocated NHD.
+    two = preset("dense:num_blocks=8,num_kv_heads=2,head_size=16")
+    t2 = allocate_pool(two)[two.regions[0].name]
+    got = infer_layout("x", kind, t2.shape, t2.stride(), 2, prefer=Layout.HND)
+    assert got.layout is Layout.NHD
