@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from kvxferd.engine import EngineClient, shared_tensors
-from kvxferd.errors import AlreadyExists, InvalidRequest, StateConflict
+from kvxferd.errors import AlreadyExists, SpecError, StateConflict
 from kvxferd.layout.presets import preset
 from kvxferd.scenario.daemons import DaemonOptions
 from kvxferd.v1 import (
@@ -145,10 +145,11 @@ def test_attach_refusals_say_what_was_wrong(pair: tuple[Daemon, Daemon]) -> None
     with EngineClient(att.engine_socket) as client:
         # IMPORTED memory that does not match the spec it claims: too small, wrong shape.
         small = shared_tensors(preset("dense:num_blocks=32"))
-        with pytest.raises(InvalidRequest, match=r"needs 4194304 bytes .* has 2097152"):
+        # The daemon's own class comes back (SpecError: the memory does not fit the spec).
+        with pytest.raises(SpecError, match=r"needs 4194304 bytes .* has 2097152"):
             client.attach(PRESET, "imported", tensors=small)
         big = shared_tensors(preset("dense:num_blocks=128"))
-        with pytest.raises(InvalidRequest, match=r"do not match the spec.*expected.*64"):
+        with pytest.raises(SpecError, match=r"do not match the spec.*expected.*64"):
             client.attach(PRESET, "imported", tensors=big)
         assert client.describe().state == "DETACHED"
         # A second Attach while one is attached.
@@ -209,11 +210,12 @@ def test_killed_engine_is_detached_and_a_restarted_one_reattaches(
         try:
             st = _pull(decode, first["ticket"], [30, 31, 32])
             assert st.state == scheduler_pb2.TRANSFER_STATE_FAILED
-            text = st.error.message
+            assert st.error.kind == common_pb2.ERROR_KIND_ENGINE_DETACHED, st.error
+            text = f"{st.error.message} {st.error.fix}"
         except grpc.RpcError as exc:
             assert exc.code() == grpc.StatusCode.UNAVAILABLE
             text = exc.details() or ""
-        assert "re-attach" in text, text
+        assert "attach" in text and "no KV pool" in text, text
         # A restarted engine attaches again and is pulled from.
         eng = Engine(att.engine_socket, "--request", "reborn", "--seed", "9")
         second = eng.line()
