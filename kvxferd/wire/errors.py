@@ -106,10 +106,12 @@ def clip(text: str, limit: int = MESSAGE_LIMIT) -> str:
 
 def message_for(exc: BaseException) -> str:
     if isinstance(exc, e.KvxferdError):
-        return clip(str(exc))
-    return clip(
-        f"internal error ({type(exc).__name__}: {exc}); this is a kvxferd bug, please report it"
-    )
+        text = str(exc)
+    else:
+        text = (
+            f"internal error ({type(exc).__name__}: {exc}); this is a kvxferd bug, please report it"
+        )
+    return clip(text)
 
 
 # The status message already carries the whole text; the trailer carries the structure and
@@ -119,7 +121,7 @@ _TEXT_LIMIT = 512
 
 
 def _short(text: str) -> str:
-    return text if len(text) <= _TEXT_LIMIT else text[: _TEXT_LIMIT - 3] + "..."
+    return clip(text, _TEXT_LIMIT)
 
 
 def kind_of(err: e.KvxferdError) -> common_pb2.ErrorKind.ValueType:
