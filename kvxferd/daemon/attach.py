@@ -50,6 +50,7 @@ from kvxferd.daemon.attach_memory import (
     drop_memory,
     resolve_memory,
 )
+from kvxferd.daemon.quiesce import release_pool
 from kvxferd.daemon.slot import Served
 from kvxferd.errors import (
     AlreadyExists,
@@ -252,7 +253,9 @@ class Attacher:
                     field="force",
                     fix="wait for their releases, or set force = true to release them all",
                 )
-            served = self.d.slot.empty(why)
+            served = self.d.slot.empty(why)  # no pull plans into the pool from here on
+            # Every pull into the pool ends before its memory goes (kvxferd/daemon/quiesce.py).
+            pulls = await release_pool(self.d.reader, f"the engine detached: {why}")
             if att.kernel_only and self.d.staging is not None:
                 self.d.staging.ipc.publisher.forget()  # its handles are published no more
             att.ended.set()
@@ -270,7 +273,9 @@ class Attacher:
             await asyncio.to_thread(
                 self.d.engine.set_local, self.d.local_rows(_NO_ROWS), mem, f"engine detached: {why}"
             )
-            self.d.rebind_staging(None)
+            old = self.d.rebind_staging(None)
+            if old is not None:
+                await old.quiesce()  # no STAGED gather reads the pool any more
             if att.registration is not None:
                 try:
                     await asyncio.to_thread(self.agent.deregister, att.registration)
@@ -290,6 +295,7 @@ class Attacher:
                 cause=cause,
                 why=why,
                 released=released,
+                pulls_cancelled=pulls,
                 generation=self.d.slot.generation,
             ),
         )

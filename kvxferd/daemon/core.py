@@ -138,13 +138,16 @@ class Daemon:
         f = self._staging_factory
         return pool_rows if f is None else f.local_rows(pool_rows)
 
-    def rebind_staging(self, pool: KVPool | None) -> None:
-        """An engine attached ``pool`` (or detached: None): staging follows the pool."""
+    def rebind_staging(self, pool: KVPool | None) -> Staging | None:
+        """An engine attached ``pool`` (or detached: None): staging follows the pool. Returns
+        the closed staging of the pool before (await its ``quiesce`` before dropping that)."""
         if self._staging_factory is None:
-            return
-        if self.parts.staging is not None:
-            self.parts.staging.close()  # its owner side, and the KERNEL mappings of its pool
+            return None
+        old = self.parts.staging
+        if old is not None:
+            old.close()  # its owner side, and the KERNEL mappings of its pool
         self.parts.staging = self._staging_factory.build(pool)
+        return old
 
     # -- wiring -------------------------------------------------------------------------------
 

@@ -39,6 +39,9 @@ class PeerLink:
     last_used: float = 0.0
     transport: TransportReport | None = None  # what serves READs from it (probed at connect)
     owner: OwnerProcess | None = None  # the peer's process, named by the kernel (CMA pulls)
+    # Why this daemon's own pool changed while a handshake was in flight: that handshake
+    # described the old pool, so it does not make the link READY (PeerDirectory.stale_all).
+    stale_during: str = ""
 
     @property
     def usable(self) -> bool:

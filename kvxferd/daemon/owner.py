@@ -152,6 +152,18 @@ class Owner:
             remote.agent_name, remote.instance_id, remote.daemon_id, remote.address or who
         )
         self._described[session.token] = remote  # push mode writes into what it registered
+        # A reader that handshakes again with this same instance (its own engine re-attached:
+        # new generation, same instance ID) keeps calling under the session of its first
+        # handshake, under which its shares were confirmed (PeerDirectory._handshake). One
+        # instance has one pool at a time, and its generation only grows: every session of it
+        # now describes the newest registrations, or a Push would WRITE into dropped memory.
+        for token, known in self._described.items():
+            if (
+                known.agent_name == remote.agent_name
+                and known.instance_id == remote.instance_id
+                and known.generation < remote.generation
+            ):
+                self._described[token] = remote
         return session
 
     def described(self, session: PeerSession) -> RemoteDescription:

@@ -42,6 +42,9 @@ from kvxferd.wire.peer_client import PeerClient, Transport
 
 log = logging.getLogger(__name__)
 
+# Handshakes one ready() makes at most while this daemon's own pool keeps changing under them.
+HANDSHAKE_TRIES = 3
+
 __all__ = [
     "LinkState",
     "PeerDirectory",
@@ -152,13 +155,14 @@ class PeerDirectory:
         if link.usable:
             return link
         async with link.lock:
-            if link.usable:
-                return link
-            try:
-                await self._handshake(link)
-            finally:
-                if self._on_handshake is not None:
-                    self._on_handshake(link)
+            for _ in range(HANDSHAKE_TRIES):  # again while our own pool changes under it
+                if link.usable:
+                    break
+                try:
+                    await self._handshake(link)
+                finally:
+                    if self._on_handshake is not None:
+                        self._on_handshake(link)
             return link
 
     async def refresh(self, link: PeerLink, generation: int) -> None:
@@ -205,7 +209,9 @@ class PeerDirectory:
         was checked against the old one, so each link handshakes again at its next pull."""
         for address in list(self._links):
             link = self._links[address]
-            if link.remote is not None and link.state is not LinkState.HANDSHAKING:
+            if link.state is LinkState.HANDSHAKING:
+                link.stale_during = reason  # it describes the old pool: it ends STALE
+            elif link.remote is not None:
                 link.state, link.last_error = LinkState.STALE, reason
                 self._forget_remote(link, reason)
 
@@ -276,7 +282,7 @@ class PeerDirectory:
     async def _handshake(self, link: PeerLink) -> None:
         me = self._me()
         version, digest, payload = me.envelope()
-        link.state = LinkState.HANDSHAKING
+        link.state, link.stale_during = LinkState.HANDSHAKING, ""
         _drop_owner(link, "the peer is being handshaken again")
         try:
             resp = await link.client.handshake(version, digest, payload)
@@ -313,6 +319,10 @@ class PeerDirectory:
         if self._probe is not None:
             link.transport = await self._probe(link, remote)
         link.remote = remote
+        if link.stale_during:  # our pool changed meanwhile: the peer knows the old one
+            link.state, link.last_error = LinkState.STALE, link.stale_during
+            self._forget_remote(link, link.stale_during)
+            return
         link.state = LinkState.READY
         link.last_error = ""
         link.last_handshake_ns = time.time_ns()

@@ -53,6 +53,9 @@ Int64Array = npt.NDArray[np.int64]
 RPC_START_TURNS = 3
 
 
+_AFTER_DETACH = "pull again once this daemon's engine has attached its pool (Describe shows it)"
+
+
 class _Twin(Exception):
     """Internal: another StartPull with this transfer ID got there first."""
 
@@ -70,7 +73,7 @@ class Reader:
         self.draining = False
         self._confirming: dict[str, asyncio.Future[Share]] = {}
         self._posted: set[str] = set()  # pulls whose READ was posted (may write local blocks)
-        self._cancel_requested: set[str] = set()
+        self._cancel_requested: dict[str, str] = {}  # transfer ID -> why ("" for a caller)
         self.push = parts.limits.transfer_mode == "push"
         self.receiver = PushReceiver()
         self.shares = Shares(parts, self.pulls, self._abort_read)
@@ -251,12 +254,14 @@ class Reader:
             # either lands before (nothing is read) or after (the READ is cancelled and every
             # local block it may have written is listed).
             if share is None or tid in self._cancel_requested:
+                why = self._cancel_requested.get(tid)
                 self.pulls.update(
                     tid,
                     state=PullState.CANCELLED,
                     error=Cancelled(
-                        f"transfer {tid} cancelled by a caller before its READ was posted;"
-                        " no local block was written"
+                        f"transfer {tid} {why or 'cancelled by a caller'} before its READ was"
+                        " posted; no local block was written",
+                        fix=_AFTER_DETACH if why else "",
                     ),
                 )
                 return
@@ -281,6 +286,8 @@ class Reader:
                 result, share, local_blocks, req.peer_address, tid in self._cancel_requested
             )
             share.done = state is PullState.DONE
+            if state is PullState.CANCELLED and (why := self._cancel_requested.get(tid)):
+                error = Cancelled(f"transfer {tid} {why} during its READ", fix=_AFTER_DETACH)
             if staged is not None and not result.completed_at:  # CMA marked post/transfer
                 stages.mark("transfer")
             # started_unix_ns is when the READ was posted: for a NIXL READ, when its post call
@@ -336,7 +343,7 @@ class Reader:
             )
         finally:
             link.active -= 1
-            self._cancel_requested.discard(tid)
+            self._cancel_requested.pop(tid, None)
             self._posted.discard(tid)
             held = self.shares.by_transfer.pop(tid, None)
             ended = held is not None and ends_share(held, self.pulls.get(tid).state)
@@ -360,14 +367,16 @@ class Reader:
             return
         await asyncio.wrap_future(self.p.engine.cancel(tid))
 
-    async def cancel(self, transfer_id: str) -> PullRecord:
+    async def cancel(self, transfer_id: str, why: str = "") -> PullRecord:
         """Cancel a pull. Before its READ is posted, nothing is read (CANCELLED, no block
         listed); after, the READ is cancelled and the pull ends CANCELLED listing every local
-        block it may have written, or DONE if the READ completed first."""
+        block it may have written, or DONE if the READ completed first. Returns once it ended:
+        nothing of it writes into the pool any more. ``why`` replaces "cancelled by a caller"
+        in its error (the daemon's own reasons: its pool went away)."""
         rec = self.pulls.get(transfer_id)
         if rec.state.terminal:
             return rec
-        self._cancel_requested.add(transfer_id)
+        self._cancel_requested.setdefault(transfer_id, why)
         if transfer_id in self._posted:
             pushed = self.receiver.cancel(transfer_id)  # a push: the owner's WRITE stops
             if not pushed and not self._mover.cancel(transfer_id):  # STAGED or CMA stop
@@ -377,20 +386,3 @@ class Reader:
             if confirming is not None:
                 confirming.cancel()
         return await self.pulls.wait_terminal(transfer_id)
-
-    async def drain(self, timeout_s: float) -> int:
-        """Stop taking pulls and wait up to ``timeout_s`` for in-flight ones; cancel the rest.
-
-        Returns how many pulls had to be cancelled."""
-        self.draining = True
-        active = self.pulls.active()
-        if not active:
-            return 0
-        log.info("draining", extra=kv(inflight=len(active), timeout_s=timeout_s))
-        waits = [asyncio.ensure_future(self.pulls.wait_terminal(r.transfer_id)) for r in active]
-        _, pending = await asyncio.wait(waits, timeout=timeout_s)
-        for r in self.pulls.active():
-            await self.cancel(r.transfer_id)
-        for w in pending:
-            w.cancel()
-        return len(pending)

@@ -15,7 +15,9 @@ call that reads nothing fails the pull with the cause.
 
 Cancel and deadline are checked between calls: a cancelled pull ends CANCELLED, one that runs
 past its deadline EXPIRED, both with every local block listed invalid. A pull whose owner
-process exited during the copy fails (its pid may name another process by then).
+process exited during the copy fails (its pid may name another process by then). A pull
+ends only once its workers' calls have returned, so a detach that awaits every pull's end
+(:func:`kvxferd.daemon.quiesce.release_pool`) drops the pool's memory after the last call.
 
 Every call runs on a worker, small pulls too: ``process_vm_readv`` takes the owner's memory-map
 lock and faults the owner's pages in, so one call can block for as long as another process
@@ -159,9 +161,12 @@ class CmaReader:
         self._active: dict[str, _Run] = {}
         self._remote: tuple[tuple[str, str, int], Int64Array, RegionTable] | None = None
         self.last = CmaTimes()
+        self.closed = False
 
     def close(self) -> None:
-        """Stop every copy at its next call and let the workers go."""
+        """Stop every copy at its next call, start no other, and let the workers go (a call
+        already in the kernel still ends; its pull ends after it)."""
+        self.closed = True
         for run in self._active.values():
             run.halt(TransferStatus.CANCELLED, Cancelled("this daemon's pool went away"))
         self._pool.shutdown(wait=False)
@@ -233,7 +238,15 @@ class CmaReader:
         )
 
     def _before(self, run: _Run, job: CmaJob) -> None:
-        if job.owner.dropped:
+        if self.closed:
+            run.halt(
+                TransferStatus.CANCELLED,
+                Cancelled(
+                    "this daemon's pool went away before the CMA copy began",
+                    fix="pull again once an engine has attached its pool",
+                ),
+            )
+        elif job.owner.dropped:
             run.halt(
                 TransferStatus.FAILED,
                 TransportError(

@@ -14,6 +14,7 @@ twin (:mod:`kvxferd.kernels.twin`) slices tensors.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -206,9 +207,11 @@ V = TypeVar("V")
 
 def _remember(memo: dict[K, V], key: K, value: V) -> None:
     """Keep ``value`` under ``key`` in a :class:`Regions` memo, the oldest entry dropped once it
-    holds :data:`_MAX_FACTS` (however many arrays come by, the memo stays that small)."""
+    holds :data:`_MAX_FACTS`. The loop and a worker thread may both be here (small pulls run
+    inline, big ones in the thread): a drop that lost a race to the other is skipped."""
     if len(memo) >= _MAX_FACTS:
-        memo.pop(next(iter(memo)))
+        with contextlib.suppress(KeyError, RuntimeError, StopIteration):
+            memo.pop(next(iter(memo)))
     memo[key] = value
 
 

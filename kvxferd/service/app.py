@@ -44,6 +44,7 @@ from kvxferd.config import Config, is_loopback
 from kvxferd.daemon.attach import Attacher
 from kvxferd.daemon.core import Daemon
 from kvxferd.daemon.peers import PeerDirectory, PeerLink, RemoteDescription
+from kvxferd.daemon.quiesce import drain
 from kvxferd.ipc.host import host_id
 from kvxferd.ipc.transport import TransportReport, probe_peer
 from kvxferd.layout.spec import MemoryType
@@ -110,7 +111,7 @@ class Running:
 
     async def stop(self) -> None:
         await self.health.enter_graceful_shutdown()
-        cancelled = await self.daemon.reader.drain(self.cfg.server.drain_timeout_s)
+        cancelled = await drain(self.daemon.reader, self.cfg.server.drain_timeout_s)
         await self.server.stop(grace=1.0)
         for local in self.local_servers:
             await local.close()

@@ -16,6 +16,11 @@ from dataclasses import dataclass
 from kvxferd.errors import ResourceExhausted
 from kvxferd.staging.stats import Occupancy
 
+# A Gather that cannot get a slot gives up this much before its caller's deadline (a tenth of
+# the time, at most this), so the caller reads why (ResourceExhausted and its fix), not a bare
+# DEADLINE_EXCEEDED.
+REPLY_MARGIN_S = 0.2
+
 
 @dataclass(eq=False)
 class Waiter:

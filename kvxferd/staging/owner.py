@@ -35,7 +35,7 @@ from kvxferd.logs import kv
 from kvxferd.pool import KVPool
 from kvxferd.staging.chunks import span_offsets
 from kvxferd.staging.device import Int64Array, PoolCopier
-from kvxferd.staging.fair import FairQueue, Waiter, waited_in_vain
+from kvxferd.staging.fair import REPLY_MARGIN_S, FairQueue, Waiter, waited_in_vain
 from kvxferd.staging.gather_check import check_chunk_bytes, check_gather
 from kvxferd.staging.grant import Grant, Held
 from kvxferd.staging.ring import StagingRing, half_cap
@@ -43,11 +43,6 @@ from kvxferd.staging.stats import Occupancy
 from kvxferd.transfer.leases import LeaseTable, Released
 
 log = logging.getLogger(__name__)
-
-# A Gather that cannot get a slot gives up this much before its caller's deadline (a tenth of
-# the time, at most this), so the caller reads why (ResourceExhausted and its fix), not a bare
-# DEADLINE_EXCEEDED.
-REPLY_MARGIN_S = 0.2
 
 
 class StagingOwner:
@@ -120,6 +115,11 @@ class StagingOwner:
     @property
     def granted(self) -> int:
         return len(self._grants)
+
+    async def idle(self) -> None:
+        """Once no gather reads the pool (after :meth:`stop`; the detach drops it next)."""
+        while any(h.busy for h in self._grants.values()):
+            await asyncio.sleep(0.001)
 
     def occupancy(self) -> Occupancy:
         """Slots granted per reader, Gathers waiting per reader, free slots (a copy; cheap:

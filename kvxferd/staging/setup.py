@@ -93,6 +93,12 @@ class Staging:
         if self.cma is not None:
             self.cma.close()
 
+    async def quiesce(self) -> None:
+        """After :meth:`close`: return once no owner-side gather reads the pool any more (the
+        pulls into it are the reader's to end: kvxferd/daemon/quiesce.py)."""
+        if self.owner is not None:
+            await self.owner.idle()
+
     def kernel_ready(self, remote: RemoteDescription, plan: TransferPlan) -> ReadyPull | None:
         """A KERNEL pull's host work, done ahead while its lease confirmation is in flight
         (:meth:`KernelReader.ready`); None when it stays with the pull."""

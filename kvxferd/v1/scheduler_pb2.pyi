@@ -41,7 +41,9 @@ class _TransferStateEnumTypeWrapper(google.protobuf.internal.enum_type_wrapper._
     TRANSFER_STATE_FAILED: _TransferState.ValueType  # 6
     """Failed; TransferStatus.error says why, invalid_local_block_ids which blocks. Terminal."""
     TRANSFER_STATE_CANCELLED: _TransferState.ValueType  # 7
-    """Cancelled by CancelTransfer or shutdown. Terminal."""
+    """Cancelled by CancelTransfer, by shutdown, or because this daemon's pool went away (its
+    engine detached; TransferStatus.error says so). Terminal.
+    """
     TRANSFER_STATE_EXPIRED: _TransferState.ValueType  # 8
     """The deadline passed before completion. Terminal."""
 
@@ -63,7 +65,9 @@ TRANSFER_STATE_DONE: TransferState.ValueType  # 5
 TRANSFER_STATE_FAILED: TransferState.ValueType  # 6
 """Failed; TransferStatus.error says why, invalid_local_block_ids which blocks. Terminal."""
 TRANSFER_STATE_CANCELLED: TransferState.ValueType  # 7
-"""Cancelled by CancelTransfer or shutdown. Terminal."""
+"""Cancelled by CancelTransfer, by shutdown, or because this daemon's pool went away (its
+engine detached; TransferStatus.error says so). Terminal.
+"""
 TRANSFER_STATE_EXPIRED: TransferState.ValueType  # 8
 """The deadline passed before completion. Terminal."""
 Global___TransferState: typing_extensions.TypeAlias = TransferState

@@ -459,3 +459,16 @@ def test_so_peercred_names_the_process_at_the_other_end(tmp_path: Path) -> None:
             assert peer_credentials(conn)[0] == os.getpid()
     t = LocalTransport(path)
     assert t.peer is None and not t.current(0)  # no connection yet: no process named
+
+
+def test_a_pull_after_the_pool_went_away_ends_cancelled_without_a_call() -> None:
+    # A pull that chose CMA before its engine detached may reach the reader after close():
+    # nothing is read, and the pull says why (the closed worker pool takes no work).
+    pools = Pools(blocks=4)
+    readv = Counting()
+    r = CmaReader(pools.local_rows, readv=readv)
+    r.close()
+    res = _pull(r, pools)
+    assert res.status is TransferStatus.CANCELLED, res.reason  # type: ignore[attr-defined]
+    assert "pool went away before the CMA copy began" in res.reason  # type: ignore[attr-defined]
+    assert readv.calls == 0

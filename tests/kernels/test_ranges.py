@@ -281,3 +281,19 @@ def test_a_range_whose_end_wraps_past_int64_is_refused_by_every_check(runs: int)
 
 def _a(values: object) -> np.ndarray:
     return np.asarray(values, dtype=np.int64)
+
+
+def test_a_memo_drop_that_loses_a_race_to_another_thread_is_skipped() -> None:
+    # The loop (inline pulls) and a worker thread (big pulls) share a Regions' memos. A fault
+    # we cannot cause on demand, so the other thread is played by the memo itself: it drops the
+    # oldest entry between our pick of it and our pop.
+    from kvxferd.kernels import ranges
+
+    class Raced(dict[int, int]):
+        def pop(self, key: int, *default: int) -> int:
+            super().pop(key)  # the other thread got there first
+            return super().pop(key, *default)
+
+    memo = Raced((i, i) for i in range(ranges._MAX_FACTS))
+    ranges._remember(memo, -1, -1)
+    assert memo[-1] == -1 and len(memo) == ranges._MAX_FACTS

@@ -69,3 +69,24 @@ def test_a_lease_that_ends_during_the_gather_is_refused_and_says_so() -> None:
         owner.stop()
 
     asyncio.run(go())
+
+
+def test_a_stopped_owner_is_idle_only_once_its_running_gather_has_ended() -> None:
+    # An engine's detach stops the owner and then drops the pool's memory: it awaits idle()
+    # in between, so a gather thread still reading the pool never reads freed memory.
+    async def go() -> None:
+        owner, leases = _owner(grant_timeout_s=10.0, gather_s=0.3)
+        owner.start()
+        task = asyncio.ensure_future(owner.gather("req", "reader", [[3]], timeout_s=5.0))
+        await asyncio.sleep(0.05)  # the gather thread is copying
+        leases.cancel("req")
+        owner.stop()
+        t0 = time.monotonic()
+        await owner.idle()
+        assert time.monotonic() - t0 >= 0.15  # it waited for the thread
+        assert task.done()  # the gather ended first (refused: its lease ended)
+        with pytest.raises(LeaseRefused):
+            task.result()
+        await asyncio.wait_for(owner.idle(), 0.01)  # and idle at once from then on
+
+    asyncio.run(go())
