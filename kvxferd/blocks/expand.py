@@ -82,3 +82,14 @@ def expand_group(group: KVGroup, logical_ids: npt.ArrayLike) -> Int64Array:
     if group.kind.is_state:
         return np.asarray(logical_ids, dtype=np.int64).reshape(-1).copy()
     return logical_to_kernel(logical_ids, group.ppl)
+
+
+def logical_blocks_of(kernel_ids: npt.ArrayLike, ppl: int) -> Int64Array:
+    """The logical blocks that hold any of ``kernel_ids`` (any kernel IDs, in any order), each
+    once, in the order of its first kernel block: a logical block with one undefined kernel
+    block is undefined as a whole (a failed pull's invalid blocks, in the IDs its caller
+    sent). ``ppl`` 1 (a state group, or unsplit blocks) returns the IDs deduplicated."""
+    _check_ppl(ppl)
+    logical = np.asarray(kernel_ids, dtype=np.int64).reshape(-1) // ppl
+    _, first = np.unique(logical, return_index=True)
+    return logical[np.sort(first)]

@@ -276,6 +276,7 @@ class Attacher:
             old = self.d.rebind_staging(None)
             if old is not None:
                 await old.quiesce()  # no STAGED gather reads the pool any more
+            del old  # it holds the pool's tensors, which drop_memory below lets go
             if att.registration is not None:
                 try:
                     await asyncio.to_thread(self.agent.deregister, att.registration)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
+from kvxferd.blocks.expand import logical_blocks_of
 from kvxferd.errors import InvalidRequest, KvxferdError, NotFound
 from kvxferd.staging.stats import StageTimes
 from kvxferd.transfer import notify
@@ -44,7 +45,8 @@ _TERMINAL = frozenset((PullState.DONE, PullState.FAILED, PullState.CANCELLED, Pu
 
 @dataclass(frozen=True)
 class PullRecord:
-    """A snapshot of one pull. ``invalid_local_blocks``: per group, local kernel block IDs."""
+    """A snapshot of one pull. ``invalid_local_blocks``: per group, local kernel block IDs
+    (:meth:`invalid_logical` gives them as the proto's logical IDs)."""
 
     transfer_id: str
     request_id: str
@@ -65,6 +67,16 @@ class PullRecord:
     stage_times: StageTimes | None = None
     fingerprint: bytes = b""  # the StartPull request it was made from (idempotent retries)
     stages: tuple[tuple[str, float], ...] = ()  # (stage, seconds) in order; set at the end
+    local_ppl: tuple[int, ...] = ()  # per group, this pool's kernel blocks per logical block
+
+    def invalid_logical(self) -> tuple[Int64Array, ...]:
+        """The invalid local blocks as logical IDs, per group (those the caller sent)."""
+        if not self.local_ppl:
+            return self.invalid_local_blocks
+        return tuple(
+            logical_blocks_of(k, p)
+            for k, p in zip(self.invalid_local_blocks, self.local_ppl, strict=True)
+        )
 
 
 _FIELDS = frozenset(f.name for f in dataclasses.fields(PullRecord))

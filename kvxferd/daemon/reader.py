@@ -173,6 +173,7 @@ class Reader:
                 strategy=decision.choice.strategy.value if decision else "DIRECT",
                 strategy_reason=decision.choice.reason if decision else self._no_decision,
                 fingerprint=req.fingerprint,
+                local_ppl=tuple(g.ppl for g in self.p.pool.spec.groups),
             )
         )
         link.active += 1

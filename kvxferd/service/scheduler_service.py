@@ -85,8 +85,8 @@ def fill_status(msg: scheduler_pb2.TransferStatus, rec: PullRecord) -> None:
     stages = msg.stages
     for name, seconds in rec.stages:
         stages.add(name=name, seconds=seconds)
-    if rec.invalid_local_blocks:
-        msg.invalid_local_block_ids.CopyFrom(group_ids_to_proto(list(rec.invalid_local_blocks)))
+    if rec.invalid_local_blocks:  # scheduler.proto: logical IDs, as the caller sent them
+        msg.invalid_local_block_ids.CopyFrom(group_ids_to_proto(list(rec.invalid_logical())))
 
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):

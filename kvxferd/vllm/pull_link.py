@@ -10,13 +10,17 @@ Failures carry the daemon's own explanation (:func:`kvxferd.vllm.daemon.rpc_erro
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
+from kvxferd.logs import kv
 from kvxferd.v1 import scheduler_pb2, scheduler_pb2_grpc
 from kvxferd.vllm.daemon import (
     CALL_TIMEOUT_S,
@@ -28,6 +32,10 @@ from kvxferd.vllm.daemon import (
 from kvxferd.wire.codec import group_ids_from_proto, group_ids_to_proto
 from kvxferd.wire.peer_client import RpcFailure
 from kvxferd.wire.scheduler_socket import SchedulerSockets
+
+log = logging.getLogger(__name__)
+
+SETTLE_POLL_S = 0.05  # a pull whose watch broke: how often its status is asked until it ends
 
 
 @dataclass
@@ -142,7 +150,7 @@ class PullLink:
         local: tuple[tuple[int, ...], ...],
         on_done: Callable[[PullResult], None],
     ) -> None:
-        last = st
+        last, why = st, "the watch ended before the pull did"
         try:
             if st.state not in TERMINAL:
                 for msg in self._stub.WatchTransfers(
@@ -152,17 +160,41 @@ class PullLink:
                     last = msg.status
                     if last.state in TERMINAL:
                         break
-            if last.state not in TERMINAL:  # the stream ended early: ask once more
+        except grpc.RpcError as exc:
+            why = str(rpc_error("Scheduler.WatchTransfers", self.address, exc))
+        if last.state not in TERMINAL:
+            last = self._settle(last, why)
+            if last.state not in TERMINAL:
+                on_done(PullResult(st.request_id, st.transfer_id, "LOST", error=why, local=local))
+                return
+        self._report(last, local, on_done)
+
+    def _settle(self, st: scheduler_pb2.TransferStatus, why: str) -> scheduler_pb2.TransferStatus:
+        """The pull's watch broke: it may still be writing into vLLM's blocks, which must not
+        be freed or recomputed before it ends. Cancel it and ask for its status until it is
+        terminal, or until its deadline has passed (the daemon ends every pull by then; one
+        that cannot be reached meanwhile is reported LOST only after that)."""
+        give_up = st.deadline_unix_ns / 1e9 + CALL_TIMEOUT_S if st.deadline_unix_ns else 0.0
+        log.warning(
+            "pull's watch broke; cancelling it", extra=kv(transfer_id=st.transfer_id, why=why)
+        )
+        with contextlib.suppress(grpc.RpcError):
+            self._stub.CancelTransfer(
+                scheduler_pb2.CancelTransferRequest(transfer_id=st.transfer_id),
+                timeout=CALL_TIMEOUT_S,
+                metadata=self._md,
+            )
+        last = st
+        while True:
+            with contextlib.suppress(grpc.RpcError):
                 last = self._stub.GetTransfer(
                     scheduler_pb2.GetTransferRequest(transfer_id=st.transfer_id),
                     timeout=CALL_TIMEOUT_S,
                     metadata=self._md,
                 ).status
-        except grpc.RpcError as exc:
-            err = rpc_error("Scheduler.WatchTransfers", self.address, exc)
-            on_done(PullResult(st.request_id, st.transfer_id, "LOST", error=str(err), local=local))
-            return
-        self._report(last, local, on_done)
+            if last.state in TERMINAL or time.time() > give_up:
+                return last
+            time.sleep(SETTLE_POLL_S)
 
     def _report(
         self,

@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvxferd.blocks import expand_group, kernel_to_logical, logical_to_kernel, plan_pull
+from kvxferd.blocks.expand import logical_blocks_of
 from kvxferd.errors import InvalidRequest, SpecError
 
 
@@ -110,3 +111,21 @@ def test_collapse_refuses_partial_blocks(ppl: int, ids: list[int], data: st.Data
         bad[j * ppl], bad[j * ppl + 1] = bad[j * ppl + 1], bad[j * ppl]
     with pytest.raises(InvalidRequest):
         kernel_to_logical(bad, ppl)
+
+
+def test_logical_blocks_of_kernel_ids_name_each_logical_block_once_in_first_order() -> None:
+    # A failed pull's undefined kernel blocks, reported as the logical IDs its caller sent.
+    assert logical_blocks_of([14, 15, 2, 3, 4, 5], 2).tolist() == [7, 1, 2]
+    assert logical_blocks_of([15, 3], 2).tolist() == [7, 1]  # a partly written block counts
+    assert logical_blocks_of([9, 4, 9], 1).tolist() == [9, 4]
+    assert logical_blocks_of([], 4).tolist() == []
+
+
+@given(
+    st.lists(st.integers(0, 10_000), unique=True, max_size=40),
+    st.integers(1, 8),
+)
+def test_logical_blocks_of_inverts_the_expansion(ids: list[int], ppl: int) -> None:
+    kernel = logical_to_kernel(ids, ppl)
+    assert logical_blocks_of(kernel, ppl).tolist() == ids
+    assert logical_blocks_of(kernel[::-1], ppl).tolist() == ids[::-1]

@@ -10,6 +10,7 @@ import queue
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 
@@ -104,3 +105,44 @@ def test_a_refused_pull_is_reported_refused_with_the_daemons_reason(
     assert r.state == "REFUSED"
     assert "480" in r.error and "INVALID_ARGUMENT" in r.error, r.error
     assert r.local == ((7, 480),)
+
+
+class _BrokenWatch:
+    """The decode daemon's Scheduler stub with its WatchTransfers stream reset at once (a proxy
+    or load balancer between the connector and the daemon dropping the stream: a fault we
+    cannot cause on demand). Every other call reaches the real daemon."""
+
+    def __init__(self, stub: object) -> None:
+        self._stub = stub
+        self.watches = 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._stub, name)
+
+    def WatchTransfers(self, *args: object, **kw: object) -> object:  # noqa: N802 (gRPC's name)
+        self.watches += 1
+        raise grpc.RpcError("the stream was reset by a proxy")
+
+
+def test_a_pull_whose_watch_breaks_is_reported_only_once_it_has_ended(pair: Daemons) -> None:
+    # Reporting it at once (LOST, as before) let vLLM free or recompute blocks the pull may
+    # still be writing. The link cancels it and reports its terminal state instead.
+    link = PullLink(pair["decode"].grpc)
+    broken = _BrokenWatch(link._stub)
+    link._stub = broken  # type: ignore[assignment]
+    try:
+        remote, local = list(range(40)), list(range(47, 7, -1))
+        result = _pull(pair, link, "broken-watch", remote, local)
+    finally:
+        link.close()
+    assert broken.watches == 1
+    assert result.state in ("CANCELLED", "DONE"), result
+    if result.state == "CANCELLED":
+        assert sorted(result.invalid_local) == sorted(local), result
+        assert "cancelled by a caller" in result.error
+    dec = _client(pair, "decode")
+    try:  # the daemon says the same: the pull had ended when the worker heard of it
+        st = dec.get_transfer(result.transfer_id)
+    finally:
+        dec.close()
+    assert st.finished_unix_ns and st.state != 0
