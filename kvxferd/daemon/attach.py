@@ -260,6 +260,11 @@ class Attacher:
                 self.d.staging.ipc.publisher.forget()  # its handles are published no more
             att.ended.set()
             self.attachment = None
+            # A reader that confirmed a share may still be reading (its READ posted, or its
+            # daemon stalled): it trusts the blocks until its share expires. The memory stays
+            # mapped, unchanged, until then, so the next engine's pool cannot be mapped at
+            # those addresses under that READ (a same-host READ reads virtual addresses).
+            keep_s = self.d.leases.reading_left(held)
             released = 0
             for rid in held:
                 with contextlib.suppress(LeaseRefused):
@@ -284,10 +289,12 @@ class Attacher:
                     log.warning("deregister failed", extra=kv(error=str(err)))
             with contextlib.suppress(KvxferdError):
                 self.d.slot.set_metadata(await asyncio.to_thread(self.agent.metadata))
+            if keep_s > 0:
+                self.d.parts.spawn(_keep(served, keep_s))
             del served
             segments, mappings = att.segments, att.mappings
             att.segments, att.mappings = [], []
-            await asyncio.to_thread(drop_memory, segments, mappings, att.memory)
+            await asyncio.to_thread(drop_memory, segments, mappings, att.memory, kept_s=keep_s)
         self.d.metrics.engine_detaches.labels(cause).inc()
         log.warning(
             "engine detached",
@@ -312,6 +319,12 @@ class Attacher:
     def _changed(self) -> None:
         for cb in self._on_change:
             cb()
+
+
+async def _keep(served: Served, seconds: float) -> None:
+    """Hold a detached pool's tensors (its memory stays mapped) for ``seconds``."""
+    await asyncio.sleep(seconds)
+    del served
 
 
 __all__ = [

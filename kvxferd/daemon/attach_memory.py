@@ -333,9 +333,14 @@ def import_ordinal(
 
 
 def drop_memory(
-    segments: list[ShmSegment], mappings: list[weakref.ref[object]], memory: MemoryType
+    segments: list[ShmSegment],
+    mappings: list[weakref.ref[object]],
+    memory: MemoryType,
+    *,
+    kept_s: float = 0.0,
 ) -> None:
-    """Unlink owned shm, drop mappings (unmapped once no tensor uses them)."""
+    """Unlink owned shm, drop mappings (unmapped once no tensor uses them). ``kept_s``: how
+    long the detach keeps the pool's tensors for readers still reading (so still mapped)."""
     for seg in segments:
         if seg.created:
             seg.unlink()
@@ -343,7 +348,9 @@ def drop_memory(
     segments.clear()
     gc.collect()
     alive = sum(1 for w in mappings if w() is not None)
-    if alive:
+    if kept_s > 0:
+        log.info("detached memory kept for readers", extra=kv(seconds=round(kept_s, 3)))
+    elif alive:
         log.warning("imported CUDA mappings still referenced", extra=kv(mappings=alive))
     if memory is MemoryType.VRAM and torch.cuda.is_available():
         torch.cuda.empty_cache()

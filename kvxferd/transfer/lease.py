@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
+from kvxferd.errors import LeaseRefused, NotFound
+
 Int64Array = npt.NDArray[np.int64]
 
 
@@ -60,6 +62,13 @@ class Lease:
     def reading(self) -> int:
         return sum(1 for s in self.shares.values() if s.state is ShareState.READING)
 
+    @property
+    def reading_until(self) -> float:
+        """When the last share still reading expires (0.0 when none is): its reader trusts
+        the blocks until then."""
+        live = [s.expires_at for s in self.shares.values() if s.state is ShareState.READING]
+        return max(live, default=0.0)
+
 
 @dataclass(frozen=True)
 class LeaseView:
@@ -101,6 +110,21 @@ def lease_view(lease: Lease, share: Share | None) -> LeaseView:
     )
 
 
+def not_held(request_id: str, reason: ReleaseReason | None) -> LeaseRefused | NotFound:
+    """The refusal for a request not held here: never held (``reason`` None), or released."""
+    if reason is None:
+        return NotFound(
+            f"request {request_id!r} is not held here (never held, or released long ago)",
+            field="request_id",
+            fix="the prefill engine must Hold the request before the decode side reads it",
+        )
+    return LeaseRefused(
+        f"lease for request {request_id!r} was released ({reason.value}); its blocks may be reused",
+        field="request_id",
+        fix="do not read: re-run the prefill (or hold with a longer TTL)",
+    )
+
+
 __all__ = [
     "Lease",
     "LeaseView",
@@ -110,4 +134,5 @@ __all__ = [
     "ShareState",
     "lease_view",
     "new_ticket",
+    "not_held",
 ]

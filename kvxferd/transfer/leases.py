@@ -14,7 +14,8 @@ when no share is still reading, and then when
 * the owner cancelled the lease (:meth:`LeaseTable.cancel`; no new confirmations meanwhile), or
 * the TTL passed (``EXPIRED``).
 
-An engine that detached (``ENGINE_DETACHED``) ends the lease at once: its memory is gone.
+An engine that detached (``ENGINE_DETACHED``) ends the lease at once; its memory is kept
+mapped until the readers' shares would have expired (:meth:`LeaseTable.reading_left`).
 
 A reader's identity is whatever key the caller passes (the daemon passes the authenticated
 peer session, never a field of the request). Thread-safe: the NIXL thread reports
@@ -44,14 +45,13 @@ from kvxferd.transfer.lease import (
     ShareState,
     lease_view,
     new_ticket,
+    not_held,
 )
 
 log = logging.getLogger(__name__)
 
 Int64Array = npt.NDArray[np.int64]
 Clock = Callable[[], float]
-
-
 ReleaseCallback = Callable[[Released], None]
 
 
@@ -133,7 +133,8 @@ class LeaseTable:
     def cancel(self, request_id: str, reason: ReleaseReason = ReleaseReason.CANCELLED) -> bool:
         """The owner gives the blocks up. Returns whether they were released now; otherwise they
         are released when the last reader still reading ends (or its share lapses).
-        ``ENGINE_DETACHED`` releases at once (the memory is gone)."""
+        ``ENGINE_DETACHED`` releases at once (the detach keeps the memory mapped while a
+        share read: :meth:`reading_left`)."""
         with self._lock:
             lease = self._leases.get(request_id)
             if lease is None:
@@ -293,6 +294,14 @@ class LeaseTable:
             share = lease.shares.get(reader)
             return share is not None and share.state is ShareState.READING
 
+    def reading_left(self, request_ids: Iterable[str]) -> float:
+        """Seconds until the last share of ``request_ids`` still reading expires (0.0 when
+        none is). Ask before an ``ENGINE_DETACHED`` cancel, which lapses them."""
+        with self._lock:
+            leases = [lease for r in request_ids if (lease := self._leases.get(r)) is not None]
+            until = max((lease.reading_until for lease in leases), default=0.0)
+        return max(0.0, until - self._clock())
+
     def reading(self, reader: str) -> int:
         """How many shares ``reader`` is reading now."""
         with self._lock:
@@ -363,19 +372,7 @@ class LeaseTable:
         return None
 
     def _missing(self, request_id: str) -> LeaseRefused | NotFound:
-        reason = self._ended.get(request_id)
-        if reason is None:
-            return NotFound(
-                f"request {request_id!r} is not held here (never held, or released long ago)",
-                field="request_id",
-                fix="the prefill engine must Hold the request before the decode side reads it",
-            )
-        return LeaseRefused(
-            f"lease for request {request_id!r} was released ({reason.value}); its blocks may"
-            " be reused",
-            field="request_id",
-            fix="do not read: re-run the prefill (or hold with a longer TTL)",
-        )
+        return not_held(request_id, self._ended.get(request_id))
 
     def _end(self, lease: Lease, reason: ReleaseReason) -> Released:
         del self._leases[lease.request_id]

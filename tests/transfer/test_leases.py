@@ -254,3 +254,29 @@ def test_hold_refusals_name_the_wire_field_and_say_how_to_fix_them(
     with pytest.raises(AlreadyExists) as dup:
         t.hold("r", [np.array([1])], readers=1, ttl_s=5)
     assert dup.value.field == "request_id" and "new request its own ID" in dup.value.fix
+
+
+def test_reading_left_is_the_last_reading_shares_time_to_expiry(
+    clock: Clock, table: tuple[LeaseTable, list[Released]]
+) -> None:
+    # What an engine's detach keeps the pool mapped for (kvxferd/daemon/attach.py): only shares
+    # still READING count; ENGINE_DETACHED lapses them, so it is asked before that cancel.
+    t, _ = table
+    t.hold("a", [np.arange(2)], readers=2, ttl_s=30)
+    t.hold("b", [np.arange(2)], readers=1, ttl_s=30)
+    assert t.reading_left(["a", "b", "gone"]) == 0.0  # held, nobody confirmed
+    t.confirm("a", "r1", 4)
+    clock.now += 1
+    t.confirm("a", "r2", 6)
+    b = t.confirm("b", "r1", 9).ticket
+    assert t.reading_left(["a"]) == pytest.approx(6)
+    assert t.reading_left(["a", "b"]) == pytest.approx(9)
+    assert t.notified("b", b)  # read: no longer trusted by anyone
+    assert t.reading_left(["a", "b"]) == pytest.approx(6)
+    clock.now += 7  # every share past its expiry
+    assert t.reading_left(["a"]) == 0.0
+    t.hold("c", [np.arange(2)], readers=1, ttl_s=30)
+    t.confirm("c", "r1", 5)
+    assert t.reading_left(["c"]) == pytest.approx(5)
+    t.cancel("c", ReleaseReason.ENGINE_DETACHED)
+    assert t.reading_left(["c"]) == 0.0
