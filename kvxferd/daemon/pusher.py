@@ -128,6 +128,7 @@ class Pusher:
         """Check everything, then WRITE and wait for the WRITE to complete (see the module)."""
         t0 = time.monotonic()
         self._check_order(order)
+        generation = self.p.slot.generation  # the pool the blocks are checked and planned in
         remote = self.owner.described(session)
         held = self.owner.held(order.request_id)  # NotFound / LeaseRefused: not held (any more)
         # The caller's own share must still be reading (PermissionDenied if it never confirmed);
@@ -152,6 +153,16 @@ class Pusher:
         # The caller's side first, before its metadata is loaded; prepare() checks both again.
         check_inside(write, RegionTable.from_array(remote.regions))
         await self._load(remote)
+        if (
+            self.p.slot.generation != generation
+            or self.p.leases.is_reading(order.request_id, session.reader) is not True
+        ):  # the load awaited: our engine re-attached, or the caller's share ended meanwhile
+            raise LeaseRefused(
+                f"the blocks of {order.request_id!r} were let go while the reader's metadata"
+                " loaded (this daemon's engine detached, or the share ended); nothing was written",
+                field="request_id",
+                fix="re-run the prefill and pull again",
+            )
         xid = f"push/{session.token[:8]}/{order.ticket:016x}"
         engine = self.p.engine
         prepared = engine.prepare(xid, remote.agent_name, write, op=XferOp.WRITE)

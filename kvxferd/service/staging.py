@@ -16,6 +16,7 @@ from kvxferd.v1 import peer_pb2, scheduler_pb2
 def _owner(daemon: Daemon) -> StagingOwner:
     owner = daemon.staging.owner if daemon.staging else None
     if owner is None:
+        daemon.parts.slot.served()  # EngineDetached (saying so) while no engine is attached
         raise InvalidRequest(
             "this daemon has no staging ring, so it cannot gather",
             field="transfer.staging_chunks",

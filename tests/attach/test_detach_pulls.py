@@ -5,19 +5,23 @@ detach stopped ends CANCELLED, saying the pool went away and what to do."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
+from grpc import aio
 
 from kvxferd.scenario.daemons import DaemonOptions
-from kvxferd.v1 import engine_pb2, engine_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from kvxferd.v1 import engine_pb2, engine_pb2_grpc, peer_pb2, scheduler_pb2, scheduler_pb2_grpc
 from kvxferd.wire.codec import group_ids_to_proto
 from tests.attach.test_attach import TERMINAL, Engine
 from tests.service.conftest import Daemon, Daemons, launch
+from tests.service.raw_peer import handshake
 
 BLOCKS = 256  # dense: 2 MiB per block, 512 MiB per pool
 
@@ -127,3 +131,38 @@ def test_a_detach_returns_only_once_a_running_pull_has_ended(daemons: Daemons) -
         assert sorted(listed.ids) == ids
     else:
         assert st.state == scheduler_pb2.TRANSFER_STATE_DONE, st.error  # it won the race
+
+
+def test_a_gather_while_no_engine_is_attached_says_the_engine_detached(tmp_path: Path) -> None:
+    # A reader that handshook while an engine was attached asks a STAGED owner to gather after
+    # the engine went away: the answer says so (UNAVAILABLE, a re-attach awaited), not that the
+    # daemon has no staging ring and its configuration should change.
+    staged = ("--set", "pool.mode=attached", "--set", "transfer.strategy=staged")
+    ds = launch(tmp_path, DaemonOptions("att", "dense:num_blocks=64", extra=staged))
+    try:
+        att = ds["att"]
+        eng = Engine(att.engine_socket)
+
+        async def gather() -> aio.AioRpcError:
+            peer = await handshake(att.grpc, "dense:num_blocks=64", agent="raw-reader")
+            await asyncio.to_thread(eng.detach)
+            with pytest.raises(aio.AioRpcError) as ei:
+                await peer.stub.Gather(
+                    peer_pb2.GatherRequest(
+                        request_id="req-0", kernel_block_ids=group_ids_to_proto([[0]])
+                    ),
+                    metadata=peer.md,
+                    timeout=10,
+                )
+            return ei.value
+
+        try:
+            eng.line()
+            err = asyncio.run(gather())
+        finally:
+            eng.kill()
+    finally:
+        ds.stop()
+    assert err.code() == grpc.StatusCode.UNAVAILABLE, err.details()
+    text = err.details() or ""
+    assert "serves no KV pool: the engine called Detach" in text and "staging_chunks" not in text
