@@ -56,7 +56,7 @@ def compatible_kernel_sizes(kernel_block_size: int, logical_block_size: int) -> 
     ]
 
 
-def chunk_tokens(local: KVGroup, remote: KVGroup) -> int:
+def chunk_tokens(local: KVGroup, remote: KVGroup, *, field: str = "") -> int:
     """The chunk size (the smaller kernel block size) of a group pair; raises
     :class:`SpecError` naming the sizes that would work when neither divides the other."""
     a, b = local.kernel_block_size, remote.kernel_block_size
@@ -68,6 +68,7 @@ def chunk_tokens(local: KVGroup, remote: KVGroup) -> int:
             " not multiples of one another, so no chunk of tokens tiles both",
             fix=f"run the remote with a kernel block size in {works} (it must divide its logical"
             f" block size {remote.logical_block_size} and divide or be a multiple of {a})",
+            field=field,
         )
     return small
 
@@ -103,7 +104,16 @@ def pair_chunks(
     field: str = "",
 ) -> ChunkPairs:
     """Pair one attention group's logical IDs at the chunk (see the module docstring)."""
-    c = chunk_tokens(local, remote)
+    c = chunk_tokens(local, remote, field=field)
+    if prefix_caching and local.logical_block_size != remote.logical_block_size:
+        raise InvalidRequest(
+            f"group {local.name!r}: kernel block sizes differ (local {local.kernel_block_size},"
+            f" remote {remote.kernel_block_size} tokens) and so do the logical block sizes"
+            f" (local {local.logical_block_size}, remote {remote.logical_block_size} tokens)"
+            " while prefix caching is on; the cached prefix cannot be aligned",
+            field=field or "groups",
+            fix="disable prefix caching on both peers, or give them equal logical block sizes",
+        )
     lq, rq = pair_group(
         KVGroup(local.name, local.kind, local.logical_block_size, c),
         KVGroup(remote.name, remote.kind, remote.logical_block_size, c),

@@ -87,7 +87,11 @@ def kv_head_range(rank: int, tp: int, num_kv_heads: int) -> tuple[int, int]:
     """
     check_tp((rank, tp), "tp")
     if num_kv_heads < 1:
-        raise InvalidRequest(f"num_kv_heads must be >= 1, got {num_kv_heads}", field="tp")
+        raise InvalidRequest(
+            f"num_kv_heads must be >= 1, got {num_kv_heads}",
+            field="num_kv_heads",
+            fix="leave it out (inferred from the regions) or give the model's KV heads",
+        )
     if tp <= num_kv_heads:
         if num_kv_heads % tp:
             raise InvalidRequest(

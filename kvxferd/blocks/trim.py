@@ -58,6 +58,7 @@ def pair_group(
         raise SpecError(
             f"group kinds differ: local {local_group.name!r} is {local_group.kind.value},"
             f" remote {remote_group.name!r} is {remote_group.kind.value}",
+            field=field or "groups",
             fix="both peers must serve the same model with the same KV cache groups",
         )
 
@@ -83,6 +84,7 @@ def pair_group(
             f"group {local_group.name!r}: kernel block sizes differ (local"
             f" {local_group.kernel_block_size}, remote {remote_group.kernel_block_size} tokens);"
             " this pairing is 1:1 by kernel block",
+            field=field or "groups",
             fix="pair groups whose kernel block sizes differ at the chunk"
             " (kvxferd.blocks.reblock.pair_chunks; plan_pull does)",
         )
