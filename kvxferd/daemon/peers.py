@@ -45,14 +45,8 @@ log = logging.getLogger(__name__)
 # Handshakes one ready() makes at most while this daemon's own pool keeps changing under them.
 HANDSHAKE_TRIES = 3
 
-__all__ = [
-    "LinkState",
-    "PeerDirectory",
-    "PeerLink",
-    "RemoteDescription",
-    "SelfDescription",
-    "decode_envelope",
-]
+__all__ = ["LinkState", "PeerDirectory", "PeerLink", "RemoteDescription"]
+__all__ += ["SelfDescription", "decode_envelope"]
 
 
 class PeerDirectory:
@@ -133,6 +127,12 @@ class PeerDirectory:
         self._closing.add(asyncio.ensure_future(link.client.close()))
         self._closing = {t for t in self._closing if not t.done()}
         log.info("peer link evicted", extra=kv(peer=link.address, state=link.state.value))
+
+    def loaded(self, agent_name: str) -> RemoteDescription | None:
+        """The description whose NIXL metadata the transfer engine holds for ``agent_name``
+        now (a READ to that agent goes to this instance), or None."""
+        known = self._agents.get(agent_name)
+        return known[0] if known is not None else None
 
     def usable(self, address: str) -> PeerLink | None:
         """The peer at ``address`` if usable now (a link exists only for an allowed address),

@@ -27,7 +27,7 @@ from kvxferd.daemon.parts import Parts
 from kvxferd.daemon.peers import PeerLink
 from kvxferd.daemon.pulls import PullBook, PullRecord, PullRequest, PullState, Stages, unix_ns
 from kvxferd.daemon.receiver import PushReceiver
-from kvxferd.daemon.shares import Share, Shares, ends_share, outcome
+from kvxferd.daemon.shares import Share, Shares, check_granted_by_loaded, ends_share, outcome
 from kvxferd.errors import (
     AlreadyExists,
     Cancelled,
@@ -266,6 +266,9 @@ class Reader:
                     ),
                 )
                 return
+            if not self.push and self.p.peers is not None and share.remote is not None:
+                loaded = self.p.peers.loaded(share.remote.agent_name)
+                check_granted_by_loaded(share, loaded, req.peer_address)
             self._posted.add(tid)
             self.pulls.update(tid, state=PullState.TRANSFERRING, started_ns=time.time_ns())
             # The owner hears DONE only once this reader saw its READ complete (after the pull

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from kvxferd.daemon.handshake import RemoteDescription
 from kvxferd.daemon.parts import Parts
 from kvxferd.daemon.peers import LinkState, PeerLink
 from kvxferd.daemon.pulls import PullBook, PullState
@@ -69,6 +70,8 @@ class Share:
     address: str
     done: bool = False
     lost: bool = False
+    # The owner instance (and registrations) that granted it: only that one holds the blocks.
+    remote: RemoteDescription | None = None
 
 
 _TERMINAL = {
@@ -107,6 +110,31 @@ def outcome(
         )
     error = result.error or (None if state is PullState.DONE else KvxferdError(result.reason))
     return state, error, result.invalid_blocks
+
+
+def check_granted_by_loaded(share: Share, loaded: RemoteDescription | None, address: str) -> None:
+    """Refuse to READ unless the NIXL peer loaded under the share's agent name now is the
+    instance (and registrations) that granted the share: another instance that took over the
+    agent name (a restart, possibly at another address, while this one stalled) does not hold
+    the request, and a READ to it would end DONE with its bytes."""
+    granted = share.remote
+    if (
+        granted is None
+        or loaded is granted
+        or (
+            loaded is not None
+            and loaded.instance_id == granted.instance_id
+            and loaded.agent_metadata == granted.agent_metadata
+        )
+    ):
+        return
+    raise PeerUnavailable(
+        f"the NIXL agent {granted.agent_name!r} now belongs to another instance than"
+        f" {granted.instance_id}, which granted this pull's lease share on {address};"
+        " nothing was read",
+        field="peer_address",
+        fix="retry the pull",
+    )
 
 
 def ends_share(held: Share, state: PullState) -> bool:
@@ -162,6 +190,13 @@ class Shares:
         share = Share(resp.ticket, sent + resp.lease.remaining_ms / 1000, link.address)
         # The owner re-registered (its engine re-attached): its regions moved.
         await self.p.peers.refresh(link, resp.lease.registration_generation)
+        share.remote = granted = link.remote  # the instance holding the blocks for us
+        if granted is None or remote is None or granted.instance_id != remote.instance_id:
+            raise PeerUnavailable(
+                f"peer {link.address} changed instance while we confirmed",
+                field="peer_address",
+                fix="retry the pull",
+            )
         held = resp.lease.block_ids.groups
         for g, ids in enumerate(remote_ids):
             missing = _missing(ids, held[g].ids if g < len(held) else ())
