@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Session 21, call 2: every gpu test at the session's last code (the detach lets go of its
-# closed staging before dropping memory; invalid blocks as logical IDs; the owner-side fixes).
+# Session 21, calls 2 and 3: every gpu test at the session's last code (call 2: the detach lets go of its
+# closed staging before dropping memory, invalid blocks as logical IDs, the owner-side fixes;
+# call 3: a READ only to the owner instance that granted its share, the planner's refusals).
 . bench/device/env.sh
 machine
 build_kernels
