@@ -16,6 +16,7 @@ import logging
 import mmap
 import os
 import re
+import stat
 from pathlib import Path
 
 import torch
@@ -82,8 +83,8 @@ class ShmSegment:
     def open(cls, name: str) -> ShmSegment:
         """Map an existing segment (its whole size)."""
         path = shm_path(name)
-        try:
-            fd = os.open(path, os.O_RDWR)
+        try:  # never through a symlink: the name must be a segment itself
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         except FileNotFoundError as exc:
             raise SpecError(
                 f"shared memory {name!r} does not exist ({path})",
@@ -94,8 +95,22 @@ class ShmSegment:
                 f"no permission to open shared memory {path}: {exc}",
                 fix="run the engine and the daemon as the same user (or make it group-writable)",
             ) from exc
+        except OSError as exc:  # a symlink (ELOOP), a directory (EISDIR), ...
+            raise SpecError(
+                f"{path} is not a shared-memory segment ({exc.strerror})",
+                field="shm_name",
+                fix="name the segment the engine created with shm_open (a plain file in /dev/shm)",
+            ) from exc
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            size = st.st_size
+            if not stat.S_ISREG(st.st_mode):
+                raise SpecError(
+                    f"{path} is not a shared-memory segment (not a regular file)",
+                    field="shm_name",
+                    fix="name the segment the engine created with shm_open (a plain file in"
+                    " /dev/shm)",
+                )
             if size <= 0:
                 raise SpecError(f"shared memory {path} is empty", fix="size it with ftruncate")
             mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)

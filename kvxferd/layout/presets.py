@@ -149,6 +149,11 @@ def fp8(
 PRESETS: Mapping[str, Builder] = {"dense": dense, "hybrid": hybrid, "mla": mla, "fp8": fp8}
 
 
+# Layers a preset may have: real models have a few hundred at most, and building a preset costs
+# time and memory per layer (an Attach of 10^8 layers once held the daemon's loop for minutes).
+MAX_PRESET_LAYERS = 4096
+
+
 def preset(text: str, **overrides: object) -> KVCacheSpec:
     """Build a preset from ``"name"`` or ``"name:key=value,key=value"`` plus keyword overrides."""
     name, _, opts = text.partition(":")
@@ -168,6 +173,13 @@ def preset(text: str, **overrides: object) -> KVCacheSpec:
             )
         kwargs[key.strip()] = _parse_value(value.strip())
     kwargs.update(overrides)
+    for key, count in kwargs.items():  # refused before anything is built (one region a layer)
+        if key.endswith("layers") and isinstance(count, int) and count > MAX_PRESET_LAYERS:
+            raise SpecError(
+                f"preset {name!r}: {key} = {count} is more than {MAX_PRESET_LAYERS} layers",
+                field=f"preset.{key}",
+                fix=f"give the model's real layer count (at most {MAX_PRESET_LAYERS})",
+            )
     try:
         return builder(**kwargs)
     except TypeError as exc:

@@ -54,7 +54,9 @@ def token_refusal(metadata: Iterable[tuple[str, Any]], expected: bytes, method: 
     got = b""
     for key, value in metadata:
         if key == "authorization":
-            got = value.encode() if isinstance(value, str) else bytes(value)
+            # surrogatepass: a lone surrogate (the sockets' JSON metadata can carry one) is
+            # a wrong token, not an encoding error
+            got = value.encode(errors="surrogatepass") if isinstance(value, str) else bytes(value)
     if hmac.compare_digest(got, expected):
         return None
     why = "missing token" if not got else "wrong token"

@@ -303,3 +303,23 @@ def test_one_head_per_block_reads_as_the_layout_the_spec_declares() -> None:
     t2 = allocate_pool(two)[two.regions[0].name]
     got = infer_layout("x", kind, t2.shape, t2.stride(), 2, prefer=Layout.HND)
     assert got.layout is Layout.NHD
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["dense:num_layers=100000000", "hybrid:mamba_layers=5000", "mla:num_layers=4097"],
+)
+def test_a_preset_with_more_layers_than_any_model_is_refused_before_it_is_built(text: str) -> None:
+    # An Attach naming 10^8 layers once held the daemon's loop for minutes, its memory growing
+    # by ~0.5 KB a layer (a helper's hostile-input review). Refused at once, naming the key.
+    import time
+
+    from kvxferd.layout.presets import MAX_PRESET_LAYERS, preset
+
+    t0 = time.monotonic()
+    with pytest.raises(SpecError) as err:
+        preset(text)
+    assert time.monotonic() - t0 < 1.0
+    assert err.value.field.startswith("preset.") and err.value.field.endswith("layers")
+    assert str(MAX_PRESET_LAYERS) in err.value.fix
+    assert preset(f"dense:num_layers={MAX_PRESET_LAYERS},num_blocks=1").regions  # the cap itself
