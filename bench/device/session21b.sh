@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Session 21, calls 2 and 3: every gpu test at the session's last code (call 2: the detach lets go of its
+# Session 21, calls 2, 3 and 5: every gpu test at the session's last code (call 2: the detach lets go of its
 # closed staging before dropping memory, invalid blocks as logical IDs, the owner-side fixes;
-# call 3: a READ only to the owner instance that granted its share, the planner's refusals).
+# call 3: a READ only to the owner instance that granted its share, the planner's refusals;
+# call 5: the hostile-input fixes: preset layer cap, shm names, tokens).
 . bench/device/env.sh
 machine
 build_kernels
