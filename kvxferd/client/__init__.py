@@ -1,8 +1,8 @@
 """kvxferd.client: a typed client of a kvxferd daemon's Scheduler service, for schedulers.
 
 A scheduler (a router, llm-d, Dynamo, a custom one) tells a decode worker's daemon to pull a
-request's KV blocks from a prefill worker's daemon, follows the pull, cancels it, lists the
-daemon's peers and checks blocks::
+request's KV blocks from a prefill worker's daemon, follows the pull, cancels it, declines a
+held request it will not pull after all, lists the daemon's peers and checks blocks::
 
     from kvxferd.client import SchedulerClient
 
@@ -41,6 +41,7 @@ from kvxferd.client.requests import SERVICE_CONFIG, proto_dir, proto_files
 from kvxferd.client.sync_client import SchedulerClient
 from kvxferd.client.values import (
     ChecksumAlgorithm,
+    Declined,
     ErrorInfo,
     Mismatch,
     PeerState,
@@ -55,6 +56,7 @@ __all__ = [
     "SERVICE_CONFIG",
     "AsyncSchedulerClient",
     "ChecksumAlgorithm",
+    "Declined",
     "ErrorInfo",
     "KvxferdRpcError",
     "Mismatch",

@@ -13,6 +13,7 @@ from kvxferd.client.errors import KvxferdRpcError
 from kvxferd.client.requests import BlockIds, channel_options, metadata, start_request
 from kvxferd.client.values import (
     ChecksumAlgorithm,
+    Declined,
     PeerStatus,
     StartedPull,
     TransferStatus,
@@ -150,6 +151,25 @@ class AsyncSchedulerClient:
         except _FAILED as exc:
             raise KvxferdRpcError.wrap("CancelTransfer", exc) from exc
         return TransferStatus.from_proto(resp.status)
+
+    async def decline_pull(
+        self, *, request_id: str, peer_address: str, deadline_ms: int = 0
+    ) -> Declined:
+        """Tell the prefill daemon at ``peer_address`` that this daemon will not pull
+        ``request_id`` after all (its decode request ended before the pull): the prefill side
+        frees the held blocks once no other expected reader is left, not at the lease's TTL.
+        Refused while a pull of this daemon reads the request (cancel it instead)."""
+        try:
+            resp = await self._unary.DeclinePull(
+                scheduler_pb2.DeclinePullRequest(
+                    request_id=request_id, peer_address=peer_address, deadline_ms=deadline_ms
+                ),
+                timeout=self.timeout_s + deadline_ms / 1000,
+                metadata=self._md,
+            )
+        except _FAILED as exc:
+            raise KvxferdRpcError.wrap("DeclinePull", exc) from exc
+        return Declined.from_proto(resp)
 
     async def watch_transfers(
         self, transfer_ids: Iterable[str] = ()

@@ -25,6 +25,7 @@ SERVICE_CONFIG: dict[str, Any] = {
                     "StartPull",
                     "GetTransfer",
                     "CancelTransfer",
+                    "DeclinePull",
                     "ListPeers",
                     "Checksum",
                     "WatchTransfers",

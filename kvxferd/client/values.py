@@ -177,6 +177,19 @@ class StartedPull:
 
 
 @dataclass(frozen=True)
+class Declined:
+    """A peer's lease of a request after this daemon declined it (DeclinePull)."""
+
+    released: bool  # the peer freed the blocks (no other expected reader is left)
+    readers_expected: int
+    readers_confirmed: int  # readers that confirmed or declined, this daemon included
+
+    @classmethod
+    def from_proto(cls, msg: scheduler_pb2.DeclinePullResponse) -> Declined:
+        return cls(msg.released, msg.readers_expected, msg.readers_confirmed)
+
+
+@dataclass(frozen=True)
 class PeerStatus:
     """A peer this daemon knows (``scheduler.proto`` ``PeerInfo``)."""
 

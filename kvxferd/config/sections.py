@@ -22,8 +22,8 @@ class ServerConfig:
     """Unix socket path for the Engine service (created mode 0660); empty disables it."""
     scheduler_socket: str = ""
     """Unix socket path (mode 0660) where a caller on this host may also send the Scheduler's
-    unary calls (StartPull, GetTransfer, CancelTransfer, ListPeers) as framed protobuf, not
-    gRPC (kvxferd.wire.scheduler_socket); empty disables it."""
+    unary calls (StartPull, GetTransfer, CancelTransfer, DeclinePull, ListPeers) as framed
+    protobuf, not gRPC (kvxferd.wire.scheduler_socket); empty disables it."""
     metrics_listen: str = "127.0.0.1:9400"
     """HTTP address for /metrics (Prometheus) and /healthz; empty disables it."""
     metrics_allow_remote: bool = False

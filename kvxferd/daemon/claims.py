@@ -33,6 +33,9 @@ ENDED_TTL_S = 600.0
 
 Key = tuple[str, str]  # (the owner's address, the request ID)
 
+# The claim a DeclinePull takes (kvxferd/daemon/decline.py); no transfer ID has a space.
+DECLINE_CLAIM = "DeclinePull "
+
 
 class ReadClaims:
     """The pulls reading each (owner, request) of this daemon, and the requests whose share it
@@ -56,6 +59,12 @@ class ReadClaims:
         other = self._reading.get(key)
         if other == transfer_id:
             return False
+        if other == DECLINE_CLAIM:
+            raise LeaseRefused(
+                f"request {request_id!r} on {address} is being declined by this daemon",
+                field="request_id",
+                fix="do not pull a request you declined: hold it again on the prefill daemon",
+            )
         if other is not None:
             raise LeaseRefused(
                 f"request {request_id!r} on {address} is being read by transfer {other!r} of"
@@ -67,6 +76,13 @@ class ReadClaims:
             )
         self._expire()
         ended = self._ended.get(key)
+        if ended is not None and ended[1] == DECLINE_CLAIM:
+            raise LeaseRefused(
+                f"this daemon declined request {request_id!r} on {address} (DeclinePull); the"
+                " owner no longer counts it among the request's readers",
+                field="request_id",
+                fix="hold the request again on the prefill daemon (a new lease) and pull that",
+            )
         if ended is not None:
             raise LeaseRefused(
                 f"transfer {ended[1]!r} of this daemon already ended its share of request"
@@ -109,6 +125,13 @@ class ReadClaims:
                     fix="raise deadline_ms",
                 )
             await asyncio.sleep(1e-3)
+
+    def ended_by(self, address: str, request_id: str) -> str | None:
+        """The transfer ID (or :data:`DECLINE_CLAIM`) that recently ended this daemon's share
+        of ``request_id`` on ``address``; None if none did."""
+        self._expire()
+        ended = self._ended.get((address, request_id))
+        return None if ended is None else ended[1]
 
     def reading(self, address: str, request_id: str) -> str | None:
         return self._reading.get((address, request_id))

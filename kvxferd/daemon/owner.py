@@ -209,6 +209,18 @@ class Owner:
         view, released = self.p.leases.finish(request_id, session.reader, done=done)
         return held, view, released
 
+    def decline_lease(
+        self, session: PeerSession, request_id: str
+    ) -> tuple[HeldRequest, LeaseView, bool]:
+        """The caller gives up its place in the lease without reading (DeclineLease)."""
+        held = self.held(request_id)
+        view, released = self.p.leases.decline(request_id, session.reader)
+        log.info(
+            "reader declined a held request",
+            extra=kv(request_id=request_id, reader=session.agent_name, released=released),
+        )
+        return held, view, released
+
     def heartbeat(
         self, session: PeerSession, request_ids: Sequence[str], renew_s: float
     ) -> tuple[list[str], float]:

@@ -259,26 +259,33 @@ class PullRequest:
     received: float = 0.0  # monotonic time its RPC reached the handler (the pull's t0)
 
     def check(self, max_deadline_s: float) -> None:
-        """Refuse a request a caller can fix: empty or malformed IDs and address, a deadline
-        outside ``(0, max_deadline_s]``."""
-        if not self.request_id:
-            raise InvalidRequest(
-                "request_id is empty",
-                field="request_id",
-                fix="pass the request ID the prefill engine held (HoldResponse.request_id)",
-            )
-        notify.check_request_id(self.request_id)
-        if not self.peer_address:
-            raise InvalidRequest(
-                "peer_address is empty", field="peer_address", fix="pass HoldResponse.peer_address"
-            )
-        if not 0 < self.deadline_s <= max_deadline_s:
-            raise InvalidRequest(
-                f"deadline {self.deadline_s:g}s is outside (0, {max_deadline_s:g}]",
-                field="deadline_ms",
-                fix=f"ask for at most {int(max_deadline_s * 1000)} ms (the longest"
-                " lease an owner grants), or 0 for transfer.default_deadline_ms",
-            )
+        """Refuse a request a caller can fix (:func:`check_target`)."""
+        check_target(self.request_id, self.peer_address, self.deadline_s, max_deadline_s)
+
+
+def check_target(
+    request_id: str, peer_address: str, deadline_s: float, max_deadline_s: float
+) -> None:
+    """Refuse what a caller can fix in a call about a held request (StartPull, DeclinePull):
+    an empty or malformed request ID or address, a deadline outside ``(0, max_deadline_s]``."""
+    if not request_id:
+        raise InvalidRequest(
+            "request_id is empty",
+            field="request_id",
+            fix="pass the request ID the prefill engine held (HoldResponse.request_id)",
+        )
+    notify.check_request_id(request_id)
+    if not peer_address:
+        raise InvalidRequest(
+            "peer_address is empty", field="peer_address", fix="pass HoldResponse.peer_address"
+        )
+    if not 0 < deadline_s <= max_deadline_s:
+        raise InvalidRequest(
+            f"deadline {deadline_s:g}s is outside (0, {max_deadline_s:g}]",
+            field="deadline_ms",
+            fix=f"ask for at most {int(max_deadline_s * 1000)} ms (the longest"
+            " lease an owner grants), or 0 for transfer.default_deadline_ms",
+        )
 
 
 class Stages:

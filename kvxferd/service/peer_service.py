@@ -132,6 +132,16 @@ class PeerService(peer_pb2_grpc.PeerServicer):
 
         return await rpc(self.d, "ReleaseLease", context, call)
 
+    async def DeclineLease(
+        self, request: peer_pb2.DeclineLeaseRequest, context: Ctx
+    ) -> peer_pb2.DeclineLeaseResponse:
+        async def call() -> peer_pb2.DeclineLeaseResponse:
+            session = self._session(context)
+            held, view, released = self.d.owner.decline_lease(session, request.request_id)
+            return peer_pb2.DeclineLeaseResponse(lease=self._lease(held, view, active=not released))
+
+        return await rpc(self.d, "DeclineLease", context, call)
+
     async def Heartbeat(
         self, request: peer_pb2.HeartbeatRequest, context: Ctx
     ) -> peer_pb2.HeartbeatResponse:

@@ -11,6 +11,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from kvxferd.daemon.core import Daemon
+from kvxferd.daemon.decline import decline
 from kvxferd.daemon.peers import LinkState
 from kvxferd.daemon.pulls import PullRecord, PullRequest, PullState
 from kvxferd.errors import InvalidRequest, KvxferdError
@@ -170,6 +171,22 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             return scheduler_pb2.CancelTransferResponse(status=status_to_proto(rec))
 
         return await rpc(self.d, "CancelTransfer", context, call)
+
+    async def DeclinePull(
+        self, request: scheduler_pb2.DeclinePullRequest, context: Ctx
+    ) -> scheduler_pb2.DeclinePullResponse:
+        async def call() -> scheduler_pb2.DeclinePullResponse:
+            deadline_ms = request.deadline_ms or int(self.d.limits.default_deadline_s * 1000)
+            out = await decline(
+                self.d.reader, request.peer_address, request.request_id, deadline_ms / 1000
+            )
+            return scheduler_pb2.DeclinePullResponse(
+                released=out.released,
+                readers_expected=out.readers_expected,
+                readers_confirmed=out.readers_confirmed,
+            )
+
+        return await rpc(self.d, "DeclinePull", context, call)
 
     async def ListPeers(
         self, request: scheduler_pb2.ListPeersRequest, context: Ctx

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from kvxferd.errors import LeaseRefused, NotFound
+from kvxferd.errors import InvalidRequest, LeaseRefused, NotFound
 
 Int64Array = npt.NDArray[np.int64]
 
@@ -28,6 +28,7 @@ class ShareState(enum.Enum):
     DONE = "DONE"  # the reader finished reading
     GAVE_UP = "GAVE_UP"  # the reader let go without (completely) reading
     LAPSED = "LAPSED"  # the reader went silent past its share's expiry (or restarted)
+    DECLINED = "DECLINED"  # the reader gave its place up without confirming (DeclineLease)
 
 
 @dataclass
@@ -110,6 +111,62 @@ def lease_view(lease: Lease, share: Share | None) -> LeaseView:
     )
 
 
+def checked_ttl(ttl_s: float, max_ttl_s: float, what: str, key: str) -> float:
+    """``ttl_s`` if it is in (0, ``max_ttl_s``]; else the refusal naming ``key``."""
+    if not 0 < ttl_s <= max_ttl_s:
+        most = int(max_ttl_s * 1000)
+        raise InvalidRequest(
+            f"{what} of {round(ttl_s * 1000)} ms is outside (0, {most}] ms",
+            field=key,
+            fix=f"ask for at most {most} ms (this owner's longest lease)",
+        )
+    return ttl_s
+
+
+def share_ended(request_id: str, state: ShareState) -> LeaseRefused:
+    """The refusal for a reader whose share of ``request_id`` already ended in ``state``."""
+    return LeaseRefused(
+        f"this reader's share of {request_id!r} already ended ({state.value})",
+        field="request_id",
+        fix="do not read: hold the request again",
+    )
+
+
+def place_refusal(lease: Lease) -> LeaseRefused | None:
+    """Why a reader without a share may not take a place in ``lease`` now (None: it may)."""
+    if lease.cancelled is not None:
+        return LeaseRefused(
+            f"the owner cancelled the lease of {lease.request_id!r} ({lease.cancelled.value});"
+            " its blocks are about to be reused",
+            field="request_id",
+            fix="do not read: re-run the prefill",
+        )
+    if len(lease.shares) >= lease.readers:
+        return LeaseRefused(
+            f"the lease of {lease.request_id!r} was held for {lease.readers} reader(s) and all"
+            " of them have confirmed (or declined)",
+            field="request_id",
+            fix="hold the request with readers = the number of decode ranks that read it",
+        )
+    return None
+
+
+def declined(lease: Lease, reader: str, now: float) -> Share:
+    """``reader`` gives up its place in ``lease`` without reading: a DECLINED share takes one
+    expected place, a share still READING ends as GAVE_UP, an ended one stays as it is. Refused
+    once ``reader`` read, or when every place is taken by others."""
+    share = lease.shares.get(reader)
+    if share is None:
+        if len(lease.shares) >= lease.readers:
+            raise place_refusal(lease) or share_ended(lease.request_id, ShareState.DECLINED)
+        share = lease.shares[reader] = Share(reader, 0, now, ShareState.DECLINED)
+    elif share.state is ShareState.DONE:
+        raise share_ended(lease.request_id, share.state)
+    elif share.state is ShareState.READING:
+        share.state = ShareState.GAVE_UP
+    return share
+
+
 def not_held(request_id: str, reason: ReleaseReason | None) -> LeaseRefused | NotFound:
     """The refusal for a request not held here: never held (``reason`` None), or released."""
     if reason is None:
@@ -132,7 +189,11 @@ __all__ = [
     "Released",
     "Share",
     "ShareState",
+    "checked_ttl",
+    "declined",
     "lease_view",
     "new_ticket",
     "not_held",
+    "place_refusal",
+    "share_ended",
 ]

@@ -5,7 +5,8 @@ group for ``readers`` expected readers. Each reader that is about to READ confir
 (:meth:`LeaseTable.confirm`) and gets a *share*: its own expiry and a random ticket. From then
 on only that reader can end its share, by the NIXL notification carrying its ticket
 (:meth:`LeaseTable.notified`) or by :meth:`LeaseTable.finish` under its own identity; a share
-that is not renewed lapses at its own expiry.
+that is not renewed lapses at its own expiry. A reader that will not read after all gives its
+place up (:meth:`LeaseTable.decline`).
 
 The blocks go back to the engine (one :class:`Released` to the ``on_release`` callbacks) only
 when no share is still reading, and then when
@@ -43,9 +44,13 @@ from kvxferd.transfer.lease import (
     ReleaseReason,
     Share,
     ShareState,
+    checked_ttl,
+    declined,
     lease_view,
     new_ticket,
     not_held,
+    place_refusal,
+    share_ended,
 )
 
 log = logging.getLogger(__name__)
@@ -91,14 +96,7 @@ class LeaseTable:
             return sum(lease.reading for lease in self._leases.values())
 
     def _ttl(self, ttl_s: float, what: str = "lease TTL", key: str = "ttl_ms") -> float:
-        if not 0 < ttl_s <= self.max_ttl_s:
-            most = int(self.max_ttl_s * 1000)
-            raise InvalidRequest(
-                f"{what} of {round(ttl_s * 1000)} ms is outside (0, {most}] ms",
-                field=key,
-                fix=f"ask for at most {most} ms (this owner's longest lease)",
-            )
-        return ttl_s
+        return checked_ttl(ttl_s, self.max_ttl_s, what, key)
 
     # -- owner ------------------------------------------------------------------------------
 
@@ -168,21 +166,9 @@ class LeaseTable:
                         fix="a reader confirms a lease once per read; hold the request again",
                     )
                 if share is None:
-                    if lease.cancelled is not None:
-                        raise LeaseRefused(
-                            f"the owner cancelled the lease of {request_id!r}"
-                            f" ({lease.cancelled.value}); its blocks are about to be reused",
-                            field="request_id",
-                            fix="do not read: re-run the prefill",
-                        )
-                    if len(lease.shares) >= lease.readers:
-                        raise LeaseRefused(
-                            f"the lease of {request_id!r} was held for {lease.readers}"
-                            " reader(s) and all of them have confirmed",
-                            field="request_id",
-                            fix="hold the request with readers = the number of decode ranks"
-                            " that read it",
-                        )
+                    refusal = place_refusal(lease)
+                    if refusal is not None:
+                        raise refusal
                     share = Share(reader, new_ticket(), now + extend)
                     lease.shares[reader] = share
                 else:
@@ -221,6 +207,21 @@ class LeaseTable:
                 rel = self._settle(lease, now)
         self._notify([rel] if rel else [])
         if lease is None or share is None:
+            raise self._missing(request_id)
+        return view, rel is not None
+
+    def decline(self, request_id: str, reader: str) -> tuple[LeaseView, bool]:
+        """``reader`` will not read after all (:func:`~kvxferd.transfer.lease.declined`): the
+        blocks are released once the other readers end, not at the TTL. Returns the lease as
+        it is now and whether this released it."""
+        now = self._clock()
+        with self._lock:
+            lease, rel = self._live(request_id, now)
+            if lease is not None:
+                view = lease_view(lease, declined(lease, reader, now))
+                rel = self._settle(lease, now)
+        self._notify([rel] if rel else [])
+        if lease is None:
             raise self._missing(request_id)
         return view, rel is not None
 
@@ -346,11 +347,7 @@ class LeaseTable:
                 " its own share",
             )
         if share.state is not ShareState.READING:
-            raise LeaseRefused(
-                f"this reader's share of {lease.request_id!r} already ended ({share.state.value})",
-                field="request_id",
-                fix="do not read: hold the request again",
-            )
+            raise share_ended(lease.request_id, share.state)
         return share
 
     def _settle(self, lease: Lease, now: float) -> Released | None:

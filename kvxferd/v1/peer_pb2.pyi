@@ -883,6 +883,49 @@ class ExtendLeaseResponse(google.protobuf.message.Message):
 Global___ExtendLeaseResponse: typing_extensions.TypeAlias = ExtendLeaseResponse
 
 @typing.final
+class DeclineLeaseRequest(google.protobuf.message.Message):
+    """A reader gives up its place in a lease it will not read."""
+
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: builtins.int
+    READER_ID_FIELD_NUMBER: builtins.int
+    request_id: builtins.str
+    """The held request."""
+    reader_id: builtins.str
+    """Informational only: the reader is the caller's handshake session."""
+    def __init__(
+        self,
+        *,
+        request_id: builtins.str = ...,
+        reader_id: builtins.str = ...,
+    ) -> None: ...
+    def ClearField(self, field_name: typing.Literal["reader_id", b"reader_id", "request_id", b"request_id"]) -> None: ...
+
+Global___DeclineLeaseRequest: typing_extensions.TypeAlias = DeclineLeaseRequest
+
+@typing.final
+class DeclineLeaseResponse(google.protobuf.message.Message):
+    """Result of DeclineLease."""
+
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
+
+    LEASE_FIELD_NUMBER: builtins.int
+    @property
+    def lease(self) -> Global___Lease:
+        """The lease after the decline (RELEASED once no other expected reader is left)."""
+
+    def __init__(
+        self,
+        *,
+        lease: Global___Lease | None = ...,
+    ) -> None: ...
+    def HasField(self, field_name: typing.Literal["lease", b"lease"]) -> builtins.bool: ...
+    def ClearField(self, field_name: typing.Literal["lease", b"lease"]) -> None: ...
+
+Global___DeclineLeaseResponse: typing_extensions.TypeAlias = DeclineLeaseResponse
+
+@typing.final
 class ReleaseLeaseRequest(google.protobuf.message.Message):
     """A reader lets go of a lease."""
 

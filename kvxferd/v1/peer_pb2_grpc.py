@@ -55,6 +55,11 @@ class PeerStub(object):
                 request_serializer=kvxferd_dot_v1_dot_peer__pb2.ReleaseLeaseRequest.SerializeToString,
                 response_deserializer=kvxferd_dot_v1_dot_peer__pb2.ReleaseLeaseResponse.FromString,
                 _registered_method=True)
+        self.DeclineLease = channel.unary_unary(
+                '/kvxferd.v1.Peer/DeclineLease',
+                request_serializer=kvxferd_dot_v1_dot_peer__pb2.DeclineLeaseRequest.SerializeToString,
+                response_deserializer=kvxferd_dot_v1_dot_peer__pb2.DeclineLeaseResponse.FromString,
+                _registered_method=True)
         self.Heartbeat = channel.unary_unary(
                 '/kvxferd.v1.Peer/Heartbeat',
                 request_serializer=kvxferd_dot_v1_dot_peer__pb2.HeartbeatRequest.SerializeToString,
@@ -122,6 +127,19 @@ class PeerServicer(object):
         """A reader lets go of its own share: done (same effect as the NIXL notification) or giving
         up. The blocks are released once no confirmed reader is still reading and every expected
         reader ended (or the lease expired). PERMISSION_DENIED if the caller never confirmed it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeclineLease(self, request, context):
+        """A reader that will not read a held request after all (its decode request was aborted
+        before the pull) gives up its place among the expected readers without reading: the blocks
+        are released once the other expected readers have ended, not when the lease's TTL passes.
+        A caller that confirmed ends its share, as ReleaseLease with CANCELLED would; repeating the
+        call is answered with the lease as it is. FAILED_PRECONDITION (LeaseRefused) when every
+        expected place is taken by other readers or this caller's share ended after reading;
+        NOT_FOUND when the request is not held.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -229,6 +247,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.ReleaseLease,
                     request_deserializer=kvxferd_dot_v1_dot_peer__pb2.ReleaseLeaseRequest.FromString,
                     response_serializer=kvxferd_dot_v1_dot_peer__pb2.ReleaseLeaseResponse.SerializeToString,
+            ),
+            'DeclineLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeclineLease,
+                    request_deserializer=kvxferd_dot_v1_dot_peer__pb2.DeclineLeaseRequest.FromString,
+                    response_serializer=kvxferd_dot_v1_dot_peer__pb2.DeclineLeaseResponse.SerializeToString,
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
@@ -365,6 +388,33 @@ class Peer(object):
             '/kvxferd.v1.Peer/ReleaseLease',
             kvxferd_dot_v1_dot_peer__pb2.ReleaseLeaseRequest.SerializeToString,
             kvxferd_dot_v1_dot_peer__pb2.ReleaseLeaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeclineLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxferd.v1.Peer/DeclineLease',
+            kvxferd_dot_v1_dot_peer__pb2.DeclineLeaseRequest.SerializeToString,
+            kvxferd_dot_v1_dot_peer__pb2.DeclineLeaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -89,6 +89,22 @@ _PeerReleaseLeaseType = typing_extensions.TypeVar(
     ],
 )
 
+_PeerDeclineLeaseType = typing_extensions.TypeVar(
+    '_PeerDeclineLeaseType',
+    grpc.UnaryUnaryMultiCallable[
+        kvxferd.v1.peer_pb2.DeclineLeaseRequest,
+        kvxferd.v1.peer_pb2.DeclineLeaseResponse,
+    ],
+    grpc.aio.UnaryUnaryMultiCallable[
+        kvxferd.v1.peer_pb2.DeclineLeaseRequest,
+        kvxferd.v1.peer_pb2.DeclineLeaseResponse,
+    ],
+    default=grpc.UnaryUnaryMultiCallable[
+        kvxferd.v1.peer_pb2.DeclineLeaseRequest,
+        kvxferd.v1.peer_pb2.DeclineLeaseResponse,
+    ],
+)
+
 _PeerHeartbeatType = typing_extensions.TypeVar(
     '_PeerHeartbeatType',
     grpc.UnaryUnaryMultiCallable[
@@ -169,7 +185,7 @@ _PeerPushType = typing_extensions.TypeVar(
     ],
 )
 
-class PeerStub(typing.Generic[_PeerHandshakeType, _PeerConfirmLeaseType, _PeerExtendLeaseType, _PeerReleaseLeaseType, _PeerHeartbeatType, _PeerGatherType, _PeerReleaseStagingType, _PeerStageType, _PeerPushType]):
+class PeerStub(typing.Generic[_PeerHandshakeType, _PeerConfirmLeaseType, _PeerExtendLeaseType, _PeerReleaseLeaseType, _PeerDeclineLeaseType, _PeerHeartbeatType, _PeerGatherType, _PeerReleaseStagingType, _PeerStageType, _PeerPushType]):
     """Daemon-to-daemon control service, served on the daemon's peer address (TCP, authenticated)."""
 
     @typing.overload
@@ -189,6 +205,10 @@ class PeerStub(typing.Generic[_PeerHandshakeType, _PeerConfirmLeaseType, _PeerEx
         grpc.UnaryUnaryMultiCallable[
             kvxferd.v1.peer_pb2.ReleaseLeaseRequest,
             kvxferd.v1.peer_pb2.ReleaseLeaseResponse,
+        ],
+        grpc.UnaryUnaryMultiCallable[
+            kvxferd.v1.peer_pb2.DeclineLeaseRequest,
+            kvxferd.v1.peer_pb2.DeclineLeaseResponse,
         ],
         grpc.UnaryUnaryMultiCallable[
             kvxferd.v1.peer_pb2.HeartbeatRequest,
@@ -229,6 +249,10 @@ class PeerStub(typing.Generic[_PeerHandshakeType, _PeerConfirmLeaseType, _PeerEx
         grpc.aio.UnaryUnaryMultiCallable[
             kvxferd.v1.peer_pb2.ReleaseLeaseRequest,
             kvxferd.v1.peer_pb2.ReleaseLeaseResponse,
+        ],
+        grpc.aio.UnaryUnaryMultiCallable[
+            kvxferd.v1.peer_pb2.DeclineLeaseRequest,
+            kvxferd.v1.peer_pb2.DeclineLeaseResponse,
         ],
         grpc.aio.UnaryUnaryMultiCallable[
             kvxferd.v1.peer_pb2.HeartbeatRequest,
@@ -279,6 +303,16 @@ class PeerStub(typing.Generic[_PeerHandshakeType, _PeerConfirmLeaseType, _PeerEx
     """A reader lets go of its own share: done (same effect as the NIXL notification) or giving
     up. The blocks are released once no confirmed reader is still reading and every expected
     reader ended (or the lease expired). PERMISSION_DENIED if the caller never confirmed it.
+    """
+
+    DeclineLease: _PeerDeclineLeaseType
+    """A reader that will not read a held request after all (its decode request was aborted
+    before the pull) gives up its place among the expected readers without reading: the blocks
+    are released once the other expected readers have ended, not when the lease's TTL passes.
+    A caller that confirmed ends its share, as ReleaseLease with CANCELLED would; repeating the
+    call is answered with the lease as it is. FAILED_PRECONDITION (LeaseRefused) when every
+    expected place is taken by other readers or this caller's share ended after reading;
+    NOT_FOUND when the request is not held.
     """
 
     Heartbeat: _PeerHeartbeatType
@@ -363,6 +397,10 @@ PeerAsyncStub: typing_extensions.TypeAlias = PeerStub[
         kvxferd.v1.peer_pb2.ReleaseLeaseResponse,
     ],
     grpc.aio.UnaryUnaryMultiCallable[
+        kvxferd.v1.peer_pb2.DeclineLeaseRequest,
+        kvxferd.v1.peer_pb2.DeclineLeaseResponse,
+    ],
+    grpc.aio.UnaryUnaryMultiCallable[
         kvxferd.v1.peer_pb2.HeartbeatRequest,
         kvxferd.v1.peer_pb2.HeartbeatResponse,
     ],
@@ -434,6 +472,21 @@ class PeerServicer(metaclass=abc.ABCMeta):
         """A reader lets go of its own share: done (same effect as the NIXL notification) or giving
         up. The blocks are released once no confirmed reader is still reading and every expected
         reader ended (or the lease expired). PERMISSION_DENIED if the caller never confirmed it.
+        """
+
+    @abc.abstractmethod
+    def DeclineLease(
+        self,
+        request: kvxferd.v1.peer_pb2.DeclineLeaseRequest,
+        context: _ServicerContext,
+    ) -> typing.Union[kvxferd.v1.peer_pb2.DeclineLeaseResponse, collections.abc.Awaitable[kvxferd.v1.peer_pb2.DeclineLeaseResponse]]:
+        """A reader that will not read a held request after all (its decode request was aborted
+        before the pull) gives up its place among the expected readers without reading: the blocks
+        are released once the other expected readers have ended, not when the lease's TTL passes.
+        A caller that confirmed ends its share, as ReleaseLease with CANCELLED would; repeating the
+        call is answered with the lease as it is. FAILED_PRECONDITION (LeaseRefused) when every
+        expected place is taken by other readers or this caller's share ended after reading;
+        NOT_FOUND when the request is not held.
         """
 
     @abc.abstractmethod

@@ -604,6 +604,60 @@ class CancelTransferResponse(google.protobuf.message.Message):
 Global___CancelTransferResponse: typing_extensions.TypeAlias = CancelTransferResponse
 
 @typing.final
+class DeclinePullRequest(google.protobuf.message.Message):
+    """Decline one held request."""
+
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: builtins.int
+    PEER_ADDRESS_FIELD_NUMBER: builtins.int
+    DEADLINE_MS_FIELD_NUMBER: builtins.int
+    request_id: builtins.str
+    """The request ID the peer holds (as StartPullRequest.request_id)."""
+    peer_address: builtins.str
+    """The peer daemon holding it (as StartPullRequest.peer_address)."""
+    deadline_ms: builtins.int
+    """Time for the handshake (if this daemon has none with the peer yet) and the peer's answer,
+    ms; 0 means transfer.default_deadline_ms.
+    """
+    def __init__(
+        self,
+        *,
+        request_id: builtins.str = ...,
+        peer_address: builtins.str = ...,
+        deadline_ms: builtins.int = ...,
+    ) -> None: ...
+    def ClearField(self, field_name: typing.Literal["deadline_ms", b"deadline_ms", "peer_address", b"peer_address", "request_id", b"request_id"]) -> None: ...
+
+Global___DeclinePullRequest: typing_extensions.TypeAlias = DeclinePullRequest
+
+@typing.final
+class DeclinePullResponse(google.protobuf.message.Message):
+    """The peer's lease after the decline."""
+
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
+
+    RELEASED_FIELD_NUMBER: builtins.int
+    READERS_EXPECTED_FIELD_NUMBER: builtins.int
+    READERS_CONFIRMED_FIELD_NUMBER: builtins.int
+    released: builtins.bool
+    """True once the peer released the request's blocks (no other expected reader is left)."""
+    readers_expected: builtins.int
+    """Readers the peer held the request for."""
+    readers_confirmed: builtins.int
+    """Readers that confirmed or declined, this daemon included."""
+    def __init__(
+        self,
+        *,
+        released: builtins.bool = ...,
+        readers_expected: builtins.int = ...,
+        readers_confirmed: builtins.int = ...,
+    ) -> None: ...
+    def ClearField(self, field_name: typing.Literal["readers_confirmed", b"readers_confirmed", "readers_expected", b"readers_expected", "released", b"released"]) -> None: ...
+
+Global___DeclinePullResponse: typing_extensions.TypeAlias = DeclinePullResponse
+
+@typing.final
 class ListPeersRequest(google.protobuf.message.Message):
     """List the known peers."""
 

@@ -58,6 +58,11 @@ class SchedulerStub(object):
                 request_serializer=kvxferd_dot_v1_dot_scheduler__pb2.CancelTransferRequest.SerializeToString,
                 response_deserializer=kvxferd_dot_v1_dot_scheduler__pb2.CancelTransferResponse.FromString,
                 _registered_method=True)
+        self.DeclinePull = channel.unary_unary(
+                '/kvxferd.v1.Scheduler/DeclinePull',
+                request_serializer=kvxferd_dot_v1_dot_scheduler__pb2.DeclinePullRequest.SerializeToString,
+                response_deserializer=kvxferd_dot_v1_dot_scheduler__pb2.DeclinePullResponse.FromString,
+                _registered_method=True)
         self.ListPeers = channel.unary_unary(
                 '/kvxferd.v1.Scheduler/ListPeers',
                 request_serializer=kvxferd_dot_v1_dot_scheduler__pb2.ListPeersRequest.SerializeToString,
@@ -113,6 +118,21 @@ class SchedulerServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeclinePull(self, request, context):
+        """Tell a peer that this daemon will not pull a request it holds after all (the decode request
+        was aborted before its pull started): the peer ends this daemon's place among the request's
+        expected readers, so its blocks are freed once the other readers are done instead of when
+        the lease's TTL passes. Afterwards a StartPull of that request on this daemon is refused.
+        Repeating the call is idempotent: the peer's lease as it is now (released = true once the
+        blocks were freed). FAILED_PRECONDITION (LeaseRefused) while a pull of this daemon reads the
+        request (CancelTransfer it: its end gives the share back), once a pull of it ended here,
+        when the peer's other readers took every expected place, or when the peer already released
+        it; NOT_FOUND when the peer never held it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListPeers(self, request, context):
         """Every peer this daemon knows, with its handshake state.
         """
@@ -149,6 +169,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.CancelTransfer,
                     request_deserializer=kvxferd_dot_v1_dot_scheduler__pb2.CancelTransferRequest.FromString,
                     response_serializer=kvxferd_dot_v1_dot_scheduler__pb2.CancelTransferResponse.SerializeToString,
+            ),
+            'DeclinePull': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeclinePull,
+                    request_deserializer=kvxferd_dot_v1_dot_scheduler__pb2.DeclinePullRequest.FromString,
+                    response_serializer=kvxferd_dot_v1_dot_scheduler__pb2.DeclinePullResponse.SerializeToString,
             ),
             'ListPeers': grpc.unary_unary_rpc_method_handler(
                     servicer.ListPeers,
@@ -273,6 +298,33 @@ class Scheduler(object):
             '/kvxferd.v1.Scheduler/CancelTransfer',
             kvxferd_dot_v1_dot_scheduler__pb2.CancelTransferRequest.SerializeToString,
             kvxferd_dot_v1_dot_scheduler__pb2.CancelTransferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeclinePull(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxferd.v1.Scheduler/DeclinePull',
+            kvxferd_dot_v1_dot_scheduler__pb2.DeclinePullRequest.SerializeToString,
+            kvxferd_dot_v1_dot_scheduler__pb2.DeclinePullResponse.FromString,
             options,
             channel_credentials,
             insecure,

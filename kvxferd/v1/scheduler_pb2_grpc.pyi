@@ -89,6 +89,22 @@ _SchedulerCancelTransferType = typing_extensions.TypeVar(
     ],
 )
 
+_SchedulerDeclinePullType = typing_extensions.TypeVar(
+    '_SchedulerDeclinePullType',
+    grpc.UnaryUnaryMultiCallable[
+        kvxferd.v1.scheduler_pb2.DeclinePullRequest,
+        kvxferd.v1.scheduler_pb2.DeclinePullResponse,
+    ],
+    grpc.aio.UnaryUnaryMultiCallable[
+        kvxferd.v1.scheduler_pb2.DeclinePullRequest,
+        kvxferd.v1.scheduler_pb2.DeclinePullResponse,
+    ],
+    default=grpc.UnaryUnaryMultiCallable[
+        kvxferd.v1.scheduler_pb2.DeclinePullRequest,
+        kvxferd.v1.scheduler_pb2.DeclinePullResponse,
+    ],
+)
+
 _SchedulerListPeersType = typing_extensions.TypeVar(
     '_SchedulerListPeersType',
     grpc.UnaryUnaryMultiCallable[
@@ -121,7 +137,7 @@ _SchedulerChecksumType = typing_extensions.TypeVar(
     ],
 )
 
-class SchedulerStub(typing.Generic[_SchedulerStartPullType, _SchedulerWatchTransfersType, _SchedulerGetTransferType, _SchedulerCancelTransferType, _SchedulerListPeersType, _SchedulerChecksumType]):
+class SchedulerStub(typing.Generic[_SchedulerStartPullType, _SchedulerWatchTransfersType, _SchedulerGetTransferType, _SchedulerCancelTransferType, _SchedulerDeclinePullType, _SchedulerListPeersType, _SchedulerChecksumType]):
     """The scheduler API, served by the decode-side daemon: start pulls, watch them, cancel them,
     inspect peers, verify bytes.
 
@@ -145,6 +161,10 @@ class SchedulerStub(typing.Generic[_SchedulerStartPullType, _SchedulerWatchTrans
         grpc.UnaryUnaryMultiCallable[
             kvxferd.v1.scheduler_pb2.CancelTransferRequest,
             kvxferd.v1.scheduler_pb2.CancelTransferResponse,
+        ],
+        grpc.UnaryUnaryMultiCallable[
+            kvxferd.v1.scheduler_pb2.DeclinePullRequest,
+            kvxferd.v1.scheduler_pb2.DeclinePullResponse,
         ],
         grpc.UnaryUnaryMultiCallable[
             kvxferd.v1.scheduler_pb2.ListPeersRequest,
@@ -173,6 +193,10 @@ class SchedulerStub(typing.Generic[_SchedulerStartPullType, _SchedulerWatchTrans
         grpc.aio.UnaryUnaryMultiCallable[
             kvxferd.v1.scheduler_pb2.CancelTransferRequest,
             kvxferd.v1.scheduler_pb2.CancelTransferResponse,
+        ],
+        grpc.aio.UnaryUnaryMultiCallable[
+            kvxferd.v1.scheduler_pb2.DeclinePullRequest,
+            kvxferd.v1.scheduler_pb2.DeclinePullResponse,
         ],
         grpc.aio.UnaryUnaryMultiCallable[
             kvxferd.v1.scheduler_pb2.ListPeersRequest,
@@ -206,6 +230,18 @@ class SchedulerStub(typing.Generic[_SchedulerStartPullType, _SchedulerWatchTrans
     CancelTransfer: _SchedulerCancelTransferType
     """Cancel a transfer; a terminal transfer is returned unchanged (not an error)."""
 
+    DeclinePull: _SchedulerDeclinePullType
+    """Tell a peer that this daemon will not pull a request it holds after all (the decode request
+    was aborted before its pull started): the peer ends this daemon's place among the request's
+    expected readers, so its blocks are freed once the other readers are done instead of when
+    the lease's TTL passes. Afterwards a StartPull of that request on this daemon is refused.
+    Repeating the call is idempotent: the peer's lease as it is now (released = true once the
+    blocks were freed). FAILED_PRECONDITION (LeaseRefused) while a pull of this daemon reads the
+    request (CancelTransfer it: its end gives the share back), once a pull of it ended here,
+    when the peer's other readers took every expected place, or when the peer already released
+    it; NOT_FOUND when the peer never held it.
+    """
+
     ListPeers: _SchedulerListPeersType
     """Every peer this daemon knows, with its handshake state."""
 
@@ -228,6 +264,10 @@ SchedulerAsyncStub: typing_extensions.TypeAlias = SchedulerStub[
     grpc.aio.UnaryUnaryMultiCallable[
         kvxferd.v1.scheduler_pb2.CancelTransferRequest,
         kvxferd.v1.scheduler_pb2.CancelTransferResponse,
+    ],
+    grpc.aio.UnaryUnaryMultiCallable[
+        kvxferd.v1.scheduler_pb2.DeclinePullRequest,
+        kvxferd.v1.scheduler_pb2.DeclinePullResponse,
     ],
     grpc.aio.UnaryUnaryMultiCallable[
         kvxferd.v1.scheduler_pb2.ListPeersRequest,
@@ -287,6 +327,23 @@ class SchedulerServicer(metaclass=abc.ABCMeta):
         context: _ServicerContext,
     ) -> typing.Union[kvxferd.v1.scheduler_pb2.CancelTransferResponse, collections.abc.Awaitable[kvxferd.v1.scheduler_pb2.CancelTransferResponse]]:
         """Cancel a transfer; a terminal transfer is returned unchanged (not an error)."""
+
+    @abc.abstractmethod
+    def DeclinePull(
+        self,
+        request: kvxferd.v1.scheduler_pb2.DeclinePullRequest,
+        context: _ServicerContext,
+    ) -> typing.Union[kvxferd.v1.scheduler_pb2.DeclinePullResponse, collections.abc.Awaitable[kvxferd.v1.scheduler_pb2.DeclinePullResponse]]:
+        """Tell a peer that this daemon will not pull a request it holds after all (the decode request
+        was aborted before its pull started): the peer ends this daemon's place among the request's
+        expected readers, so its blocks are freed once the other readers are done instead of when
+        the lease's TTL passes. Afterwards a StartPull of that request on this daemon is refused.
+        Repeating the call is idempotent: the peer's lease as it is now (released = true once the
+        blocks were freed). FAILED_PRECONDITION (LeaseRefused) while a pull of this daemon reads the
+        request (CancelTransfer it: its end gives the share back), once a pull of it ended here,
+        when the peer's other readers took every expected place, or when the peer already released
+        it; NOT_FOUND when the peer never held it.
+        """
 
     @abc.abstractmethod
     def ListPeers(

@@ -30,13 +30,17 @@ This is the only module of kvxferd that imports vLLM; vLLM imports it. What each
   every rank's daemon, returned as the request's ``kv_transfer_params``
   (:mod:`kvxferd.vllm.params`); a decode request carrying a ticket reports the prompt's missing
   tokens as loadable and, once vLLM allocated its blocks, pairs them with the held ones
-  position by position, so prefix-cache hits move only the missing blocks.
+  position by position, so prefix-cache hits move only the missing blocks. A decode request
+  that ends before its pull was planned (aborted), or whose pull cannot be planned, has its
+  hold declined by every worker rank (``DeclinePull``), so the prefill engine gets its blocks
+  back at once rather than at the lease's TTL.
 
 Configuration (``kv_connector_extra_config``), errors and limits: docs/vllm.md.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,12 +61,14 @@ from kvxferd.vllm.host import attach_shared
 from kvxferd.vllm.kinds import resolved_layout
 from kvxferd.vllm.memory import SharedKvAllocation
 from kvxferd.vllm.params import (
+    Decline,
     LocalBlock,
     PullJob,
     Ticket,
     blocks_to_hold,
     plan_pull,
     ticket_from_params,
+    unpulled_decline,
 )
 from kvxferd.vllm.pull_link import PullLink
 from kvxferd.vllm.settings import ConnectorSettings, attn_backend
@@ -75,11 +81,13 @@ log = init_logger("vllm.kvxferd")
 
 @dataclass
 class KvxferdMetadata(KVConnectorMetadata):  # type: ignore[misc]
-    """Scheduler -> every worker rank, once per step: the pulls to start, and per finished
-    prefill the TP ranks that could not hold it (they report it sent at once)."""
+    """Scheduler -> every worker rank, once per step: the pulls to start, per finished
+    prefill the TP ranks that could not hold it (they report it sent at once), and the held
+    prefills this engine will not pull (each rank declines its own)."""
 
     pulls: list[PullJob] = field(default_factory=list)
     unheld: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    declines: list[Decline] = field(default_factory=list)
 
 
 def _tp_rank() -> int:
@@ -104,6 +112,7 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._holds: RankHolds | None = None
         self._pending: list[PullJob] = []
         self._unheld: dict[str, tuple[int, ...]] = {}
+        self._declines: list[Decline] = []
         self._planned: set[str] = set()
         # worker side
         self._engine: EngineLink | None = None
@@ -175,6 +184,7 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             return
         rank = self._worker.tp_rank
         self._worker.release_unheld(r for r, ranks in meta.unheld.items() if rank in ranks)
+        self._worker.decline(meta.declines)
         self._worker.start(meta.pulls)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -244,11 +254,12 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         )
         if err is not None:
             log.error("kvxferd: request %s: %s; computing it locally", rid, err)
+            self._declines.append(Decline.of(ticket))  # nothing reads the prefill's hold
         self._pending.append(job)
 
     def build_connector_meta(self, scheduler_output: Any) -> KvxferdMetadata:
-        meta = KvxferdMetadata(self._pending, self._unheld)
-        self._pending, self._unheld = [], {}
+        meta = KvxferdMetadata(self._pending, self._unheld, self._declines)
+        self._pending, self._unheld, self._declines = [], {}, []
         return meta
 
     def request_finished(
@@ -262,8 +273,12 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         from vllm.v1.request import RequestStatus
 
         rid = request.request_id
+        planned = rid in self._planned
         self._planned.discard(rid)
         params = request.kv_transfer_params
+        decline = unpulled_decline(params, planned=planned, now_ns=time.time_ns())
+        if decline is not None:  # aborted before its pull: the prefill holds it for nobody
+            self._declines.append(decline)
         if not params or not params.get("do_remote_decode") or self._holds is None:
             return False, None
         if request.status not in (

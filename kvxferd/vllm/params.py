@@ -255,6 +255,40 @@ class PullJob:
         return self.peer_addresses[tp_rank] if tp_rank < len(self.peer_addresses) else ""
 
 
+@dataclass(frozen=True)
+class Decline:
+    """A held prefill the decode side will not pull (its request ended first, or its pull
+    could not be planned): each worker rank declines its own prefill rank's hold."""
+
+    remote_request_id: str
+    peer_addresses: tuple[str, ...]  # the prefill daemon of each TP rank
+
+    @classmethod
+    def of(cls, ticket: Ticket) -> Decline:
+        return cls(ticket.request_id, ticket.rank_addresses)
+
+    def peer_for(self, tp_rank: int) -> str:
+        return self.peer_addresses[tp_rank] if tp_rank < len(self.peer_addresses) else ""
+
+
+def unpulled_decline(
+    params: Mapping[str, Any] | None, *, planned: bool, now_ns: int
+) -> Decline | None:
+    """What a decode request that finished owes the prefill holding its prompt: a
+    :class:`Decline` when it carried a live ticket and ended before its pull was planned
+    (aborted); None when a pull was planned (its end releases the hold), or the ticket is
+    missing, malformed or expired (the hold is gone already)."""
+    if planned or not params or not params.get("do_remote_prefill"):
+        return None
+    try:
+        ticket = ticket_from_params(params)
+    except KvxferdError:
+        return None
+    if ticket is None or ticket.expires_unix_ns <= now_ns:
+        return None
+    return Decline.of(ticket)
+
+
 def check_tp(ticket: Ticket, tp_size: int) -> None:
     """Refuse a ticket from a prefill engine of another TP size than this decode engine's.
 

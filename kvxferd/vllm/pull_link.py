@@ -221,6 +221,29 @@ class PullLink:
             )
         )
 
+    def decline(self, request_id: str, peer_address: str) -> None:
+        """Tell the prefill daemon at ``peer_address`` (through the local daemon's
+        DeclinePull) that ``request_id`` will not be pulled: it frees the held blocks now, not
+        at the lease's TTL. Best effort, on a thread; a failure is logged (the TTL still
+        frees them)."""
+        req = scheduler_pb2.DeclinePullRequest(request_id=request_id, peer_address=peer_address)
+        threading.Thread(
+            target=self._decline, args=(req,), name="kvxferd-decline", daemon=True
+        ).start()
+
+    def _decline(self, req: scheduler_pb2.DeclinePullRequest) -> None:
+        try:
+            if self._sockets is not None:
+                self._sockets.call("DeclinePull", req, timeout=CALL_TIMEOUT_S, metadata=self._md)
+            else:
+                self._stub.DeclinePull(req, timeout=CALL_TIMEOUT_S, metadata=self._md)
+        except grpc.RpcError as exc:  # RpcFailure too (the scheduler socket's)
+            err = rpc_error("Scheduler.DeclinePull", self.address, exc)
+            log.warning(
+                "declining a held request failed; the prefill daemon frees it at its TTL",
+                extra=kv(request_id=req.request_id, peer=req.peer_address, error=str(err)),
+            )
+
     def close(self) -> None:
         self._channel.close()
         if self._sockets is not None:

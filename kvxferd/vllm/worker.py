@@ -10,6 +10,8 @@ gets the same per-step metadata from the scheduler. :class:`RankWorker` is what 
   prefill requests whose hold this rank's daemon released (or that the scheduler could not
   hold on this rank, :meth:`release_unheld`). vLLM counts a request finished once every worker
   reported it (``KVOutputAggregator``), so each rank reports only its own share;
+* ``decline``: for each decode request that ended before its pull (or could not be planned),
+  tell this rank's prefill daemon it will not be read (DeclinePull), so its hold ends now;
 * ``load_errors``: the local blocks of this rank's failed pulls (vLLM unions every rank's, so
   one rank's failure makes vLLM's ``kv_load_failure_policy`` apply to the request).
 
@@ -26,7 +28,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 
 from kvxferd.vllm.daemon import Release
-from kvxferd.vllm.params import PullJob
+from kvxferd.vllm.params import Decline, PullJob
 from kvxferd.vllm.pull_link import PullLink, PullResult
 
 # vLLM's logger tree: inside vLLM these lines go through its handler, format and level.
@@ -86,6 +88,14 @@ class RankWorker:
                 deadline_ms=self.deadline_ms,
                 on_done=functools.partial(self.pull_done, request_id=job.request_id),
             )
+
+    def decline(self, declines: Iterable[Decline]) -> None:
+        """Tell this rank's prefill daemon of each declined request that it will not be
+        pulled (the decode request ended first), so its blocks are freed now."""
+        for d in declines:
+            peer = d.peer_for(self.tp_rank)
+            if self.pull is not None and peer:
+                self.pull.decline(d.remote_request_id, peer)
 
     def pull_done(self, result: PullResult, request_id: str | None = None) -> None:
         """A pull of this rank ended (on the pull's thread, or at once when refused)."""

@@ -55,6 +55,7 @@ METHODS: dict[str, tuple[type[Any], type[Any]]] = {
     "ConfirmLease": (peer_pb2.ConfirmLeaseRequest, peer_pb2.ConfirmLeaseResponse),
     "ExtendLease": (peer_pb2.ExtendLeaseRequest, peer_pb2.ExtendLeaseResponse),
     "ReleaseLease": (peer_pb2.ReleaseLeaseRequest, peer_pb2.ReleaseLeaseResponse),
+    "DeclineLease": (peer_pb2.DeclineLeaseRequest, peer_pb2.DeclineLeaseResponse),
     "Heartbeat": (peer_pb2.HeartbeatRequest, peer_pb2.HeartbeatResponse),
     "Gather": (peer_pb2.GatherRequest, peer_pb2.GatherResponse),
     "ReleaseStaging": (peer_pb2.ReleaseStagingRequest, peer_pb2.ReleaseStagingResponse),
@@ -67,6 +68,7 @@ SCHEDULER_METHODS: dict[str, tuple[type[Any], type[Any]]] = {
     "StartPull": (scheduler_pb2.StartPullRequest, scheduler_pb2.StartPullResponse),
     "GetTransfer": (scheduler_pb2.GetTransferRequest, scheduler_pb2.GetTransferResponse),
     "CancelTransfer": (scheduler_pb2.CancelTransferRequest, scheduler_pb2.CancelTransferResponse),
+    "DeclinePull": (scheduler_pb2.DeclinePullRequest, scheduler_pb2.DeclinePullResponse),
     "ListPeers": (scheduler_pb2.ListPeersRequest, scheduler_pb2.ListPeersResponse),
 }
 

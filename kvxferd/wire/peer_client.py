@@ -27,7 +27,15 @@ SESSION_METADATA = "kvxferd-session"
 # The Peer calls of a pull's lifetime, which a same-host owner also answers on its Unix socket
 # (kvxferd.wire.local); Handshake and Push always go over gRPC.
 LOCAL_METHODS = frozenset(
-    {"ConfirmLease", "ExtendLease", "ReleaseLease", "Heartbeat", "Gather", "ReleaseStaging"}
+    {
+        "ConfirmLease",
+        "ExtendLease",
+        "ReleaseLease",
+        "DeclineLease",
+        "Heartbeat",
+        "Gather",
+        "ReleaseStaging",
+    }
 )
 Metadata = tuple[tuple[str, str], ...]
 StageCall = aio.StreamStreamCall[peer_pb2.StageRequest, peer_pb2.StageResponse]
@@ -229,6 +237,15 @@ class PeerClient:
         )
         resp: peer_pb2.ReleaseLeaseResponse = await self._call(
             "ReleaseLease", req, f"releasing the lease of {request_id!r}", time_left_s
+        )
+        return resp
+
+    async def decline(
+        self, request_id: str, reader_id: str, time_left_s: float | None = None
+    ) -> peer_pb2.DeclineLeaseResponse:
+        req = peer_pb2.DeclineLeaseRequest(request_id=request_id, reader_id=reader_id)
+        resp: peer_pb2.DeclineLeaseResponse = await self._call(
+            "DeclineLease", req, f"declining the lease of {request_id!r}", time_left_s
         )
         return resp
 

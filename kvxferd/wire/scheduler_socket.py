@@ -1,9 +1,9 @@
 """The Scheduler's unary calls over the decode daemon's scheduler socket (blocking).
 
 A caller on the daemon's host (a scheduler, or the vLLM connector in the engine beside it) can
-send StartPull, GetTransfer, CancelTransfer and ListPeers as frames on the Unix socket the
-daemon serves at ``server.scheduler_socket`` (:mod:`kvxferd.wire.local`) instead of over
-gRPC: the same messages, the same handlers, the same errors, without a gRPC round trip's
+send StartPull, GetTransfer, CancelTransfer, DeclinePull and ListPeers as frames on the Unix
+socket the daemon serves at ``server.scheduler_socket`` (:mod:`kvxferd.wire.local`) instead of
+over gRPC: the same messages, the same handlers, the same errors, without a gRPC round trip's
 Python and HTTP/2 work on either side. :class:`SchedulerSocket` looks like the generated stub's
 unary methods (``StartPull(request, timeout=..., metadata=...)``), so
 :class:`~kvxferd.client.sync_client.SchedulerClient` takes it in the stub's place; a failed call
@@ -157,6 +157,9 @@ class SchedulerSocket:
     def CancelTransfer(self, request: Any, *, timeout: float, metadata: Metadata = ()) -> Any:  # noqa: N802
         return self.call("CancelTransfer", request, timeout=timeout, metadata=metadata)
 
+    def DeclinePull(self, request: Any, *, timeout: float, metadata: Metadata = ()) -> Any:  # noqa: N802
+        return self.call("DeclinePull", request, timeout=timeout, metadata=metadata)
+
     def ListPeers(self, request: Any, *, timeout: float, metadata: Metadata = ()) -> Any:  # noqa: N802
         return self.call("ListPeers", request, timeout=timeout, metadata=metadata)
 
@@ -213,6 +216,9 @@ class AsyncSchedulerSocket:
 
     async def CancelTransfer(self, request: Any, *, timeout: float, metadata: Metadata = ()) -> Any:  # noqa: N802
         return await self._call("CancelTransfer", request, timeout, metadata)
+
+    async def DeclinePull(self, request: Any, *, timeout: float, metadata: Metadata = ()) -> Any:  # noqa: N802
+        return await self._call("DeclinePull", request, timeout, metadata)
 
     async def ListPeers(self, request: Any, *, timeout: float, metadata: Metadata = ()) -> Any:  # noqa: N802
         return await self._call("ListPeers", request, timeout, metadata)

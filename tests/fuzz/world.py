@@ -467,6 +467,9 @@ class World:
                 "Peer.ReleaseLease": [
                     peer_pb2.ReleaseLeaseRequest(request_id="fz-2", reader_id="r-1", reason=1)
                 ],
+                "Peer.DeclineLease": [
+                    peer_pb2.DeclineLeaseRequest(request_id="fz-3", reader_id="r-2")
+                ],
                 "Peer.Heartbeat": [
                     peer_pb2.HeartbeatRequest(
                         daemon_id="r-0",
@@ -522,6 +525,12 @@ class World:
                 ],
                 "Scheduler.GetTransfer": [scheduler_pb2.GetTransferRequest(transfer_id=tid)],
                 "Scheduler.CancelTransfer": [scheduler_pb2.CancelTransferRequest(transfer_id=tid)],
+                "Scheduler.DeclinePull": [
+                    scheduler_pb2.DeclinePullRequest(request_id="fz-3", peer_address=p),
+                    scheduler_pb2.DeclinePullRequest(
+                        request_id="never-held", peer_address=p, deadline_ms=3000
+                    ),
+                ],
                 "Scheduler.ListPeers": [scheduler_pb2.ListPeersRequest()],
                 "Scheduler.Checksum": [
                     scheduler_pb2.ChecksumRequest(group_index=0, block_ids=[0, 1, 63]),

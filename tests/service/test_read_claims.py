@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from kvxferd.daemon.claims import ReadClaims
+from kvxferd.daemon.claims import DECLINE_CLAIM, ReadClaims
 from kvxferd.errors import DeadlineExceeded, LeaseRefused
 
 
@@ -109,3 +109,22 @@ def test_a_twin_waits_for_its_pull_to_start_or_for_the_claim_to_go() -> None:
             await claims.twin("owner:1", "r", "A", lambda: False, deadline=clock.t - 1)
 
     asyncio.run(go())
+
+
+def test_a_decline_is_refused_while_a_pull_reads_and_refuses_pulls_after_it() -> None:
+    """kvxferd/daemon/decline.py takes the request's claim like a pull: never under a pull
+    still reading (the owner would free the blocks under its READ), and a later pull of a
+    declined request is refused naming the decline."""
+    claims = ReadClaims()
+    assert claims.claim("owner:1", "r", "A")
+    with pytest.raises(LeaseRefused, match="transfer 'A'"):
+        claims.claim("owner:1", "r", DECLINE_CLAIM)
+    claims.release("owner:1", "r", "A", ended=False)  # failed: kept its share
+    assert claims.claim("owner:1", "r", DECLINE_CLAIM)
+    with pytest.raises(LeaseRefused, match="being declined"):
+        claims.claim("owner:1", "r", "B")
+    claims.release("owner:1", "r", DECLINE_CLAIM, ended=True)
+    assert claims.ended_by("owner:1", "r") == DECLINE_CLAIM
+    with pytest.raises(LeaseRefused, match="declined") as err:
+        claims.claim("owner:1", "r", "B")
+    assert "hold the request again" in err.value.fix

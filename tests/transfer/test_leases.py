@@ -189,7 +189,9 @@ def test_callback_errors_do_not_break_the_table(table: tuple[LeaseTable, list[Re
 
 _OPS = st.lists(
     st.tuples(
-        st.sampled_from(["confirm", "notify", "finish", "renew", "advance", "cancel", "forge"]),
+        st.sampled_from(
+            ["confirm", "notify", "finish", "renew", "advance", "cancel", "forge", "decline"]
+        ),
         st.sampled_from(["a", "b", "c"]),
         st.floats(0.1, 3.0),
     ),
@@ -237,9 +239,52 @@ def test_blocks_are_never_released_while_a_share_is_reading(
                 t.cancel("r")
             elif op == "forge":
                 assert not t.notified("r", int(x * 1000))
+            elif op == "decline":  # a reader still reading ends its own share by declining
+                t.decline("r", who)
+                reading.pop(who, None)
         except (LeaseRefused, NotFound, PermissionDenied):
             pass
     assert len(seen) <= 1
+
+
+def test_a_decline_takes_one_place_without_reading(
+    table: tuple[LeaseTable, list[Released]],
+) -> None:
+    """DeclineLease (peer.proto): a reader that will not read gives its place up; the blocks
+    are released once no other expected reader is left, and only then."""
+    t, seen = table
+    t.hold("r", [np.arange(4)], readers=2, ttl_s=30)
+    a = t.confirm("r", "reader-a", 10).ticket
+    view, released = t.decline("r", "reader-b")
+    assert not released and seen == [] and view.confirmations == 2 and view.ticket == 0
+    assert t.decline("r", "reader-b") == (view, False)  # idempotent
+    with pytest.raises(LeaseRefused, match="all of them have confirmed"):
+        t.confirm("r", "reader-c", 10)  # the declined place is taken
+    with pytest.raises(LeaseRefused, match="confirmed \\(or declined\\)"):
+        t.decline("r", "reader-c")
+    assert t.notified("r", a)
+    [rel] = seen
+    assert rel.reason is ReleaseReason.CANCELLED and rel.readers_done == 1
+    with pytest.raises(LeaseRefused, match="released"):
+        t.decline("r", "reader-b")  # released since: the refusal says so
+    with pytest.raises(NotFound):
+        t.decline("never-held", "reader-b")
+
+
+def test_a_decline_of_the_only_place_releases_at_once_and_a_reader_that_read_cannot_decline(
+    table: tuple[LeaseTable, list[Released]],
+) -> None:
+    t, seen = table
+    t.hold("one", [np.arange(2)], readers=1, ttl_s=30)
+    assert t.decline("one", "reader-a")[1]
+    assert [r.reason for r in seen] == [ReleaseReason.CANCELLED]
+    t.hold("two", [np.arange(2)], readers=2, ttl_s=30)
+    assert t.notified("two", t.confirm("two", "reader-a", 10).ticket)
+    with pytest.raises(LeaseRefused, match="already ended \\(DONE\\)"):
+        t.decline("two", "reader-a")
+    t.confirm("two", "reader-b", 10)
+    _, released = t.decline("two", "reader-b")  # a confirmed reader declining gives up
+    assert released and seen[-1].reason is ReleaseReason.CANCELLED
 
 
 def test_hold_refusals_name_the_wire_field_and_say_how_to_fix_them(

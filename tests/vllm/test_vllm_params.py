@@ -16,12 +16,14 @@ from kvxferd.errors import InvalidRequest, SpecError
 from kvxferd.layout.spec import GroupKind
 from kvxferd.vllm.memory import SharedKvAllocation
 from kvxferd.vllm.params import (
+    Decline,
     LocalBlock,
     Ticket,
     blocks_to_hold,
     plan_pull,
     pull_lists,
     ticket_from_params,
+    unpulled_decline,
 )
 
 FA, SWA, MAMBA = GroupKind.FULL_ATTENTION, GroupKind.SLIDING_WINDOW, GroupKind.MAMBA
@@ -95,6 +97,24 @@ def test_malformed_peer_addresses_are_refused(value: object, match: str) -> None
     params["kvxferd"]["peer_addresses"] = value
     with pytest.raises(InvalidRequest, match=match):
         ticket_from_params(params)
+
+
+def test_a_decode_request_that_ended_before_its_pull_declines_every_ranks_hold() -> None:
+    """The connector's request_finished (docs/vllm.md): a decode request with a live ticket
+    that ended before its pull was planned declines every prefill rank's hold; one that was
+    planned (its pull's end releases the hold), carries no ticket, a malformed or an expired
+    one owes nothing."""
+    params = _tp2_ticket([[4, 5]]).to_params()  # expires_unix_ns = 1
+    live = dict(params, kvxferd=dict(params["kvxferd"], expires_unix_ns=2_000))
+    d = unpulled_decline(live, planned=False, now_ns=1_000)
+    assert d == Decline("req-1", ("10.0.0.5:5000", "10.0.0.5:5001"))
+    assert d is not None and [d.peer_for(r) for r in range(3)] == [*d.peer_addresses, ""]
+    assert unpulled_decline(live, planned=True, now_ns=1_000) is None
+    assert unpulled_decline(live, planned=False, now_ns=2_000) is None  # expired
+    assert unpulled_decline(None, planned=False, now_ns=0) is None
+    assert unpulled_decline({"do_remote_decode": True}, planned=False, now_ns=0) is None
+    bad = dict(live, kvxferd=dict(live["kvxferd"], peer_address="nowhere"))
+    assert unpulled_decline(bad, planned=False, now_ns=0) is None
 
 
 def test_each_decode_rank_pulls_from_the_prefill_rank_of_its_index() -> None:

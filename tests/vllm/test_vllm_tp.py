@@ -36,7 +36,14 @@ from kvxferd.vllm.daemon import EngineLink
 from kvxferd.vllm.holds import RankHolds
 from kvxferd.vllm.host import attach_shared
 from kvxferd.vllm.memory import SharedKvAllocation
-from kvxferd.vllm.params import LocalBlock, PullJob, blocks_to_hold, plan_pull, ticket_from_params
+from kvxferd.vllm.params import (
+    Decline,
+    LocalBlock,
+    PullJob,
+    blocks_to_hold,
+    plan_pull,
+    ticket_from_params,
+)
 from kvxferd.vllm.pull_link import PullLink
 from kvxferd.vllm.spec import translate
 from kvxferd.vllm.worker import RankWorker
@@ -241,6 +248,28 @@ def test_a_rank_that_cannot_hold_reports_the_request_sent_at_once(
     finally:
         holds.close()
     assert held_requests(_sockets(daemons, "prefill")[0]) == 0
+
+
+def test_a_decode_request_aborted_before_its_pull_frees_every_prefill_ranks_hold_at_once(
+    daemons: Daemons, ranks: dict[str, list[RankEngine]]
+) -> None:
+    """KvxferdMetadata.declines: each decode rank declines its own prefill rank's hold
+    (DeclinePull on its daemon), so each prefill rank reports the request sent long before
+    the hold's 60 s lease would lapse, and vLLM may free the blocks."""
+    prefill, decode = ranks["prefill"], ranks["decode"]
+    holds = RankHolds(_sockets(daemons, "prefill"), ttl_ms=60_000)
+    try:
+        out = holds.hold("req-D", blocks_to_hold(FA, [[1, 2]], 64, [BLOCK]), 64)
+        assert out.ticket is not None and out.held == (0, 1)
+        assert [held_requests(s) for s in _sockets(daemons, "prefill")] == [1, 1]
+        t0 = time.monotonic()
+        for d in decode:
+            d.worker.decline([Decline.of(out.ticket)])
+        sent, _ = aggregate([p.worker for p in prefill], {"req-D"}, "req-D", 0)
+        assert sent == {"req-D"} and time.monotonic() - t0 < 30
+    finally:
+        holds.close()
+    assert [held_requests(s) for s in _sockets(daemons, "prefill")] == [0, 0]
 
 
 def test_engine_sockets_with_rank_placeholder_point_at_each_ranks_daemon(

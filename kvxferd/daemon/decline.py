@@ -1,0 +1,94 @@
+"""DeclinePull: this daemon will not pull a request a peer holds for it after all.
+
+A decode request can end before its pull starts (the client went away, the scheduler gave up):
+without a word from the reader, the owner keeps the request's blocks until its lease's TTL
+passes. A decline tells the owner now (Peer ``DeclineLease``): this daemon gives up its place
+among the request's expected readers, so the owner frees the blocks as soon as no other
+expected reader is left.
+
+A decline must never end a share a pull of this daemon is still reading under (the owner
+would free the blocks under its READ), so it takes the request's read claim like a pull does
+(:class:`~kvxferd.daemon.claims.ReadClaims`): refused while a pull reads it or once a pull of
+it ended here; once declined, a later StartPull of the request is refused here as the owner
+would refuse it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from kvxferd.daemon.claims import DECLINE_CLAIM
+from kvxferd.daemon.peers import PeerLink
+from kvxferd.daemon.pulls import check_target
+from kvxferd.daemon.reader import Reader
+from kvxferd.errors import DeadlineExceeded, LeaseRefused, NotFound
+from kvxferd.logs import kv
+from kvxferd.v1 import peer_pb2
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Declined:
+    """The owner's lease after a decline."""
+
+    released: bool
+    readers_expected: int
+    readers_confirmed: int
+
+
+async def decline(
+    reader: Reader, peer_address: str, request_id: str, deadline_s: float
+) -> Declined:
+    """Give up this daemon's place in ``request_id``'s lease on ``peer_address``."""
+    check_target(request_id, peer_address, deadline_s, reader.p.limits.max_deadline_s)
+    link = await _link(reader, peer_address, deadline_s)
+    # A repeated decline finds its own claim ended: it asks the owner again (idempotent there).
+    again = reader.claims.ended_by(link.address, request_id) == DECLINE_CLAIM
+    if not again:
+        reader.claims.claim(link.address, request_id, DECLINE_CLAIM)
+    declined = False
+    try:
+        resp: peer_pb2.DeclineLeaseResponse = await link.client.decline(
+            request_id, reader.p.agent_name, deadline_s
+        )
+        declined = True
+    except (LeaseRefused, NotFound):
+        if not again:
+            raise
+        # Declined before, and the owner has released the blocks since (or forgotten them).
+        return Declined(released=True, readers_expected=0, readers_confirmed=0)
+    finally:
+        if not again:
+            reader.claims.release(link.address, request_id, DECLINE_CLAIM, ended=declined)
+    lease = resp.lease
+    out = Declined(
+        released=lease.state == peer_pb2.LEASE_STATE_RELEASED,
+        readers_expected=lease.readers_expected,
+        readers_confirmed=lease.readers_confirmed,
+    )
+    log.info(
+        "declined a held request",
+        extra=kv(peer=link.address, request_id=request_id, released=out.released),
+    )
+    return out
+
+
+async def _link(reader: Reader, address: str, deadline_s: float) -> PeerLink:
+    assert reader.p.peers is not None, "attach_peers() before decline()"
+    link = reader.p.peers.usable(address)
+    if link is not None:
+        return link
+    try:
+        return await asyncio.wait_for(reader.p.peers.ready(address), timeout=deadline_s)
+    except TimeoutError:
+        raise DeadlineExceeded(
+            f"the handshake with {address} outlasted the decline's deadline ({deadline_s:g}s)",
+            field="peer_address",
+            fix="check that the peer daemon runs at that address, or raise deadline_ms",
+        ) from None
+
+
+__all__ = ["Declined", "decline"]

@@ -1,0 +1,154 @@
+"""DeclinePull between real daemons (scheduler.proto; kvxferd/daemon/decline.py): a decode
+daemon that will not pull a held request after all gives up its place in the prefill daemon's
+lease, and the prefill engine gets its blocks back at once instead of at the lease's TTL.
+
+A prefill daemon and a decode daemon (the decode one also serving its scheduler socket); raw
+peers (:mod:`tests.service.raw_peer`) play the other readers of a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from kvxferd.client import Declined, KvxferdRpcError, SchedulerClient
+from kvxferd.scenario.daemons import DaemonOptions
+from kvxferd.v1 import common_pb2, scheduler_pb2
+from kvxferd.wire.codec import group_ids_to_proto
+from tests.service.conftest import Daemons, launch
+from tests.service.raw_peer import handshake
+from tests.service.test_safety import Releases, code_of, hold
+from tests.service.test_service_pull import Client, run
+
+C = grpc.StatusCode
+SPEC = "dense:num_blocks=32"
+LONG_TTL_MS = 60_000  # a decline must free the blocks long before this
+
+
+@pytest.fixture(scope="module")
+def daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemons]:
+    ds = launch(
+        tmp_path_factory.mktemp("decline"),
+        DaemonOptions("prefill", SPEC, fill_seed=5),
+        DaemonOptions("decode", SPEC, scheduler_socket=True),
+    )
+    yield ds
+    ds.stop()
+
+
+def decline(c: Client, rid: str, address: str) -> object:
+    return c.decode.DeclinePull(
+        scheduler_pb2.DeclinePullRequest(request_id=rid, peer_address=address), timeout=10
+    )
+
+
+def test_a_decline_frees_the_held_blocks_at_once_and_refuses_a_later_pull(
+    daemons: Daemons,
+) -> None:
+    async def go() -> None:
+        c = Client(daemons["prefill"], daemons["decode"])
+        address = daemons["prefill"].grpc
+        await hold(c, "dec-1", [1, 2, 3], readers=1, ttl_ms=LONG_TTL_MS)
+        rel = Releases(c, ["dec-1"])
+        try:
+            t0 = time.monotonic()
+            resp = await decline(c, "dec-1", address)
+            assert resp.released and resp.readers_expected == 1 and resp.readers_confirmed == 1
+            got = await rel.wait("dec-1", 10)
+            assert got.reason == common_pb2.RELEASE_REASON_CANCELLED
+            assert time.monotonic() - t0 < 10  # not the 60 s TTL
+        finally:
+            rel.close()
+        # The same decline again is answered, not refused (the vLLM connector may repeat it).
+        again = await decline(c, "dec-1", address)
+        assert again.released
+        # A pull of a request this daemon declined is refused here, saying so.
+        start = c.decode.StartPull(
+            scheduler_pb2.StartPullRequest(
+                request_id="dec-1",
+                peer_address=address,
+                remote_block_ids=group_ids_to_proto([[1, 2, 3]]),
+                local_block_ids=group_ids_to_proto([[4, 5, 6]]),
+            )
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await start
+        assert ei.value.code() == C.FAILED_PRECONDITION
+        assert "declined" in (ei.value.details() or "")
+
+    run(go())
+
+
+def test_a_decline_waits_for_the_reader_still_reading(daemons: Daemons) -> None:
+    """Two expected readers: one confirmed and reading, the decode daemon declines. The blocks
+    stay held until the reading one ends, then are released."""
+
+    async def go() -> None:
+        c = Client(daemons["prefill"], daemons["decode"])
+        address = daemons["prefill"].grpc
+        await hold(c, "dec-2", [7, 8], readers=2, ttl_ms=LONG_TTL_MS)
+        rel = Releases(c, ["dec-2"])
+        try:
+            reading = await handshake(address, SPEC, agent="reader-a", instance="dec-a")
+            assert (await reading.confirm("dec-2", extend_ms=20_000)).ticket
+            resp = await decline(c, "dec-2", address)
+            assert not resp.released
+            assert (resp.readers_expected, resp.readers_confirmed) == (2, 2)
+            await asyncio.sleep(0.3)
+            assert "dec-2" not in rel.got, "released under a reader still reading"
+            await reading.release("dec-2", done=True)
+            got = await rel.wait("dec-2", 10)
+            assert got.reason == common_pb2.RELEASE_REASON_CANCELLED  # not every reader read
+        finally:
+            rel.close()
+
+    run(go())
+
+
+def test_refusals_say_what_was_wrong(daemons: Daemons) -> None:
+    async def go() -> None:
+        c = Client(daemons["prefill"], daemons["decode"])
+        address = daemons["prefill"].grpc
+        assert await code_of(decline(c, "", address)) == C.INVALID_ARGUMENT
+        assert await code_of(decline(c, "dec-x", "")) == C.INVALID_ARGUMENT
+        assert await code_of(decline(c, "never-held", address)) == C.NOT_FOUND
+        # Every place taken by another reader: nothing to decline, and nothing is released.
+        await hold(c, "dec-3", [9], readers=1, ttl_ms=LONG_TTL_MS)
+        other = await handshake(address, SPEC, agent="reader-b", instance="dec-b")
+        await other.confirm("dec-3", extend_ms=20_000)
+        assert await code_of(decline(c, "dec-3", address)) == C.FAILED_PRECONDITION
+        # A pull of this daemon that read the request ended its share: a decline is refused.
+        held = await c.hold("dec-4", [10, 11])
+        status = await c.pull(held, [12, 13])
+        status = await c.wait(status.transfer_id)
+        assert status.state == scheduler_pb2.TRANSFER_STATE_DONE, status.error.message
+        assert await code_of(decline(c, "dec-4", held.peer_address)) == C.FAILED_PRECONDITION
+        late = scheduler_pb2.DeclinePullRequest(
+            request_id="dec-x", peer_address=address, deadline_ms=10_000_000
+        )
+        assert await code_of(c.decode.DeclinePull(late)) == C.INVALID_ARGUMENT
+
+    run(go())
+
+
+def test_the_client_declines_over_the_scheduler_socket(daemons: Daemons) -> None:
+    decode = daemons["decode"]
+    address = daemons["prefill"].grpc
+
+    async def held() -> None:
+        c = Client(daemons["prefill"], decode)
+        await hold(c, "dec-5", [14, 15], readers=1, ttl_ms=LONG_TTL_MS)
+
+    run(held())
+    ready = daemons.set["decode"].ready
+    assert ready is not None and ready.scheduler_socket, "the fixture serves it"
+    with SchedulerClient(decode.grpc, socket=ready.scheduler_socket) as client:
+        out = client.decline_pull(request_id="dec-5", peer_address=address)
+        assert out == Declined(released=True, readers_expected=1, readers_confirmed=1)
+        with pytest.raises(KvxferdRpcError) as ei:
+            client.decline_pull(request_id="never-held-5", peer_address=address)
+        assert ei.value.code is C.NOT_FOUND
