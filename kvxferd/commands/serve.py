@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+from pathlib import Path
 
 from kvxferd.commands import Subparsers
 from kvxferd.config import load_config
@@ -95,8 +97,32 @@ def overrides_from(args: argparse.Namespace) -> dict[str, str]:
     return out
 
 
+def check_ready_file(path: str) -> None:
+    """Refuse, before anything is bound, a --ready-file that could not be written."""
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(
+            f"{path} is a directory", field="--ready-file", fix="name a file to write, not a folder"
+        )
+    parent = p.parent
+    if not parent.is_dir():
+        raise ConfigError(
+            f"the directory {parent} of {path} does not exist (kvxferd does not create it)",
+            field="--ready-file",
+            fix=f"create {parent} first, or name a file in an existing directory",
+        )
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"the directory {parent} of {path} is not writable by this user",
+            field="--ready-file",
+            fix="name a file in a directory this user may write to",
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, overrides=overrides_from(args))
+    if args.ready_file:
+        check_ready_file(args.ready_file)
     setup_logging(cfg.log.level, cfg.log.format)
     from kvxferd.service.app import serve_forever
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import tomllib
 from collections.abc import Mapping
@@ -72,14 +73,15 @@ def load_config(
     raw: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
     if path:
         p = Path(path)
-        try:
-            data = tomllib.loads(p.read_text())
-        except FileNotFoundError as exc:
-            raise ConfigError(f"config file {p} does not exist", fix="check --config") from exc
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {p} is not valid TOML: {exc}") from exc
+        data = read_config_file(p)
         for section, table in data.items():
-            if section not in SECTIONS or not isinstance(table, dict):
+            if not isinstance(table, dict):
+                raise ConfigError(
+                    f"key {section!r} in {p} is outside any [section]",
+                    field=section,
+                    fix=f"put it under its section ({', '.join(SECTIONS)}; keys in {DOCS})",
+                )
+            if section not in SECTIONS:
                 raise ConfigError(
                     f"unknown section [{section}] in {p}",
                     field=section,
@@ -106,6 +108,35 @@ def load_config(
     cfg = Config(**built)
     validate(cfg)
     return cfg
+
+
+def read_config_file(p: Path) -> dict[str, Any]:
+    """The parsed ``--config`` file, or a :class:`ConfigError` saying why there is none."""
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError as exc:
+        raise ConfigError(f"config file {p} does not exist", fix="check --config") from exc
+    except IsADirectoryError as exc:
+        raise ConfigError(
+            f"config file {p} is a directory", field="--config", fix="pass the TOML file's path"
+        ) from exc
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot read config file {p}: {exc.strerror or exc}",
+            field="--config",
+            fix="check the path and its permissions",
+        ) from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"config file {p} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset"
+            f" {exc.start})",
+            field="--config",
+            fix="save it as UTF-8, as TOML requires",
+        ) from exc
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {p} is not valid TOML: {exc}") from exc
 
 
 def _build(cls: type[Any], section: str, values: Mapping[str, Any]) -> Any:
@@ -143,15 +174,31 @@ def _convert(value: Any, typ: type, key: str) -> Any:
         if text in ("0", "false", "no", "off", ""):
             return False
         raise ConfigError(f"{value!r} is not a boolean", field=key, fix="use true or false")
-    if typ in (int, float):
+    if typ is int:
+        # A float is refused even when integral (2.0), as "2.0" from --set or the environment
+        # is: truncating 1.9 to 1 would silently change the setting.
+        if isinstance(value, bool | float):
+            raise ConfigError(
+                f"{value!r} is not an integer", field=key, fix="write a whole number, e.g. 2"
+            )
+        try:
+            return int(value)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(
+                f"{value!r} is not an integer", field=key, fix="write a whole number, e.g. 2"
+            ) from exc
+    if typ is float:
         if isinstance(value, bool):
             raise ConfigError(f"{value!r} is not a number", field=key)
         try:
-            return typ(value)
+            number = float(value)
         except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{value!r} is not a number", field=key) from exc
+        if not math.isfinite(number):
             raise ConfigError(
-                f"{value!r} is not a{'n integer' if typ is int else ' number'}", field=key
-            ) from exc
+                f"{value!r} is not a finite number", field=key, fix="write a finite number"
+            )
+        return number
     if not isinstance(value, str):
         raise ConfigError(f"{value!r} must be a string", field=key, fix="quote the value")
     return value

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import re
+
 from kvxferd.config.addresses import is_loopback, split_hostport
 from kvxferd.config.sections import DOCS, Config, TransferConfig, check_token
 from kvxferd.errors import ConfigError
 from kvxferd.netpolicy import PeerAllowList
 
 MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
+MAX_STAGING_BYTES = 1 << 40
+"""The staging ring (staging_chunks x staging_chunk_bytes) is one buffer allocated and
+registered at start: past 1 TiB it is a typo, not a ring any host or GPU can hold."""
 
 
 def validate(cfg: Config) -> None:
@@ -45,7 +50,7 @@ def validate(cfg: Config) -> None:
             field="pool.session_grace_ms",
             fix="use a value > 0 (the default is 10000)",
         )
-    if not (cfg.pool.device == "cpu" or cfg.pool.device.startswith("cuda")):
+    if not (cfg.pool.device == "cpu" or re.fullmatch(r"cuda(:[0-9]+)?", cfg.pool.device)):
         raise ConfigError(
             f"unknown device {cfg.pool.device!r}", field="pool.device", fix="cpu or cuda:N"
         )
@@ -66,8 +71,12 @@ def validate(cfg: Config) -> None:
         if v <= 0:
             raise ConfigError(f"must be positive, got {v}", field=key, fix="use a value > 0")
     _validate_staging(cfg.transfer)
-    if cfg.nixl.progress_delay_us < 0 or cfg.nixl.num_threads < 0:
-        raise ConfigError("must be >= 0", field="nixl", fix="use 0 or a positive value")
+    for key, v in (
+        ("nixl.progress_delay_us", cfg.nixl.progress_delay_us),
+        ("nixl.num_threads", cfg.nixl.num_threads),
+    ):
+        if v < 0:
+            raise ConfigError(f"must be >= 0, got {v}", field=key, fix="use 0 or a positive value")
     if cfg.log.level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         raise ConfigError(
             f"unknown level {cfg.log.level!r}", field="log.level", fix="DEBUG/INFO/WARNING/ERROR"
@@ -181,6 +190,15 @@ def _validate_staging(t: TransferConfig) -> None:
             "staging_chunk_bytes and staging_grant_timeout_ms must be positive",
             field="transfer.staging_chunk_bytes",
             fix="use values > 0 (set staging_chunks = 0 to disable staging)",
+        )
+    ring = t.staging_chunks * t.staging_chunk_bytes
+    if ring > MAX_STAGING_BYTES:
+        raise ConfigError(
+            f"the staging ring of staging_chunks x staging_chunk_bytes = {t.staging_chunks} x"
+            f" {t.staging_chunk_bytes} = {ring} bytes is larger than {MAX_STAGING_BYTES} (1 TiB)",
+            field="transfer.staging_chunks",
+            fix="lower transfer.staging_chunks or transfer.staging_chunk_bytes (default 8 x 64"
+            " MiB), or set transfer.staging_chunks = 0 to disable staging",
         )
     if t.strategy == "staged" and t.staging_chunks == 0:
         raise ConfigError(

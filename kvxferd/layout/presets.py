@@ -21,6 +21,7 @@ fp8       An fp8 (e4m3) KV model with bf16 skip layers: 24 full-attention layers
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 
 from kvxferd.errors import SpecError
@@ -164,14 +165,25 @@ def preset(text: str, **overrides: object) -> KVCacheSpec:
             field="preset",
             fix=f"use one of {', '.join(PRESETS)} (optionally name:key=value,...)",
         )
+    options = {
+        p.name: p.default
+        for p in inspect.signature(builder).parameters.values()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY
+    }
     kwargs: dict[str, object] = {}
     for item in filter(None, (o.strip() for o in opts.split(","))):
-        key, eq, value = item.partition("=")
+        key, eq, value = (part.strip() for part in item.partition("="))
         if not eq:
             raise SpecError(
                 f"preset option {item!r} has no value", field="preset", fix="write key=value"
             )
-        kwargs[key.strip()] = _parse_value(value.strip())
+        if key not in options:
+            raise SpecError(
+                f"preset {name!r} does not take option {key!r}",
+                field=f"preset.{key}",
+                fix=f"its options: {', '.join(options)}",
+            )
+        kwargs[key] = _parse_value(name, key, value, options[key])
     kwargs.update(overrides)
     for key, count in kwargs.items():  # refused before anything is built (one region a layer)
         if key.endswith("layers") and isinstance(count, int) and count > MAX_PRESET_LAYERS:
@@ -192,13 +204,32 @@ def preset(text: str, **overrides: object) -> KVCacheSpec:
         raise SpecError(f"preset {name!r}: {exc}", field="preset") from exc
 
 
-def _parse_value(text: str) -> object:
+def _parse_value(name: str, key: str, text: str, default: object) -> object:
+    """``text`` as the type of the option's default, or a :class:`SpecError` naming it."""
     low = text.lower()
-    if low in ("true", "yes", "on"):
-        return True
-    if low in ("false", "no", "off"):
-        return False
-    try:
-        return int(text)
-    except ValueError:
-        return text
+    if isinstance(default, bool):
+        if low in ("true", "yes", "on", "1"):
+            return True
+        if low in ("false", "no", "off", "0"):
+            return False
+        raise SpecError(
+            f"preset {name!r}: {key} = {text!r} is not a boolean",
+            field=f"preset.{key}",
+            fix=f"write {key}=true or {key}=false",
+        )
+    if isinstance(default, int):
+        try:
+            number = int(text)
+        except ValueError:
+            number = -1
+            least = "an integer"
+        else:
+            least = "an integer >= 1" if key == "num_blocks" else "an integer >= 0"
+        if number < (key == "num_blocks"):
+            raise SpecError(
+                f"preset {name!r}: {key} = {text!r} is not {least}",
+                field=f"preset.{key}",
+                fix=f"write e.g. {key}={default}",
+            )
+        return number
+    return text

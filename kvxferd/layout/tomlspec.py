@@ -18,11 +18,21 @@ _REGION_KEYS = {"name", "group", "dtype", "layout", "shape", "memory", "block_st
 def load_spec(path: str | Path) -> KVCacheSpec:
     p = Path(path)
     try:
-        data = tomllib.loads(p.read_text())
+        data = tomllib.loads(p.read_text(encoding="utf-8"))
     except FileNotFoundError as exc:
         raise SpecError(
             f"spec file {p} does not exist", fix="pass the path of a TOML spec"
         ) from exc
+    except IsADirectoryError as exc:
+        raise SpecError(
+            f"spec file {p} is a directory", fix="pass the path of a TOML spec file"
+        ) from exc
+    except OSError as exc:
+        raise SpecError(
+            f"cannot read spec file {p}: {exc.strerror or exc}", fix="check its permissions"
+        ) from exc
+    except UnicodeDecodeError as exc:
+        raise SpecError(f"spec file {p} is not UTF-8 text", fix="save it as UTF-8") from exc
     except tomllib.TOMLDecodeError as exc:
         raise SpecError(f"spec file {p} is not valid TOML: {exc}", fix="fix the syntax") from exc
     return spec_from_dict(data, source=str(p))

@@ -12,11 +12,14 @@ import asyncio
 import contextlib
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
 from kvxferd.config import Config
+from kvxferd.errors import ConfigError
 from kvxferd.ipc.host import prepare_ucx_env
 from kvxferd.kernels import active_backend
 from kvxferd.layout.presets import preset
@@ -28,9 +31,67 @@ from kvxferd.pool import KVPool
 from kvxferd.staging.ring import StagingRing
 from kvxferd.transfer import EngineOptions, TransferEngine
 
+T = TypeVar("T")
+
 
 def pool_spec(cfg: Config) -> KVCacheSpec:
     return load_spec(cfg.pool.spec_file) if cfg.pool.spec_file else preset(cfg.pool.preset)
+
+
+def check_device(device: str) -> None:
+    """Refuse a ``cuda[:N]`` device this process cannot see, naming pool.device."""
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    index = int(device.partition(":")[2] or 0)
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if index < count:
+        return
+    if count:
+        reason, fix = f"only {count} GPU(s) are visible", f"use cuda:0 to cuda:{count - 1} or cpu"
+    else:
+        reason, fix = "no GPU is visible (or torch was built without CUDA)", "use cpu"
+    raise ConfigError(
+        f"device {device!r} cannot be used: {reason}",
+        field="pool.device",
+        fix=f"{fix} (check CUDA_VISIBLE_DEVICES)",
+    )
+
+
+def allocate(what: str, key: str, fix: str, make: Callable[[], T]) -> T:
+    """``make()``, with an allocation failure turned into one line naming the key."""
+    try:
+        return make()
+    # torch says "can't allocate" with RuntimeError, a size past int64 with TypeError
+    except (MemoryError, OverflowError, RuntimeError, TypeError, ValueError) as exc:
+        lines = str(exc).strip().splitlines() or [type(exc).__name__]
+        raise ConfigError(f"cannot allocate {what}: {lines[0][:200]}", field=key, fix=fix) from exc
+
+
+def owned_pool(cfg: Config) -> KVPool:
+    """The owned pool of ``cfg`` (its spec, then its memory); runs on a worker thread."""
+    spec = pool_spec(cfg)
+    key = "pool.spec_file" if cfg.pool.spec_file else "pool.preset"
+    return allocate(
+        f"the pool's {spec.nbytes} bytes on {cfg.pool.device}",
+        key,
+        f"give {key} fewer blocks (num_blocks) or fewer layers",
+        lambda: KVPool.allocate(spec, cfg.pool.device),
+    )
+
+
+def staging_ring(cfg: Config) -> StagingRing:
+    """The staging ring of ``cfg``; runs on a worker thread."""
+    t = cfg.transfer
+    return allocate(
+        f"the staging ring's {t.staging_chunks} x {t.staging_chunk_bytes} bytes on"
+        f" {cfg.pool.device}",
+        "transfer.staging_chunks",
+        "lower transfer.staging_chunks or transfer.staging_chunk_bytes, or set"
+        " transfer.staging_chunks = 0 to disable staging",
+        lambda: StagingRing.allocate(t.staging_chunk_bytes, t.staging_chunks, cfg.pool.device),
+    )
 
 
 def agent_name(cfg: Config) -> str:
@@ -52,12 +113,9 @@ async def open_memory(
     cfg: Config, metrics: Metrics, undo: contextlib.AsyncExitStack, fill_seed: int | None
 ) -> Memory:
     """Allocate, register and start; each step pushes its undo onto ``undo``."""
+    check_device(cfg.pool.device)
     attached = cfg.pool.mode == "attached"
-    pool = (
-        None
-        if attached
-        else await asyncio.to_thread(KVPool.allocate, pool_spec(cfg), cfg.pool.device)
-    )
+    pool = None if attached else await asyncio.to_thread(owned_pool, cfg)
     if pool is not None and fill_seed is not None:
         for g in range(len(pool.spec.groups)):
             await asyncio.to_thread(
@@ -96,10 +154,7 @@ async def open_memory(
     if cfg.transfer.staging_chunks:
         # One staging ring, registered once for the daemon's life (attached pools come and
         # go); it is always the engine's last local region, after the pool's regions.
-        t = cfg.transfer
-        ring = await asyncio.to_thread(
-            StagingRing.allocate, t.staging_chunk_bytes, t.staging_chunks, cfg.pool.device
-        )
+        ring = await asyncio.to_thread(staging_ring, cfg)
         ring_row = np.array([ring.info.row()], dtype=np.int64)
         await asyncio.to_thread(agent.register, ring_row, mem)
     engine_rows = np.vstack([rows, ring_row])
@@ -117,4 +172,4 @@ async def open_memory(
     return Memory(pool, agent, mem, ring, engine)
 
 
-__all__ = ["Memory", "agent_name", "open_memory", "pool_spec"]
+__all__ = ["Memory", "agent_name", "check_device", "open_memory", "owned_pool", "pool_spec"]
