@@ -18,7 +18,10 @@ Per prompt it prints whether decode's greedy tokens equal the single engine's, a
 TTFT with each connector. The **control**: decode gets prompt B (different tokens, same length
 and last token as A) with A's ``kv_transfer_params``; only an engine that used the pulled KV
 reproduces A's output (B alone gives other tokens with these random weights). Finally the
-prefill daemon must hold nothing and no shared-memory segment of the run may be left.
+prefill daemon must hold nothing and no shared-memory segment of the run may be left. Two
+failure paths are shown too: a ticket held on an incompatible daemon (decode refuses it and
+vLLM's ``kv_load_failure_policy`` ends the request), and a decode request aborted before its
+pull (the decode connector declines the prefill's hold, which is released at once).
 
 The model is a tiny Llama with random weights written locally (:mod:`kvxferd.vllm.tiny_model`):
 nothing is downloaded. Needs vLLM importable by this Python (docs/vllm.md says how to install).
@@ -63,6 +66,10 @@ from kvxferd.scenario.vllm_pair import (
     shm_leftovers,
 )
 from kvxferd.scenario.vllm_report import report
+
+# How long the demo waits for an aborted decode request's hold to be released (its lease's TTL
+# is transfer.lease_ttl_ms, 60 s by default).
+ABORT_WAIT_S = 20.0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -176,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
                     say=say,
                 )
                 doc["refusal"] = refusal(kd, daemons["stranger"], transfers, say)
+                doc["aborted"] = aborted(kp, kd, rp.engine_socket, say)
             finally:
                 transfers.close()
             held_deadline = time.monotonic() + 15
@@ -263,6 +271,56 @@ def run(args: argparse.Namespace) -> int:
     if temporary and not errors:
         shutil.rmtree(workdir, ignore_errors=True)
     return 0 if not errors else 1
+
+
+def aborted(
+    prefill: EngineProc, decode: EngineProc, prefill_socket: str, say: Any
+) -> dict[str, Any]:
+    """A decode request aborted before its pull: the decode connector declines the prefill's
+    hold (DeclinePull), so the prefill daemon releases it long before its lease's TTL."""
+    deadline = time.monotonic() + ABORT_WAIT_S
+    while held_requests(prefill_socket) and time.monotonic() < deadline:
+        time.sleep(0.1)  # the earlier pulls' holds are released once their reads are reported
+    out = prefill.generate(
+        [
+            {
+                "id": "aborted",
+                "tokens": prompt_tokens(80, 13),
+                "max_tokens": 1,
+                "kv_transfer_params": {"do_remote_decode": True},
+            }
+        ]
+    )[0]
+    params = out.get("kv_transfer_params") or {}
+    held_before = held_requests(prefill_socket)  # the pulls before it released theirs
+    t0 = time.monotonic()
+    decode.abort(
+        [
+            {
+                "id": "aborted",
+                "tokens": prompt_tokens(80, 13),
+                "max_tokens": 4,
+                "kv_transfer_params": params,
+            }
+        ]
+    )
+    held = held_before
+    while held and time.monotonic() - t0 < ABORT_WAIT_S:
+        time.sleep(0.1)
+        held = held_requests(prefill_socket)
+    seconds = time.monotonic() - t0
+    result = {
+        "ticket": "kvxferd" in params,
+        "held_before": held_before,
+        "held_after": held,
+        "seconds": seconds,
+        "ok": "kvxferd" in params and held_before == 1 and held == 0,
+    }
+    say(
+        f"  kvxferd  decode request aborted before its pull: the prefill daemon held"
+        f" {held_before}, then {held} after {seconds:.1f} s (its lease's TTL is 60 s)"
+    )
+    return result
 
 
 def refusal(decode: EngineProc, stranger: Any, transfers: TransferLog, say: Any) -> dict[str, Any]:

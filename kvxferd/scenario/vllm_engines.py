@@ -150,6 +150,14 @@ class EngineProc:
         self.proc.stdin.flush()
         return list(self.reply(GENERATE_S)["outputs"])
 
+    def abort(self, requests: list[dict[str, Any]]) -> list[str]:
+        """Add ``requests`` and abort them before they are scheduled (a client gone while its
+        request waited); the engine's IDs of them."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"op": "abort", "requests": requests}) + "\n")
+        self.proc.stdin.flush()
+        return list(self.reply(GENERATE_S)["ids"])
+
     def stop(self) -> None:
         if self.proc.poll() is None and self.proc.stdin is not None:
             with contextlib.suppress(OSError):

@@ -62,6 +62,21 @@ def _amx_off() -> None:
     torch.cpu._is_amx_tile_supported = lambda: False
 
 
+def _abort(
+    engine: Any, reqs: list[dict[str, Any]], prompts: list[Any], params: list[Any]
+) -> list[str]:
+    """Add each request and abort it before the engine schedules it (the engine core runs in
+    this process, so nothing runs in between), as a client that goes away while its request
+    waits; then run a few engine steps, which hand the connector's metadata to the worker."""
+    ids = [
+        engine.add_request(r["id"], p, sp) for r, p, sp in zip(reqs, prompts, params, strict=True)
+    ]
+    engine.abort_request(ids, internal=True)
+    for _ in range(3):
+        engine.step()
+    return ids
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -125,6 +140,9 @@ def main() -> int:
             if r.get("kv_transfer_params") is not None:
                 sp.extra_args = {"kv_transfer_params": r["kv_transfer_params"]}
             params.append(sp)
+        if cmd.get("op") == "abort":
+            _say({"op": "aborted", "ids": _abort(llm.llm_engine, reqs, prompts, params)})
+            continue
         outs = llm.generate(prompts, params, use_tqdm=False)
         result = []
         for r, o in zip(reqs, outs, strict=True):

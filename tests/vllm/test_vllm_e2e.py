@@ -6,7 +6,8 @@ reference, then a prefill and a decode vLLM engine on CPU each beside its own kv
 Asserted from its JSON: greedy tokens identical to the single engine for every prompt, the
 prefix-cache hits moved only their missing blocks, the control (decode given another prompt
 plus the pulled KV reproduces the first prompt's output), an incompatible peer refused at once
-with the daemon's explanation in vLLM's log, nothing held or left in /dev/shm afterwards.
+with the daemon's explanation in vLLM's log, a decode request aborted before its pull releasing
+the prefill's hold at once, nothing held or left in /dev/shm afterwards.
 About 3 minutes and 5 GiB on a 2-core machine (docs/vllm.md).
 
 The TP-2 variant runs a TP-2 prefill engine and a TP-2 decode engine (two worker processes
@@ -86,6 +87,10 @@ def test_vllm_prefill_decode_through_kvxferd_beside_nixl(tmp_path: Path) -> None
     refusal = doc["refusal"]
     assert refusal["ok"] and refusal["finish_reason"] == "error", refusal
     assert "mismatch" in refusal["logged"][0], refusal
+    # A decode request aborted before its pull declines the prefill's hold: released at once,
+    # not at the lease's 60 s TTL (docs/vllm.md; KvxferdConnector.request_finished).
+    aborted = doc["aborted"]
+    assert aborted["ok"] and aborted["seconds"] < 20, aborted
     assert doc["held_after_run"] == 0 and doc["shm_left"] == []
     if doc["nixl_compared"]:  # vLLM's own connector on the same prompts agrees
         assert all(r["identical_nixl"] for r in rows.values()), rows
