@@ -81,7 +81,8 @@ class ReadClaims:
                 f"this daemon declined request {request_id!r} on {address} (DeclinePull); the"
                 " owner no longer counts it among the request's readers",
                 field="request_id",
-                fix="hold the request again on the prefill daemon (a new lease) and pull that",
+                fix="hold the prompt again on the prefill daemon under a new request ID and pull"
+                " that",
             )
         if ended is not None:
             raise LeaseRefused(
@@ -89,8 +90,8 @@ class ReadClaims:
                 f" {request_id!r} on {address} (it read the blocks, or was cancelled); the"
                 " owner refuses a second read by the same reader",
                 field="request_id",
-                fix="use what that pull read, or hold the request again on the prefill daemon"
-                " (a new lease) and pull that",
+                fix="use what that pull read, or hold the prompt again on the prefill daemon under"
+                " a new request ID and pull that",
             )
         self._reading[key] = transfer_id
         return True

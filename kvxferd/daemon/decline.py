@@ -23,7 +23,14 @@ from kvxferd.daemon.claims import DECLINE_CLAIM
 from kvxferd.daemon.peers import PeerLink
 from kvxferd.daemon.pulls import check_target
 from kvxferd.daemon.reader import Reader
-from kvxferd.errors import DeadlineExceeded, LeaseRefused, NotFound
+from kvxferd.errors import (
+    DeadlineExceeded,
+    InvalidRequest,
+    LeaseRefused,
+    NotFound,
+    PermissionDenied,
+    UnknownSession,
+)
 from kvxferd.logs import kv
 from kvxferd.v1 import peer_pb2
 
@@ -45,24 +52,31 @@ async def decline(
     """Give up this daemon's place in ``request_id``'s lease on ``peer_address``."""
     check_target(request_id, peer_address, deadline_s, reader.p.limits.max_deadline_s)
     link = await _link(reader, peer_address, deadline_s)
+    claims = reader.claims
+    ended_by = claims.ended_by(link.address, request_id)
     # A repeated decline finds its own claim ended: it asks the owner again (idempotent there).
-    again = reader.claims.ended_by(link.address, request_id) == DECLINE_CLAIM
+    again = ended_by == DECLINE_CLAIM
     if not again:
-        reader.claims.claim(link.address, request_id, DECLINE_CLAIM)
-    declined = False
+        _refuse_if_taken(reader, link.address, request_id, ended_by)
+        claims.claim(link.address, request_id, DECLINE_CLAIM)
+    # Ended unless the owner answered that nothing changed: a decline that may have reached
+    # the owner (timed out, cancelled, connection lost) must never be followed by a pull of
+    # this daemon, whose confirmation it could overtake and end.
+    ended = True
     try:
-        resp: peer_pb2.DeclineLeaseResponse = await link.client.decline(
-            request_id, reader.p.agent_name, deadline_s
-        )
-        declined = True
+        resp = await _ask(reader, link, request_id, deadline_s)
     except (LeaseRefused, NotFound):
+        ended = False
         if not again:
             raise
-        # Declined before, and the owner has released the blocks since (or forgotten them).
+        # Declined before; a live lease answers a repeat as it is, so the lease is gone.
         return Declined(released=True, readers_expected=0, readers_confirmed=0)
+    except (InvalidRequest, PermissionDenied, UnknownSession):
+        ended = False
+        raise
     finally:
         if not again:
-            reader.claims.release(link.address, request_id, DECLINE_CLAIM, ended=declined)
+            claims.release(link.address, request_id, DECLINE_CLAIM, ended=ended)
     lease = resp.lease
     out = Declined(
         released=lease.state == peer_pb2.LEASE_STATE_RELEASED,
@@ -74,6 +88,45 @@ async def decline(
         extra=kv(peer=link.address, request_id=request_id, released=out.released),
     )
     return out
+
+
+def _refuse_if_taken(reader: Reader, address: str, request_id: str, ended_by: str | None) -> None:
+    """Refuse a decline while anything of this daemon reads the request, or after a pull of
+    it ended its share."""
+    other = reader.claims.reading(address, request_id)
+    if other == DECLINE_CLAIM:
+        raise LeaseRefused(
+            f"another DeclinePull of request {request_id!r} on {address} is in flight",
+            field="request_id",
+            fix="wait for its answer: a decline repeated after that is answered again",
+        )
+    if other is not None:
+        raise LeaseRefused(
+            f"transfer {other!r} of this daemon is pulling request {request_id!r} from"
+            f" {address}; a decline now could free the blocks under its READ",
+            field="request_id",
+            fix=f"CancelTransfer {other} (its end gives this daemon's share back), or let it end",
+        )
+    if ended_by is not None:
+        raise LeaseRefused(
+            f"transfer {ended_by!r} of this daemon already ended its share of request"
+            f" {request_id!r} on {address} (it read the blocks, or was cancelled)",
+            field="request_id",
+            fix="nothing to decline: the owner releases the blocks as its readers end",
+        )
+
+
+async def _ask(
+    reader: Reader, link: PeerLink, request_id: str, deadline_s: float
+) -> peer_pb2.DeclineLeaseResponse:
+    """DeclineLease; a peer that restarted (it no longer knows our session) is handshaken
+    again first, as a pull's confirmation does."""
+    try:
+        return await link.client.decline(request_id, reader.p.agent_name, deadline_s)
+    except UnknownSession:
+        link.client.session = ""  # the peer forgot it: take the new handshake's
+        await reader.shares.rehandshake(link, "the peer no longer knows our session")
+    return await link.client.decline(request_id, reader.p.agent_name, deadline_s)
 
 
 async def _link(reader: Reader, address: str, deadline_s: float) -> PeerLink:

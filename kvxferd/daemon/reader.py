@@ -350,7 +350,8 @@ class Reader:
             self._cancel_requested.pop(tid, None)
             self._posted.discard(tid)
             held = self.shares.by_transfer.pop(tid, None)
-            ended = held is not None and ends_share(held, self.pulls.get(tid).state)
+            # A push pull's share has no ticket: the owner ended it once its WRITE was done.
+            ended = held is not None and (held.done or ends_share(held, self.pulls.get(tid).state))
             self.claims.release(link.address, req.request_id, tid, ended=ended)
             # Watchers (woken by the terminal update) hear it first; the owner and books after.
             asyncio.get_running_loop().call_soon(

@@ -254,7 +254,7 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         )
         if err is not None:
             log.error("kvxferd: request %s: %s; computing it locally", rid, err)
-            self._declines.append(Decline.of(ticket))  # nothing reads the prefill's hold
+            self._declines.append(Decline.of(ticket, self._tp_size))  # nothing reads its hold
         self._pending.append(job)
 
     def build_connector_meta(self, scheduler_output: Any) -> KvxferdMetadata:
@@ -276,7 +276,9 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         planned = rid in self._planned
         self._planned.discard(rid)
         params = request.kv_transfer_params
-        decline = unpulled_decline(params, planned=planned, now_ns=time.time_ns())
+        decline = unpulled_decline(
+            params, planned=planned, now_ns=time.time_ns(), decode_tp=self._tp_size
+        )
         if decline is not None:  # aborted before its pull: the prefill holds it for nobody
             self._declines.append(decline)
         if not params or not params.get("do_remote_decode") or self._holds is None:

@@ -258,21 +258,25 @@ class PullJob:
 @dataclass(frozen=True)
 class Decline:
     """A held prefill the decode side will not pull (its request ended first, or its pull
-    could not be planned): each worker rank declines its own prefill rank's hold."""
+    could not be planned): the decode engine's ranks decline every prefill rank's hold between
+    them, rank ``r`` those of prefill ranks ``r, r + decode_tp, ...`` (each one once, whatever
+    the two TP sizes)."""
 
     remote_request_id: str
     peer_addresses: tuple[str, ...]  # the prefill daemon of each TP rank
+    decode_tp: int = 1
 
     @classmethod
-    def of(cls, ticket: Ticket) -> Decline:
-        return cls(ticket.request_id, ticket.rank_addresses)
+    def of(cls, ticket: Ticket, decode_tp: int) -> Decline:
+        return cls(ticket.request_id, ticket.rank_addresses, max(1, decode_tp))
 
-    def peer_for(self, tp_rank: int) -> str:
-        return self.peer_addresses[tp_rank] if tp_rank < len(self.peer_addresses) else ""
+    def peers_for(self, tp_rank: int) -> tuple[str, ...]:
+        """The prefill daemons decode rank ``tp_rank`` declines."""
+        return self.peer_addresses[tp_rank :: self.decode_tp]
 
 
 def unpulled_decline(
-    params: Mapping[str, Any] | None, *, planned: bool, now_ns: int
+    params: Mapping[str, Any] | None, *, planned: bool, now_ns: int, decode_tp: int
 ) -> Decline | None:
     """What a decode request that finished owes the prefill holding its prompt: a
     :class:`Decline` when it carried a live ticket and ended before its pull was planned
@@ -286,7 +290,7 @@ def unpulled_decline(
         return None
     if ticket is None or ticket.expires_unix_ns <= now_ns:
         return None
-    return Decline.of(ticket)
+    return Decline.of(ticket, decode_tp)
 
 
 def check_tp(ticket: Ticket, tp_size: int) -> None:

@@ -11,7 +11,8 @@ gets the same per-step metadata from the scheduler. :class:`RankWorker` is what 
   hold on this rank, :meth:`release_unheld`). vLLM counts a request finished once every worker
   reported it (``KVOutputAggregator``), so each rank reports only its own share;
 * ``decline``: for each decode request that ended before its pull (or could not be planned),
-  tell this rank's prefill daemon it will not be read (DeclinePull), so its hold ends now;
+  tell this rank's share of the prefill daemons it will not be read (DeclinePull), so their
+  holds end now;
 * ``load_errors``: the local blocks of this rank's failed pulls (vLLM unions every rank's, so
   one rank's failure makes vLLM's ``kv_load_failure_policy`` apply to the request).
 
@@ -92,10 +93,12 @@ class RankWorker:
     def decline(self, declines: Iterable[Decline]) -> None:
         """Tell this rank's prefill daemon of each declined request that it will not be
         pulled (the decode request ended first), so its blocks are freed now."""
+        pull = self.pull
+        if pull is None:
+            return
         for d in declines:
-            peer = d.peer_for(self.tp_rank)
-            if self.pull is not None and peer:
-                self.pull.decline(d.remote_request_id, peer)
+            for peer in d.peers_for(self.tp_rank):
+                pull.decline(d.remote_request_id, peer)
 
     def pull_done(self, result: PullResult, request_id: str | None = None) -> None:
         """A pull of this rank ended (on the pull's thread, or at once when refused)."""

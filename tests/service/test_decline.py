@@ -9,8 +9,12 @@ peers (:mod:`tests.service.raw_peer`) play the other readers of a request.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import socket
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -19,6 +23,7 @@ from kvxferd.client import Declined, KvxferdRpcError, SchedulerClient
 from kvxferd.scenario.daemons import DaemonOptions
 from kvxferd.v1 import common_pb2, scheduler_pb2
 from kvxferd.wire.codec import group_ids_to_proto
+from tests.push.conftest import mode_config
 from tests.service.conftest import Daemons, launch
 from tests.service.raw_peer import handshake
 from tests.service.test_safety import Releases, code_of, hold
@@ -152,3 +157,136 @@ def test_the_client_declines_over_the_scheduler_socket(daemons: Daemons) -> None
         with pytest.raises(KvxferdRpcError) as ei:
             client.decline_pull(request_id="never-held-5", peer_address=address)
         assert ei.value.code is C.NOT_FOUND
+
+
+def test_a_decline_in_flight_or_of_unknown_outcome_keeps_this_daemon_off_the_request(
+    daemons: Daemons,
+) -> None:
+    """A helper's review: two concurrent declines shared one claim, and the first to fail let a
+    pull of the request in while the other was still on its way to the owner (which could end
+    the pull's share under its READ). Now a second decline in flight is refused, and a decline
+    whose outcome is unknown (it timed out while the owner was stopped) keeps every later pull
+    of the request off for good; a repeat, once the owner answers, is idempotent."""
+    pid = daemons.set["prefill"].ready.pid  # type: ignore[union-attr]
+
+    async def go() -> None:
+        c = Client(daemons["prefill"], daemons["decode"])
+        address = daemons["prefill"].grpc
+        held = await hold(c, "dec-6", [16, 17], readers=1, ttl_ms=LONG_TTL_MS)
+        pull = scheduler_pb2.StartPullRequest(
+            request_id="dec-6",
+            peer_address=address,
+            remote_block_ids=held.remote_block_ids,  # type: ignore[attr-defined]
+            local_block_ids=group_ids_to_proto([[18, 19]]),
+        )
+
+        def slow(ms: int) -> object:
+            req = scheduler_pb2.DeclinePullRequest(
+                request_id="dec-6", peer_address=address, deadline_ms=ms
+            )
+            return c.decode.DeclinePull(req, timeout=20)
+
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            first = asyncio.ensure_future(slow(600))
+            await asyncio.sleep(0.2)
+            with pytest.raises(grpc.aio.AioRpcError) as second:
+                await slow(5000)
+            assert second.value.code() == C.FAILED_PRECONDITION
+            assert "in flight" in (second.value.details() or "")
+            with pytest.raises(grpc.aio.AioRpcError) as during:
+                await c.decode.StartPull(pull)
+            assert "being declined" in (during.value.details() or "")
+            with pytest.raises(grpc.aio.AioRpcError) as timed_out:
+                await first
+            assert timed_out.value.code() == C.DEADLINE_EXCEEDED
+            with pytest.raises(grpc.aio.AioRpcError) as after:
+                await c.decode.StartPull(pull)  # the decline may have reached the owner
+            assert after.value.code() == C.FAILED_PRECONDITION
+            assert "declined" in (after.value.details() or "")
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        again = await slow(10_000)
+        assert again.released
+
+    run(go())
+
+
+def test_a_decline_after_the_owner_restarted_handshakes_again(tmp_path: Path) -> None:
+    """A helper's review: after the prefill daemon restarted at the same address, DeclinePull
+    failed UNAUTHENTICATED (the old session) until some pull handshook again."""
+    port = _free_port()
+    prefill = DaemonOptions("prefill", SPEC, fill_seed=5, extra=("--listen", f"127.0.0.1:{port}"))
+    for sub in ("a", "b", "d"):
+        (tmp_path / sub).mkdir()
+    owners = launch(tmp_path / "a", prefill)
+    decoders = launch(tmp_path / "d", DaemonOptions("decode", SPEC))
+
+    async def declined(rid: str) -> bool:
+        c = Client(owners["prefill"], decoders["decode"])
+        await hold(c, rid, [1, 2], readers=1, ttl_ms=LONG_TTL_MS)
+        return bool((await decline(c, rid, owners["prefill"].grpc)).released)
+
+    try:
+        assert run(declined("dec-r1"))
+        owners.stop()
+        owners = launch(tmp_path / "b", prefill)
+        assert run(declined("dec-r2"))
+    finally:
+        decoders.stop()
+        owners.stop()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_a_decline_after_a_push_pull_read_the_request_is_refused_here(tmp_path: Path) -> None:
+    """A helper's review: in push mode a DONE pull's share has no ticket, so its claim was
+    released as if the share were kept, and a decline went on to the owner, where (before the
+    owner's Push handler ended the share) it could turn a completed WRITE into a give-up."""
+    on = mode_config(tmp_path, "push")
+    ds = launch(
+        tmp_path,
+        DaemonOptions("prefill", SPEC, fill_seed=5, extra=on),
+        DaemonOptions("decode", SPEC, extra=on),
+    )
+
+    async def go() -> None:
+        c = Client(ds["prefill"], ds["decode"])
+        held = await c.hold("dec-p", [3, 4])
+        status = await c.wait((await c.pull(held, [5, 6])).transfer_id)
+        assert status.state == scheduler_pb2.TRANSFER_STATE_DONE, status.error.message
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await decline(c, "dec-p", held.peer_address)
+        assert ei.value.code() == C.FAILED_PRECONDITION
+        assert status.transfer_id in (ei.value.details() or "")  # refused here, naming it
+
+    try:
+        run(go())
+    finally:
+        ds.stop()
+
+
+def test_a_decline_while_a_pull_of_the_request_runs_says_to_cancel_it(daemons: Daemons) -> None:
+    pid = daemons.set["prefill"].ready.pid  # type: ignore[union-attr]
+
+    async def go() -> None:
+        c = Client(daemons["prefill"], daemons["decode"])
+        held = await c.hold("dec-7", [20, 21])
+        os.kill(pid, signal.SIGSTOP)  # the pull waits for its confirmation
+        try:
+            started = await c.pull(held, [22, 23])
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await decline(c, "dec-7", held.peer_address)
+            assert ei.value.code() == C.FAILED_PRECONDITION
+            details = ei.value.details() or ""
+            assert started.transfer_id in details and "CancelTransfer" in details
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        status = await c.wait(started.transfer_id)
+        assert status.state == scheduler_pb2.TRANSFER_STATE_DONE, status.error.message
+
+    run(go())

@@ -127,4 +127,4 @@ def test_a_decline_is_refused_while_a_pull_reads_and_refuses_pulls_after_it() ->
     assert claims.ended_by("owner:1", "r") == DECLINE_CLAIM
     with pytest.raises(LeaseRefused, match="declined") as err:
         claims.claim("owner:1", "r", "B")
-    assert "hold the request again" in err.value.fix
+    assert "under a new request ID" in err.value.fix

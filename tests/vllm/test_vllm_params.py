@@ -106,15 +106,28 @@ def test_a_decode_request_that_ended_before_its_pull_declines_every_ranks_hold()
     one owes nothing."""
     params = _tp2_ticket([[4, 5]]).to_params()  # expires_unix_ns = 1
     live = dict(params, kvxferd=dict(params["kvxferd"], expires_unix_ns=2_000))
-    d = unpulled_decline(live, planned=False, now_ns=1_000)
-    assert d == Decline("req-1", ("10.0.0.5:5000", "10.0.0.5:5001"))
-    assert d is not None and [d.peer_for(r) for r in range(3)] == [*d.peer_addresses, ""]
-    assert unpulled_decline(live, planned=True, now_ns=1_000) is None
-    assert unpulled_decline(live, planned=False, now_ns=2_000) is None  # expired
-    assert unpulled_decline(None, planned=False, now_ns=0) is None
-    assert unpulled_decline({"do_remote_decode": True}, planned=False, now_ns=0) is None
+    d = unpulled_decline(live, planned=False, now_ns=1_000, decode_tp=2)
+    assert d == Decline("req-1", ("10.0.0.5:5000", "10.0.0.5:5001"), 2)
+    assert d is not None and [d.peers_for(r) for r in range(2)] == [(a,) for a in d.peer_addresses]
+    assert unpulled_decline(live, planned=True, now_ns=1_000, decode_tp=2) is None
+    assert unpulled_decline(live, planned=False, now_ns=2_000, decode_tp=2) is None  # expired
+    assert unpulled_decline(None, planned=False, now_ns=0, decode_tp=2) is None
+    no_ticket = {"do_remote_decode": True}
+    assert unpulled_decline(no_ticket, planned=False, now_ns=0, decode_tp=2) is None
     bad = dict(live, kvxferd=dict(live["kvxferd"], peer_address="nowhere"))
-    assert unpulled_decline(bad, planned=False, now_ns=0) is None
+    assert unpulled_decline(bad, planned=False, now_ns=0, decode_tp=2) is None
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 1), (4, 2), (2, 4), (3, 2), (1, 3)])
+def test_the_decode_ranks_decline_every_prefill_ranks_hold_once(
+    prefill_tp: int, decode_tp: int
+) -> None:
+    """Whatever the two TP sizes (a refused plan of different sizes is declined too), every
+    prefill rank's hold is declined by exactly one decode rank."""
+    addrs = tuple(f"10.0.0.5:{5000 + r}" for r in range(prefill_tp))
+    d = Decline("req-1", addrs, decode_tp)
+    declined = [a for r in range(decode_tp) for a in d.peers_for(r)]
+    assert sorted(declined) == sorted(addrs)
 
 
 def test_each_decode_rank_pulls_from_the_prefill_rank_of_its_index() -> None:

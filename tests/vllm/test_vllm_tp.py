@@ -264,7 +264,7 @@ def test_a_decode_request_aborted_before_its_pull_frees_every_prefill_ranks_hold
         assert [held_requests(s) for s in _sockets(daemons, "prefill")] == [1, 1]
         t0 = time.monotonic()
         for d in decode:
-            d.worker.decline([Decline.of(out.ticket)])
+            d.worker.decline([Decline.of(out.ticket, TP)])
         sent, _ = aggregate([p.worker for p in prefill], {"req-D"}, "req-D", 0)
         assert sent == {"req-D"} and time.monotonic() - t0 < 30
     finally:
