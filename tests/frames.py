@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from kvxferd.wire.local import HEADER, MAX_FRAME, FrameError
+from kvxferd.wire.splitter import HEADER, MAX_FRAME, FrameError
 
 
 async def read_frame(reader: asyncio.StreamReader) -> tuple[int, int, bytes]:

@@ -7,11 +7,17 @@ from under the daemon (and the other way round). Here the creator unlinks explic
 Tensors made by :meth:`ShmSegment.tensor` keep the mapping alive (torch holds the ``mmap``
 object); dropping the segment and every tensor unmaps it. ``unlink`` removes the name at once
 (existing mappings stay valid, the memory is freed when the last one goes).
+
+Each mapping also holds an open file descriptor while it lives (Python's ``mmap`` keeps a
+duplicate of the one it mapped), so a pool of N regions holds N descriptors, and a failed
+Attach must let go of every mapping it made (:func:`kvxferd.daemon.attach_memory.build_memory`)
+or the descriptors pile up until every later Attach fails with EMFILE.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import mmap
 import os
@@ -27,6 +33,12 @@ from kvxferd.logs import kv
 log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
+_NO_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)
+NOFILE_FIX = (
+    "raise the daemon's open-files limit (LimitNOFILE= in its systemd unit, ulimit -n in the"
+    " shell that starts it; each region of an attached DRAM pool keeps one descriptor open),"
+    " or attach fewer regions (a cross-layer layout has one region for all layers)"
+)
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 
 
@@ -40,6 +52,23 @@ def shm_path(name: str) -> Path:
             fix="use '/name' with letters, digits, '.', '_' or '-' (no other '/')",
         )
     return SHM_DIR / bare
+
+
+def out_of_descriptors(exc: OSError, what: str) -> ResourceExhausted | None:
+    """The refusal for ``what`` when ``exc`` is EMFILE/ENFILE (this process, or the host, has
+    no file descriptor left): a limit to raise, not a /dev/shm to enlarge."""
+    if exc.errno not in _NO_DESCRIPTORS:
+        return None
+    if exc.errno == errno.EMFILE:
+        return ResourceExhausted(
+            f"cannot {what}: the daemon's open-files limit is reached ({exc.strerror})",
+            fix=NOFILE_FIX,
+        )
+    return ResourceExhausted(
+        f"cannot {what}: the host has no open file left ({exc.strerror})",
+        fix="raise the host's limit (sysctl fs.file-max) or stop what holds so many files"
+        " open; each region of an attached DRAM pool keeps one descriptor open",
+    )
 
 
 class ShmSegment:
@@ -65,12 +94,19 @@ class ShmSegment:
                 field="shm_name",
                 fix="remove the stale segment or pick another name",
             ) from exc
+        except OSError as exc:
+            if refusal := out_of_descriptors(exc, f"create shared memory {path}"):
+                raise refusal from exc
+            raise
         try:
             os.ftruncate(fd, size)
             mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except (OSError, OverflowError) as exc:  # OverflowError: beyond what a file offset holds
             os.close(fd)
             path.unlink(missing_ok=True)
+            what = f"map {size} bytes of shared memory at {path}"
+            if isinstance(exc, OSError) and (refusal := out_of_descriptors(exc, what)):
+                raise refusal from exc
             raise ResourceExhausted(
                 f"cannot create {size} bytes of shared memory at {path}: {exc}",
                 fix="enlarge /dev/shm (in Kubernetes: an emptyDir with medium Memory)",
@@ -96,6 +132,8 @@ class ShmSegment:
                 fix="run the engine and the daemon as the same user (or make it group-writable)",
             ) from exc
         except OSError as exc:  # a symlink (ELOOP), a directory (EISDIR), ...
+            if refusal := out_of_descriptors(exc, f"open shared memory {path}"):
+                raise refusal from exc
             raise SpecError(
                 f"{path} is not a shared-memory segment ({exc.strerror})",
                 field="shm_name",
@@ -114,6 +152,10 @@ class ShmSegment:
             if size <= 0:
                 raise SpecError(f"shared memory {path} is empty", fix="size it with ftruncate")
             mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as exc:
+            if refusal := out_of_descriptors(exc, f"map shared memory {path}"):
+                raise refusal from exc
+            raise
         finally:
             os.close(fd)
         return cls(name, mapping, size, created=False)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import traceback
 import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -149,6 +150,7 @@ class Attacher:
                 if built is not None:
                     segments, mappings = built.segments, built.mappings
                     built = None
+                    traceback.clear_frames(exc.__traceback__)  # no frame keeps a pool tensor
                     drop_memory(segments, mappings, memory)
                 self.d.slot.abort(f"the last Attach failed ({exc})")
                 raise

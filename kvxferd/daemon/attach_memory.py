@@ -20,6 +20,7 @@ import asyncio
 import enum
 import gc
 import logging
+import traceback
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -180,7 +181,11 @@ def build_memory(
             exports = ()
             if pool.memory_type is MemoryType.VRAM:
                 forwarded = tuple((h.cuda_ipc_handle, h.offset) for h in req.imports)
-    except BaseException:
+    except BaseException as exc:
+        # The tensors made so far live on in the failed frames' locals, which the exception's
+        # traceback keeps for as long as anything holds the exception: each keeps its mapping,
+        # and so an open descriptor. Clear those frames so that the mappings go now.
+        traceback.clear_frames(exc.__traceback__)
         drop_memory(segments, mappings, spec.regions[0].memory)
         raise
     return Built(pool, exports, segments, mappings, forwarded)

@@ -10,8 +10,12 @@ same ``kvxferd_rpcs_total`` and ``kvxferd_rpc_duration_seconds`` series. Frames 
 
 Who can call: the socket file is created mode 0600 (the daemon's user only), the bearer token
 is checked as on gRPC when ``auth.token`` is set, and every call acts for a handshake
-session, which only a gRPC Handshake grants. A malformed frame closes that one
-connection; a call the socket does not serve is answered UNIMPLEMENTED; neither touches memory.
+session, which only a gRPC Handshake grants. A frame over a limit is answered
+RESOURCE_EXHAUSTED and passed over, one that breaks the format is answered INVALID_ARGUMENT
+and closes that one connection, a call the socket does not serve is answered UNIMPLEMENTED:
+none touches memory. Since the token is in the frame, a caller is known only once a frame has
+come whole: what connections may make the daemon hold before that is capped per socket
+(connections, frame size, unfinished big frames: :mod:`kvxferd.service.local_calls`).
 
 The scheduler socket (``server.scheduler_socket``, off by default) answers
 :data:`kvxferd.wire.local.SCHEDULER_METHODS` with the very
@@ -23,9 +27,7 @@ checked when set.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
-import functools
 import logging
 import os
 import socket
@@ -33,7 +35,7 @@ import stat
 import tempfile
 import time
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any
 
 import grpc
 from grpc import aio
@@ -42,27 +44,21 @@ from kvxferd.logs import kv
 from kvxferd.metrics import Metrics
 from kvxferd.metrics.rpc import observe_served
 from kvxferd.service.auth import token_refusal
-from kvxferd.tasks import start_now
+from kvxferd.service.local_calls import FRAME_FIX, Calls
 from kvxferd.wire.errors import message_for
-from kvxferd.wire.local import (
-    CANCEL,
-    METHODS,
-    REQUEST,
-    FrameError,
-    FrameSplitter,
-    answer_frame,
-    parse_request,
-)
+from kvxferd.wire.local import METHODS, answer_frame, parse_request
+from kvxferd.wire.splitter import MAX_FRAME, PENDING_LIMIT, FrameError, PendingBytes
 
 log = logging.getLogger(__name__)
 
 SERVICE = "kvxferd.v1.Peer"
 SCHEDULER = "kvxferd.v1.Scheduler"
 MAX_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
-FRAME_FIX = (
-    "frame calls as kvxferd/wire/local.py describes, as kvxferd.wire.scheduler_socket and"
-    " kvxferd.client do"
-)
+# Connections a socket serves at once, unless told: a same-host reader daemon keeps one to
+# each owner, so a host's daemons need a few dozen. The scheduler socket's is sized from
+# transfer.max_inflight (kvxferd/service/sockets.py): its blocking callers keep one per pull.
+MAX_CONNECTIONS = 256
+OVER_CAP_LOG_S = 60.0
 
 
 def socket_path(setting: str, instance_id: str) -> str:
@@ -132,111 +128,12 @@ class LocalContext:
         return None
 
 
-def _forget(calls: dict[int, asyncio.Task[None]], call_id: int, _: object) -> None:
-    calls.pop(call_id, None)
-
-
-# Answers a connection may leave unread before it stops being read: past this many bytes
-# waiting in its write buffer, the frames already read wait unstarted and reading pauses until
-# the caller has taken most of its answers (asyncio's flow control: pause_writing and
-# resume_writing). A caller that sends requests and never reads the answers thus holds at most
-# this much of the daemon's memory (plus one read of frames and the answers of calls running),
-# however many it sends.
-WRITE_HIGH_WATER = 4 << 20
-
-
-class _Calls(asyncio.Protocol):
-    """One connection to a :class:`LocalPeerServer`: each REQUEST frame starts its call as the
-    bytes arrive (:func:`kvxferd.tasks.start_now`: a handler that answers without waiting has
-    written its answer before this returns), a CANCEL frame cancels that call, and a malformed
-    frame (or a REQUEST reusing the ID of a call still running) closes the connection,
-    cancelling its calls. While the connection's unread answers exceed
-    :data:`WRITE_HIGH_WATER`, frames wait in order and nothing more is read."""
-
-    def __init__(self, server: LocalPeerServer) -> None:
-        self._server = server
-        self._frames = FrameSplitter()
-        self._calls: dict[int, asyncio.Task[None]] = {}
-        self._held: collections.deque[tuple[int, int, bytes]] = collections.deque()
-        self._backed_up = False
-        self.transport: asyncio.Transport | None = None
-        self.lost = asyncio.get_running_loop().create_future()
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
-        self.transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
-        self._server._conns.add(self)
-
-    def pause_writing(self) -> None:
-        # Called by the transport from inside a write: the frames after this one wait.
-        self._backed_up = True
-        if self.transport is not None:
-            self.transport.pause_reading()
-
-    def resume_writing(self) -> None:
-        self._backed_up = False
-        if self.transport is None or self.transport.is_closing():
-            return
-        self.transport.resume_reading()
-        try:
-            while self._held and not self._backed_up:
-                self._frame(*self._held.popleft())
-        except FrameError as exc:
-            self._refuse(exc)
-
-    def data_received(self, data: bytes) -> None:
-        assert self.transport is not None
-        try:
-            for call_id, kind, body in self._frames.feed(data):
-                if self._backed_up or self._held:
-                    self._held.append((call_id, kind, body))
-                else:
-                    self._frame(call_id, kind, body)
-        except FrameError as exc:
-            self._refuse(exc)
-
-    def _frame(self, call_id: int, kind: int, body: bytes) -> None:
-        assert self.transport is not None
-        if kind == REQUEST:
-            if call_id in self._calls:
-                raise FrameError(f"call ID {call_id} is already in use by a running call")
-            call = start_now(self._server._serve(call_id, body, self.transport))
-            if not call.done():
-                self._calls[call_id] = call
-                call.add_done_callback(functools.partial(_forget, self._calls, call_id))
-        elif kind == CANCEL:
-            running = self._calls.pop(call_id, None)
-            if running is not None:
-                running.cancel()
-        else:
-            raise FrameError(f"unexpected frame kind {kind}")
-
-    def _refuse(self, exc: FrameError) -> None:
-        log.warning(
-            "closing a local socket connection",
-            extra=kv(why=str(exc), service=self._server.name),
-        )
-        self._held.clear()
-        self.close()
-
-    def close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._server._conns.discard(self)
-        self._held.clear()
-        for call in self._calls.values():
-            call.cancel()
-        self._calls.clear()
-        if not self.lost.done():
-            self.lost.set_result(None)
-
-
 class LocalPeerServer:
     """Serves ``service``'s ``methods`` (the Peer's :data:`~kvxferd.wire.local.METHODS` unless
     told) on a Unix socket at ``path``, created with ``mode``; ``name``: the service's full
-    name, for metrics and messages."""
+    name, for metrics and messages. At most ``max_connections`` connections at once, frames of
+    at most ``max_frame`` bytes, and ``pending_limit`` bytes of unfinished big frames on all
+    connections together (:mod:`kvxferd.service.local_calls` says what is refused, and how)."""
 
     def __init__(
         self,
@@ -248,16 +145,46 @@ class LocalPeerServer:
         name: str = SERVICE,
         methods: dict[str, tuple[type[Any], type[Any]]] = METHODS,
         mode: int = 0o600,
+        max_connections: int = MAX_CONNECTIONS,
+        max_frame: int = MAX_FRAME,
+        pending_limit: int = PENDING_LIMIT,
     ) -> None:
         if len(path.encode()) > MAX_PATH:
             raise ValueError(f"the socket path is over {MAX_PATH} bytes: {path}")
         self.path = path
         self.name, self._methods, self._mode = name, methods, mode
+        self.max_connections, self.max_frame = max_connections, max_frame
+        self.pending = PendingBytes(pending_limit)
         self._service = service
         self._m = metrics
         self._expected = f"Bearer {token}".encode() if token else b""
         self._server: asyncio.AbstractServer | None = None
-        self._conns: set[_Calls] = set()
+        self._conns: set[Calls] = set()
+        self._refused, self._warned_at = 0, -OVER_CAP_LOG_S
+
+    def over_cap_why(self) -> str:
+        return (
+            f"this {self.name} socket ({self.path}) already has its {self.max_connections}"
+            " connections open"
+        )
+
+    def refused_connection(self) -> None:
+        """A connection past the cap was refused: say so in the log, at most once a minute."""
+        self._refused += 1
+        now = time.monotonic()
+        if now - self._warned_at >= OVER_CAP_LOG_S:
+            self._warned_at = now
+            log.warning(
+                "refusing connections past the local socket's limit",
+                extra=kv(
+                    why=self.over_cap_why(),
+                    refused=self._refused,
+                    socket=self.path,
+                    fix="find the process on this host that holds so many connections to it"
+                    " (ss -xp shows them): a caller needs one connection per concurrent call at"
+                    " most; docs/operations.md lists the limit",
+                ),
+            )
 
     async def start(self) -> None:
         """Serve; a socket left at the path by a dead daemon is replaced, one that still
@@ -270,7 +197,7 @@ class LocalPeerServer:
         old = os.umask(0o777 & ~self._mode)
         try:
             loop = asyncio.get_running_loop()
-            self._server = await loop.create_unix_server(lambda: _Calls(self), self.path)
+            self._server = await loop.create_unix_server(lambda: Calls(self), self.path)
         finally:
             os.umask(old)
         os.chmod(self.path, self._mode)

@@ -16,7 +16,13 @@ from kvxferd.config import Config
 from kvxferd.daemon.core import Daemon
 from kvxferd.logs import kv
 from kvxferd.metrics import Metrics
-from kvxferd.service.local_peer import SCHEDULER, LocalPeerServer, socket_path, sweep_stale
+from kvxferd.service.local_peer import (
+    MAX_CONNECTIONS,
+    SCHEDULER,
+    LocalPeerServer,
+    socket_path,
+    sweep_stale,
+)
 from kvxferd.wire.local import SCHEDULER_METHODS
 
 log = logging.getLogger(__name__)
@@ -47,6 +53,13 @@ async def serve_local(
     return server
 
 
+def scheduler_connections(cfg: Config) -> int:
+    """Connections the scheduler socket serves at once: a blocking caller (the vLLM connector)
+    keeps one per pull it waits on, and the daemon runs up to transfer.max_inflight pulls;
+    the rest is room for callers that poll or list peers meanwhile."""
+    return cfg.transfer.max_inflight + MAX_CONNECTIONS
+
+
 async def serve_scheduler(
     cfg: Config, service: Any, metrics: Metrics, token: str, daemon: Daemon
 ) -> LocalPeerServer | None:
@@ -58,7 +71,14 @@ async def serve_scheduler(
         return None
     try:
         server = LocalPeerServer(
-            service, metrics, path, token, name=SCHEDULER, methods=SCHEDULER_METHODS, mode=0o660
+            service,
+            metrics,
+            path,
+            token,
+            name=SCHEDULER,
+            methods=SCHEDULER_METHODS,
+            mode=0o660,
+            max_connections=scheduler_connections(cfg),
         )
         await server.start()
     except (OSError, ValueError) as exc:

@@ -23,7 +23,9 @@ Frames (all integers big-endian)::
 Metadata and trailer are JSON lists of ``[key, value]``; a key ending in ``-bin`` carries
 bytes, hex-encoded. A failed call raises :class:`~kvxferd.wire.peer_client.RpcFailure` with the
 status code, details and trailer a gRPC server would have sent, so callers map errors exactly
-as they do for gRPC (:func:`kvxferd.wire.errors.error_from_rpc`).
+as they do for gRPC (:func:`kvxferd.wire.errors.error_from_rpc`). Cutting the stream into
+frames, and the limits a server puts on what its callers may make it hold before their token is
+checked: :mod:`kvxferd.wire.splitter`.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import itertools
 import json
 import socket
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, cast
 
 import grpc
@@ -43,12 +45,11 @@ import grpc
 from kvxferd.v1 import peer_pb2, scheduler_pb2
 from kvxferd.wire.errors import clip
 from kvxferd.wire.peer_client import Metadata, NotSent, RpcFailure
+from kvxferd.wire.splitter import HEADER, FrameError, FrameSplitter  # and the frame limits
 
-HEADER = struct.Struct("!IIB")
 REQUEST_HEAD = struct.Struct("!HHI")
 ANSWER_HEAD = struct.Struct("!BHH")
 REQUEST, ANSWER, CANCEL = 1, 2, 3
-MAX_FRAME = 16 << 20  # far above any Peer message this channel carries
 
 # The Peer calls the channel carries: name -> (request type, answer type).
 METHODS: dict[str, tuple[type[Any], type[Any]]] = {
@@ -73,10 +74,6 @@ SCHEDULER_METHODS: dict[str, tuple[type[Any], type[Any]]] = {
 }
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
-
-
-class FrameError(Exception):
-    """A frame that does not follow the format above."""
 
 
 # A connection sends the same metadata (its token, its session) with every call: each side
@@ -134,41 +131,6 @@ def _decode_pairs(raw: bytes) -> tuple[tuple[str, str | bytes], ...]:
 def frame(call_id: int, kind: int, *parts: bytes) -> bytes:
     body = b"".join(parts)
     return HEADER.pack(len(body), call_id, kind) + body
-
-
-class FrameSplitter:
-    """The frames in a byte stream, as it arrives in pieces (an ``asyncio.Protocol``'s
-    ``data_received``): :meth:`feed` yields each ``(call id, kind, body)`` completed by the
-    new bytes and keeps the rest. A header announcing more than ``MAX_FRAME`` bytes raises
-    :class:`FrameError` when reached, after the frames before it were yielded."""
-
-    __slots__ = ("_buf",)
-
-    def __init__(self) -> None:
-        self._buf = bytearray()
-
-    def feed(self, data: bytes) -> Iterator[tuple[int, int, bytes]]:
-        if self._buf:
-            self._buf += data
-            view: bytes | bytearray = self._buf
-        else:
-            view = data  # the usual case: whole frames in one read, no copy into the buffer
-        at, end = 0, len(view)
-        try:
-            while end - at >= HEADER.size:
-                size, call_id, kind = HEADER.unpack_from(view, at)
-                if size > MAX_FRAME:
-                    raise FrameError(f"a frame of {size} bytes is over the {MAX_FRAME}-byte limit")
-                stop = at + HEADER.size + size
-                if stop > end:
-                    break
-                yield call_id, kind, bytes(view[at + HEADER.size : stop])
-                at = stop
-        finally:
-            if view is self._buf:
-                del self._buf[:at]
-            else:
-                self._buf += view[at:]
 
 
 def request_frame(

@@ -27,14 +27,13 @@ import grpc
 
 from kvxferd.wire.local import (
     ANSWER,
-    HEADER,
-    MAX_FRAME,
     SCHEDULER_METHODS,
     LocalTransport,
     answer_message,
     request_frame,
 )
 from kvxferd.wire.peer_client import Metadata, RpcFailure
+from kvxferd.wire.splitter import HEADER, MAX_FRAME
 
 # How far past an answer's header the first read may take (the answer's body: a StartPull's
 # terminal status is a few hundred bytes).

@@ -99,17 +99,18 @@ async def _call(
 
 
 @pytest.mark.parametrize(
-    ("data", "why"),
+    ("data", "code", "text"),
     [
-        (struct.pack("!IIB", 1 << 30, 1, 1), "a frame over the size limit"),
-        (struct.pack("!IIB", 0, 1, 9), "an unknown frame kind"),
+        (struct.pack("!IIB", 1 << 30, 1, 1), grpc.StatusCode.RESOURCE_EXHAUSTED, b"-byte limit"),
+        (struct.pack("!IIB", 0, 1, 9), grpc.StatusCode.INVALID_ARGUMENT, b"frame kind 9"),
     ],
 )
-def test_a_malformed_frame_closes_only_that_connection(
-    pair: Daemons, data: bytes, why: str
+def test_a_refused_frame_is_answered_and_touches_only_that_connection(
+    pair: Daemons, data: bytes, code: grpc.StatusCode, text: bytes
 ) -> None:
     path = _socket(pair, "prefill")
-    assert raw_exchange(path, data) == b"", why
+    got = raw_exchange(path, data)  # that call is answered with why (then skipped, or closed)
+    assert got[9] == code.value[0] and text in got and b"fix:" in got, got
     # The daemon still answers on a new connection and over gRPC.
     with pytest.raises(RpcFailure) as err:
         asyncio.run(_call(path, "Heartbeat", peer_pb2.HeartbeatRequest()))

@@ -141,7 +141,11 @@ def test_a_malformed_frame_closes_only_its_connection(
         )
         await _until(lambda: svc.started == ["b"])
         bad_writer.write(HEADER.pack(0, 9, 77))  # no such frame kind
-        assert await asyncio.wait_for(bad_reader.read(), 5) == b""  # closed by the server
+        got = await asyncio.wait_for(bad_reader.read(), 5)  # answered, then closed
+        size, call_id, kind = HEADER.unpack_from(got)
+        assert (call_id, kind, len(got)) == (9, ANSWER, HEADER.size + size)
+        code, text, _, _ = parse_answer(got[HEADER.size :])
+        assert code is grpc.StatusCode.INVALID_ARGUMENT and "unexpected frame kind 77" in text
         bad_writer.close()
         await bad_writer.wait_closed()
         await _until(lambda: svc.cancelled == ["b"])  # and its running call cancelled
@@ -245,7 +249,9 @@ def test_a_request_reusing_a_running_calls_id_closes_the_connection(
         writer.write(request_frame(5, "ExtendLease", (), 30.0, first))
         await _until(lambda: svc.started == ["first"])
         writer.write(request_frame(5, "Heartbeat", (), 30.0, peer_pb2.HeartbeatRequest()))
-        assert await asyncio.wait_for(reader.read(), 5) == b""  # closed, nothing answered
+        got = await asyncio.wait_for(reader.read(), 5)  # that call refused, then closed
+        code, text, _, _ = parse_answer(got[HEADER.size :])
+        assert code is grpc.StatusCode.INVALID_ARGUMENT and "already in use" in text
         await _until(lambda: svc.cancelled == ["first"])
         writer.close()
         await writer.wait_closed()

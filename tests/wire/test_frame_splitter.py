@@ -1,4 +1,4 @@
-"""The frame splitter of the Unix-socket channels (kvxferd/wire/local.py, FrameSplitter): the
+"""The frame splitter of the Unix-socket channels (kvxferd/wire/splitter.py, FrameSplitter): the
 frames of a byte stream come out whole and in order however the stream is cut into reads, and
 a header announcing more than MAX_FRAME bytes is refused once reached."""
 
@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvxferd.wire.local import HEADER, MAX_FRAME, FrameError, FrameSplitter, frame
+from kvxferd.wire.local import frame
+from kvxferd.wire.splitter import HEADER, MAX_FRAME, FrameError, FrameSplitter
 
 frames_st = st.lists(
     st.tuples(st.integers(0, 0xFFFFFFFF), st.integers(0, 255), st.binary(min_size=0, max_size=300)),
