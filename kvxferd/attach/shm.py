@@ -71,6 +71,26 @@ def out_of_descriptors(exc: OSError, what: str) -> ResourceExhausted | None:
     )
 
 
+SHM_FIX = "enlarge /dev/shm (in Kubernetes: an emptyDir with medium Memory), or attach fewer blocks"
+
+
+def check_shm_room(nbytes: int) -> None:
+    """Refuse ``nbytes`` of new shared memory when /dev/shm has less free: a segment larger
+    than what is left is created sparse, and the first write past the end of the room (a
+    pull into it, or the engine computing into it) faults the process (SIGBUS) instead of
+    failing."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return  # nothing to measure against: ShmSegment.create still reserves each segment
+    free = st.f_bavail * st.f_frsize
+    if nbytes > free:
+        raise ResourceExhausted(
+            f"the pool needs {nbytes} bytes of shared memory, but {SHM_DIR} has {free} free",
+            fix=SHM_FIX,
+        )
+
+
 class ShmSegment:
     """One shared-memory segment mapped read-write into this process."""
 
@@ -100,6 +120,8 @@ class ShmSegment:
             raise
         try:
             os.ftruncate(fd, size)
+            # Reserve the pages now: ENOSPC here, not a SIGBUS at the first write past the room.
+            os.posix_fallocate(fd, 0, size)
             mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except (OSError, OverflowError) as exc:  # OverflowError: beyond what a file offset holds
             os.close(fd)
@@ -108,8 +130,7 @@ class ShmSegment:
             if isinstance(exc, OSError) and (refusal := out_of_descriptors(exc, what)):
                 raise refusal from exc
             raise ResourceExhausted(
-                f"cannot create {size} bytes of shared memory at {path}: {exc}",
-                fix="enlarge /dev/shm (in Kubernetes: an emptyDir with medium Memory)",
+                f"cannot create {size} bytes of shared memory at {path}: {exc}", fix=SHM_FIX
             ) from exc
         os.close(fd)
         log.info("shared memory created", extra=kv(name=path.name, bytes=size))

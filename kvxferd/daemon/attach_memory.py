@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvxferd.attach import ShmSegment, region_tensor, strided_tensor
+from kvxferd.attach.shm import check_shm_room
 from kvxferd.errors import InvalidRequest, SpecError
 from kvxferd.ipc.host import device_uuid
 from kvxferd.layout.dtypes import KVDType
@@ -212,6 +213,7 @@ def _build_owned(
                 )
             )
         return pool, tuple(exports)
+    check_shm_room(spec.nbytes)
     tensors = {}
     exports = []
     prefix = f"kvxferd-{instance_id[:12]}-{att_id[:8]}"
