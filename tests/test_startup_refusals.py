@@ -56,6 +56,22 @@ def test_float_key_refuses_a_non_finite_number(value: str) -> None:
     assert ei.value.field == "server.drain_timeout_s"
 
 
+@pytest.mark.parametrize(
+    ("key", "value", "match"),
+    [
+        ("server.drain_timeout_s", "-1", ">= 0"),
+        ("server.engine_socket", "/tmp/" + "e" * 110, "at most 107 bytes"),
+        ("server.scheduler_socket", "/tmp/" + "s" * 110, "at most 107 bytes"),
+    ],
+)
+def test_server_keys_out_of_range_are_named(key: str, value: str, match: str) -> None:
+    """Seen by the start-up helper and left for later: a negative drain time started, and an
+    Engine socket path too long for sun_path failed only when the socket was created."""
+    with pytest.raises(ConfigError, match=match) as ei:
+        load_config(None, env={}, overrides={key: value})
+    assert ei.value.field == key
+
+
 def test_nixl_key_is_named() -> None:
     with pytest.raises(ConfigError) as ei:
         load_config(None, env={}, overrides={"nixl.num_threads": "-5"})

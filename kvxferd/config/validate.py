@@ -37,12 +37,22 @@ def validate(cfg: Config) -> None:
             field="server.engine_socket",
             fix="set server.engine_socket to a Unix socket path shared with the engine",
         )
-    if len(cfg.server.scheduler_socket.encode()) > MAX_SOCKET_PATH:
+    for key, path, example in (
+        ("server.scheduler_socket", cfg.server.scheduler_socket, "scheduler.sock"),
+        ("server.engine_socket", cfg.server.engine_socket, "engine.sock"),
+    ):
+        if len(path.encode()) > MAX_SOCKET_PATH:
+            raise ConfigError(
+                f"a Unix socket path holds at most {MAX_SOCKET_PATH} bytes, got"
+                f" {len(path.encode())}",
+                field=key,
+                fix=f"use a shorter path (e.g. /run/kvxferd/{example})",
+            )
+    if cfg.server.drain_timeout_s < 0:
         raise ConfigError(
-            f"a Unix socket path holds at most {MAX_SOCKET_PATH} bytes, got"
-            f" {len(cfg.server.scheduler_socket.encode())}",
-            field="server.scheduler_socket",
-            fix="use a shorter path (e.g. /run/kvxferd/scheduler.sock)",
+            f"must be >= 0, got {cfg.server.drain_timeout_s}",
+            field="server.drain_timeout_s",
+            fix="use 0 (stop at once) or how many seconds in-flight pulls may take to finish",
         )
     if cfg.pool.session_grace_ms <= 0:
         raise ConfigError(
