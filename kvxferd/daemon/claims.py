@@ -63,7 +63,8 @@ class ReadClaims:
             raise LeaseRefused(
                 f"request {request_id!r} on {address} is being declined by this daemon",
                 field="request_id",
-                fix="do not pull a request you declined: hold it again on the prefill daemon",
+                fix="do not pull a request you declined: hold the prompt again on the prefill"
+                " daemon under a new request ID",
             )
         if other is not None:
             raise LeaseRefused(

@@ -15,16 +15,15 @@ would refuse it.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import dataclass
 
 from kvxferd.daemon.claims import DECLINE_CLAIM
+from kvxferd.daemon.links import handshaken
 from kvxferd.daemon.peers import PeerLink
 from kvxferd.daemon.pulls import check_target
 from kvxferd.daemon.reader import Reader
 from kvxferd.errors import (
-    DeadlineExceeded,
     InvalidRequest,
     LeaseRefused,
     NotFound,
@@ -51,7 +50,11 @@ async def decline(
 ) -> Declined:
     """Give up this daemon's place in ``request_id``'s lease on ``peer_address``."""
     check_target(request_id, peer_address, deadline_s, reader.p.limits.max_deadline_s)
-    link = await _link(reader, peer_address, deadline_s)
+    peers = reader.p.peers
+    assert peers is not None, "attach_peers() before decline()"
+    link = peers.usable(peer_address) or await handshaken(
+        peers, peer_address, deadline_s, "decline"
+    )
     claims = reader.claims
     ended_by = claims.ended_by(link.address, request_id)
     # A repeated decline finds its own claim ended: it asks the owner again (idempotent there).
@@ -127,21 +130,6 @@ async def _ask(
         link.client.session = ""  # the peer forgot it: take the new handshake's
         await reader.shares.rehandshake(link, "the peer no longer knows our session")
     return await link.client.decline(request_id, reader.p.agent_name, deadline_s)
-
-
-async def _link(reader: Reader, address: str, deadline_s: float) -> PeerLink:
-    assert reader.p.peers is not None, "attach_peers() before decline()"
-    link = reader.p.peers.usable(address)
-    if link is not None:
-        return link
-    try:
-        return await asyncio.wait_for(reader.p.peers.ready(address), timeout=deadline_s)
-    except TimeoutError:
-        raise DeadlineExceeded(
-            f"the handshake with {address} outlasted the decline's deadline ({deadline_s:g}s)",
-            field="peer_address",
-            fix="check that the peer daemon runs at that address, or raise deadline_ms",
-        ) from None
 
 
 __all__ = ["Declined", "decline"]

@@ -8,11 +8,16 @@ from __future__ import annotations
 import asyncio
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvxferd.daemon.handshake import RemoteDescription
+from kvxferd.errors import DeadlineExceeded
 from kvxferd.ipc.cma import OwnerProcess
 from kvxferd.ipc.transport import TransportReport
 from kvxferd.wire.peer_client import PeerClient
+
+if TYPE_CHECKING:
+    from kvxferd.daemon.peers import PeerDirectory
 
 
 class LinkState(enum.Enum):
@@ -48,4 +53,17 @@ class PeerLink:
         return self.state is LinkState.READY and self.remote is not None
 
 
-__all__ = ["LinkState", "PeerLink"]
+async def handshaken(peers: PeerDirectory, address: str, deadline_s: float, what: str) -> PeerLink:
+    """The peer at ``address`` once handshaken (for a caller whose ``peers.usable`` said
+    not yet), within ``deadline_s``: else DeadlineExceeded, naming ``what`` ("pull")."""
+    try:
+        return await asyncio.wait_for(peers.ready(address), timeout=deadline_s)
+    except TimeoutError:
+        raise DeadlineExceeded(
+            f"the handshake with {address} outlasted the {what}'s deadline ({deadline_s:g}s)",
+            field="peer_address",
+            fix="check that the peer daemon runs at that address, or raise deadline_ms",
+        ) from None
+
+
+__all__ = ["LinkState", "PeerLink", "handshaken"]

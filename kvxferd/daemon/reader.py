@@ -22,6 +22,7 @@ import numpy.typing as npt
 
 from kvxferd.blocks.ranges import TransferPlan
 from kvxferd.daemon.claims import ReadClaims
+from kvxferd.daemon.links import handshaken
 from kvxferd.daemon.moves import Mover, account
 from kvxferd.daemon.parts import Parts
 from kvxferd.daemon.peers import PeerLink
@@ -113,19 +114,9 @@ class Reader:
         stages = Stages(req.received or time.monotonic())
         stages.mark("decode")
         deadline = stages.t0 + req.deadline_s  # the handshake is charged to it
-        link = self.p.peers.usable(req.peer_address)
-        if link is None:
-            try:
-                link = await asyncio.wait_for(
-                    self.p.peers.ready(req.peer_address), timeout=req.deadline_s
-                )
-            except TimeoutError:
-                raise DeadlineExceeded(
-                    f"the handshake with {req.peer_address} outlasted the pull's deadline"
-                    f" ({req.deadline_s:g}s)",
-                    field="peer_address",
-                    fix="check that the peer daemon runs at that address, or raise deadline_ms",
-                ) from None
+        link = self.p.peers.usable(req.peer_address) or await handshaken(
+            self.p.peers, req.peer_address, req.deadline_s, "pull"
+        )
         stages.mark("handshake")
         remote = link.remote
         assert remote is not None
