@@ -64,7 +64,7 @@ def _wrap(path: str, attr: str, label: str, *, exit_: bool = True) -> None:
 
 
 def _install() -> None:
-    _wrap("kvxferd.service.local_peer:_Calls", "data_received", "frame_in")
+    _wrap("kvxferd.service.local_calls:Calls", "data_received", "frame_in")
     _wrap("kvxferd.service.local_peer:LocalPeerServer", "_serve", "serve")
     _wrap("kvxferd.service.scheduler_service:SchedulerService", "StartPull", "StartPull")
     _wrap("kvxferd.daemon.reader:Reader", "start_pull", "start_pull")

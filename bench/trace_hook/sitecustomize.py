@@ -6,7 +6,7 @@ scheduler socket; else ``owner``). Both daemons of one host share the clock
 the owner's handling of it. Steps stamped (wrapped here, nothing changes in kvxferd):
 
 * ``sent``: the reader's LocalTransport writes a ConfirmLease frame;
-* ``frame_in``: a socket server's connection receives bytes (``_Calls.data_received``);
+* ``frame_in``: a socket server's connection receives bytes (``Calls.data_received``);
 * ``serve_start`` / ``serve_end``: a call's handler task starts / its answer has been written;
 * ``answer_in``: the reader's connection receives bytes (``_Answers.data_received``);
 * ``hold_end``: the owner's Engine Hold handler returned (the call before each pull's).
@@ -44,10 +44,10 @@ def _wrap_sync(cls: Any, attr: str, name: str) -> None:
 
 
 def _install() -> None:
-    from kvxferd.service import engine_service, local_peer
+    from kvxferd.service import engine_service, local_calls, local_peer
     from kvxferd.wire import local
 
-    _wrap_sync(local_peer._Calls, "data_received", "frame_in")
+    _wrap_sync(local_calls.Calls, "data_received", "frame_in")
     _wrap_sync(local._Answers, "data_received", "answer_in")
 
     serve = local_peer.LocalPeerServer._serve

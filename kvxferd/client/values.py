@@ -180,7 +180,9 @@ class StartedPull:
 class Declined:
     """A peer's lease of a request after this daemon declined it (DeclinePull)."""
 
-    released: bool  # the peer freed the blocks (no other expected reader is left)
+    # The peer freed the blocks: no other expected reader is left, or the peer had released
+    # them already (its TTL passed, its other readers ended; then both counts are 0).
+    released: bool
     readers_expected: int
     readers_confirmed: int  # readers that confirmed or declined, this daemon included
 

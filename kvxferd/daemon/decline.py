@@ -4,7 +4,9 @@ A decode request can end before its pull starts (the client went away, the sched
 without a word from the reader, the owner keeps the request's blocks until its lease's TTL
 passes. A decline tells the owner now (Peer ``DeclineLease``): this daemon gives up its place
 among the request's expected readers, so the owner frees the blocks as soon as no other
-expected reader is left.
+expected reader is left. A request the owner released already (its TTL passed, its other
+readers ended) is answered as released: nothing is held for this daemon, which is all a
+decline asks.
 
 A decline must never end a share a pull of this daemon is still reading under (the owner
 would free the blocks under its READ), so it takes the request's read claim like a pull does
@@ -72,7 +74,8 @@ async def decline(
         ended = False
         if not again:
             raise
-        # Declined before; a live lease answers a repeat as it is, so the lease is gone.
+        # Declined before. The owner answers a repeat as the lease is, released ones too, so
+        # it forgot the request (or is a build that refused released ones): gone either way.
         return Declined(released=True, readers_expected=0, readers_confirmed=0)
     except (InvalidRequest, PermissionDenied, UnknownSession):
         ended = False

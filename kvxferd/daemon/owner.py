@@ -211,10 +211,13 @@ class Owner:
 
     def decline_lease(
         self, session: PeerSession, request_id: str
-    ) -> tuple[HeldRequest, LeaseView, bool]:
-        """The caller gives up its place in the lease without reading (DeclineLease)."""
-        held = self.held(request_id)
+    ) -> tuple[HeldRequest | None, LeaseView, bool]:
+        """The caller gives up its place in the lease without reading (DeclineLease). A lease
+        released before is answered as released, not refused (nothing is held for the caller:
+        the decline's goal is met); the held request is None once its release reached the
+        engine. NotFound when never held (or forgotten)."""
         view, released = self.p.leases.decline(request_id, session.reader)
+        held = self._held.get(request_id)
         log.info(
             "reader declined a held request",
             extra=kv(request_id=request_id, reader=session.agent_name, released=released),

@@ -71,14 +71,17 @@ class PeerService(peer_pb2_grpc.PeerServicer):
 
         return await rpc(self.d, "Handshake", context, call)
 
-    def _lease(self, held: HeldRequest, view: LeaseView, active: bool = True) -> peer_pb2.Lease:
+    def _lease(
+        self, held: HeldRequest | None, view: LeaseView, active: bool = True
+    ) -> peer_pb2.Lease:
+        """``held`` None: a request released before (DeclineLease), its block IDs forgotten."""
         remaining = max(0.0, view.expires_at - time.monotonic()) if active else 0.0
         return peer_pb2.Lease(
-            request_id=held.request_id,
+            request_id=view.request_id,
             state=peer_pb2.LEASE_STATE_ACTIVE if active else peer_pb2.LEASE_STATE_RELEASED,
             expires_unix_ns=time.time_ns() + int(remaining * 1e9),
             remaining_ms=int(remaining * 1000),
-            block_ids=group_ids_to_proto(list(held.logical_ids)),
+            block_ids=group_ids_to_proto(list(held.logical_ids) if held else []),
             readers_expected=view.readers,
             readers_confirmed=view.confirmations,
             readers_done=view.readers_done,

@@ -167,6 +167,16 @@ def declined(lease: Lease, reader: str, now: float) -> Share:
     return share
 
 
+def declined_gone(request_id: str, reason: ReleaseReason | None) -> LeaseView:
+    """A decline of ``request_id``, which no lease holds here. One released before (``reason``,
+    remembered) is answered as released: its blocks are held for no reader, which is all a
+    decline asks (who read it is not remembered: the view counts no reader). One never held,
+    or released so long ago that it was forgotten, is refused."""
+    if reason is None:
+        raise not_held(request_id, None)
+    return LeaseView(request_id, readers=0, confirmations=0, readers_done=0, expires_at=0.0)
+
+
 def not_held(request_id: str, reason: ReleaseReason | None) -> LeaseRefused | NotFound:
     """The refusal for a request not held here: never held (``reason`` None), or released."""
     if reason is None:
@@ -191,6 +201,7 @@ __all__ = [
     "ShareState",
     "checked_ttl",
     "declined",
+    "declined_gone",
     "lease_view",
     "new_ticket",
     "not_held",

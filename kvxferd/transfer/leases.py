@@ -46,6 +46,7 @@ from kvxferd.transfer.lease import (
     ShareState,
     checked_ttl,
     declined,
+    declined_gone,
     lease_view,
     new_ticket,
     not_held,
@@ -213,16 +214,18 @@ class LeaseTable:
     def decline(self, request_id: str, reader: str) -> tuple[LeaseView, bool]:
         """``reader`` will not read after all (:func:`~kvxferd.transfer.lease.declined`): the
         blocks are released once the other readers end, not at the TTL. Returns the lease as
-        it is now and whether this released it."""
+        it is now and whether it is released, by this decline or before it (then as
+        :func:`~kvxferd.transfer.lease.declined_gone` says; NotFound if never held)."""
         now = self._clock()
         with self._lock:
             lease, rel = self._live(request_id, now)
             if lease is not None:
                 view = lease_view(lease, declined(lease, reader, now))
                 rel = self._settle(lease, now)
+            ended = self._ended.get(request_id)
         self._notify([rel] if rel else [])
         if lease is None:
-            raise self._missing(request_id)
+            return declined_gone(request_id, ended), True
         return view, rel is not None
 
     def notified(self, request_id: str, ticket: int) -> bool:

@@ -913,7 +913,9 @@ class DeclineLeaseResponse(google.protobuf.message.Message):
     LEASE_FIELD_NUMBER: builtins.int
     @property
     def lease(self) -> Global___Lease:
-        """The lease after the decline (RELEASED once no other expected reader is left)."""
+        """The lease after the decline (RELEASED once no other expected reader is left, or when it
+        was released already: then without reader counts or block_ids).
+        """
 
     def __init__(
         self,

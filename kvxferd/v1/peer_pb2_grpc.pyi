@@ -310,9 +310,12 @@ class PeerStub(typing.Generic[_PeerHandshakeType, _PeerConfirmLeaseType, _PeerEx
     before the pull) gives up its place among the expected readers without reading: the blocks
     are released once the other expected readers have ended, not when the lease's TTL passes.
     A caller that confirmed ends its share, as ReleaseLease with CANCELLED would; repeating the
-    call is answered with the lease as it is. FAILED_PRECONDITION (LeaseRefused) when every
-    expected place is taken by other readers or this caller's share ended after reading;
-    NOT_FOUND when the request is not held.
+    call is answered with the lease as it is. A request released already (its TTL passed, its
+    readers ended; the owner remembers recent releases) is answered with a RELEASED lease whose
+    reader counts and block_ids are empty: nothing is held for the caller. FAILED_PRECONDITION
+    (LeaseRefused) while every expected place is taken by other readers of a held lease, or
+    when this caller's share ended after reading; NOT_FOUND when the request was never held
+    (or released so long ago that the owner forgot it).
     """
 
     Heartbeat: _PeerHeartbeatType
@@ -484,9 +487,12 @@ class PeerServicer(metaclass=abc.ABCMeta):
         before the pull) gives up its place among the expected readers without reading: the blocks
         are released once the other expected readers have ended, not when the lease's TTL passes.
         A caller that confirmed ends its share, as ReleaseLease with CANCELLED would; repeating the
-        call is answered with the lease as it is. FAILED_PRECONDITION (LeaseRefused) when every
-        expected place is taken by other readers or this caller's share ended after reading;
-        NOT_FOUND when the request is not held.
+        call is answered with the lease as it is. A request released already (its TTL passed, its
+        readers ended; the owner remembers recent releases) is answered with a RELEASED lease whose
+        reader counts and block_ids are empty: nothing is held for the caller. FAILED_PRECONDITION
+        (LeaseRefused) while every expected place is taken by other readers of a held lease, or
+        when this caller's share ended after reading; NOT_FOUND when the request was never held
+        (or released so long ago that the owner forgot it).
         """
 
     @abc.abstractmethod

@@ -641,11 +641,15 @@ class DeclinePullResponse(google.protobuf.message.Message):
     READERS_EXPECTED_FIELD_NUMBER: builtins.int
     READERS_CONFIRMED_FIELD_NUMBER: builtins.int
     released: builtins.bool
-    """True once the peer released the request's blocks (no other expected reader is left)."""
+    """True once the peer released the request's blocks (no other expected reader is left, or
+    the peer had released them already).
+    """
     readers_expected: builtins.int
-    """Readers the peer held the request for."""
+    """Readers the peer held the request for (0 when it had released the request already)."""
     readers_confirmed: builtins.int
-    """Readers that confirmed or declined, this daemon included."""
+    """Readers that confirmed or declined, this daemon included (0 when the peer had released
+    the request already).
+    """
     def __init__(
         self,
         *,

@@ -236,10 +236,12 @@ class SchedulerStub(typing.Generic[_SchedulerStartPullType, _SchedulerWatchTrans
     expected readers, so its blocks are freed once the other readers are done instead of when
     the lease's TTL passes. Afterwards a StartPull of that request on this daemon is refused.
     Repeating the call is idempotent: the peer's lease as it is now (released = true once the
-    blocks were freed). FAILED_PRECONDITION (LeaseRefused) while a pull of this daemon reads the
-    request (CancelTransfer it: its end gives the share back), once a pull of it ended here,
-    when the peer's other readers took every expected place, or when the peer already released
-    it; NOT_FOUND when the peer never held it.
+    blocks were freed). A request the peer already released (its TTL passed, its other readers
+    ended) is answered released = true with both counts 0: nothing is held for this daemon.
+    FAILED_PRECONDITION (LeaseRefused) while a pull of this daemon reads the request
+    (CancelTransfer it: its end gives the share back), once a pull of it ended here, or while
+    the peer's other readers hold every expected place; NOT_FOUND when the peer never held it
+    (or released it so long ago that it forgot it).
     """
 
     ListPeers: _SchedulerListPeersType
@@ -339,10 +341,12 @@ class SchedulerServicer(metaclass=abc.ABCMeta):
         expected readers, so its blocks are freed once the other readers are done instead of when
         the lease's TTL passes. Afterwards a StartPull of that request on this daemon is refused.
         Repeating the call is idempotent: the peer's lease as it is now (released = true once the
-        blocks were freed). FAILED_PRECONDITION (LeaseRefused) while a pull of this daemon reads the
-        request (CancelTransfer it: its end gives the share back), once a pull of it ended here,
-        when the peer's other readers took every expected place, or when the peer already released
-        it; NOT_FOUND when the peer never held it.
+        blocks were freed). A request the peer already released (its TTL passed, its other readers
+        ended) is answered released = true with both counts 0: nothing is held for this daemon.
+        FAILED_PRECONDITION (LeaseRefused) while a pull of this daemon reads the request
+        (CancelTransfer it: its end gives the share back), once a pull of it ended here, or while
+        the peer's other readers hold every expected place; NOT_FOUND when the peer never held it
+        (or released it so long ago that it forgot it).
         """
 
     @abc.abstractmethod

@@ -140,6 +140,77 @@ def test_refusals_say_what_was_wrong(daemons: Daemons) -> None:
     run(go())
 
 
+def test_a_decline_of_a_lease_that_lapsed_at_its_ttl_is_answered_released(
+    daemons: Daemons,
+) -> None:
+    """A helper's review: a decline of a request whose lease the owner had already released
+    was refused FAILED_PRECONDITION with a missing lease's "do not read: re-run the prefill",
+    though nothing was held for this daemon any more (all a decline asks)."""
+
+    async def go() -> None:
+        c = Client(daemons["prefill"], daemons["decode"])
+        address = daemons["prefill"].grpc
+        held = await hold(c, "dec-8", [24, 25], readers=1, ttl_ms=1000)
+        rel = Releases(c, ["dec-8"])
+        try:
+            got = await rel.wait("dec-8", 10)
+            assert got.reason == common_pb2.RELEASE_REASON_EXPIRED
+        finally:
+            rel.close()
+        resp = await decline(c, "dec-8", address)
+        assert resp.released and (resp.readers_expected, resp.readers_confirmed) == (0, 0)
+        assert (await decline(c, "dec-8", address)).released  # a repeat too
+        pull = scheduler_pb2.StartPullRequest(
+            request_id="dec-8",
+            peer_address=address,
+            remote_block_ids=held.remote_block_ids,  # type: ignore[attr-defined]
+            local_block_ids=group_ids_to_proto([[26, 27]]),
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await c.decode.StartPull(pull)  # declined here: refused here, saying so
+        assert ei.value.code() == C.FAILED_PRECONDITION
+        assert "declined" in (ei.value.details() or "")
+
+    run(go())
+
+
+def test_a_decline_after_the_other_reader_ended_the_lease_is_answered_released(
+    daemons: Daemons,
+) -> None:
+    """Another reader took the only expected place and read: the lease ended DONE. A decline
+    by this daemon, which never read it, is answered released."""
+
+    async def go() -> None:
+        c = Client(daemons["prefill"], daemons["decode"])
+        address = daemons["prefill"].grpc
+        await hold(c, "dec-9", [28, 29], readers=1, ttl_ms=LONG_TTL_MS)
+        rel = Releases(c, ["dec-9"])
+        try:
+            other = await handshake(address, SPEC, agent="reader-c", instance="dec-c")
+            assert (await other.confirm("dec-9", extend_ms=20_000)).ticket
+            await other.release("dec-9", done=True)
+            got = await rel.wait("dec-9", 10)
+            assert got.reason == common_pb2.RELEASE_REASON_DONE
+            resp = await decline(c, "dec-9", address)
+            assert resp.released and (resp.readers_expected, resp.readers_confirmed) == (0, 0)
+        finally:
+            rel.close()
+
+    run(go())
+
+
+def test_a_decline_of_a_request_never_held_is_still_refused_saying_so(daemons: Daemons) -> None:
+    async def go() -> None:
+        c = Client(daemons["prefill"], daemons["decode"])
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await decline(c, "dec-never-held", daemons["prefill"].grpc)  # type: ignore[misc]
+        assert ei.value.code() == C.NOT_FOUND
+        details = ei.value.details() or ""
+        assert "'dec-never-held' is not held here" in details and "must Hold" in details
+
+    run(go())
+
+
 def test_the_client_declines_over_the_scheduler_socket(daemons: Daemons) -> None:
     decode = daemons["decode"]
     address = daemons["prefill"].grpc

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvxferd.errors import AlreadyExists, InvalidRequest, LeaseRefused, NotFound, PermissionDenied
-from kvxferd.transfer.leases import LeaseTable, Released, ReleaseReason
+from kvxferd.transfer.leases import LeaseTable, LeaseView, Released, ReleaseReason
 
 
 class Clock:
@@ -265,10 +265,54 @@ def test_a_decline_takes_one_place_without_reading(
     assert t.notified("r", a)
     [rel] = seen
     assert rel.reason is ReleaseReason.CANCELLED and rel.readers_done == 1
-    with pytest.raises(LeaseRefused, match="released"):
-        t.decline("r", "reader-b")  # released since: the refusal says so
+    # Released since: nothing is held for reader-b, which is all a decline asks.
+    assert t.decline("r", "reader-b") == (LeaseView("r", 0, 0, 0, 0.0), True)
+    assert len(seen) == 1
     with pytest.raises(NotFound):
         t.decline("never-held", "reader-b")
+
+
+def test_a_decline_of_a_lease_that_lapsed_at_its_ttl_is_answered_released(
+    table: tuple[LeaseTable, list[Released]], clock: Clock
+) -> None:
+    """A helper's review: a decline of a lease that lapsed was refused with the wording of a
+    missing lease ("do not read: re-run the prefill"), though its goal was met."""
+    t, seen = table
+    t.hold("lapsed", [np.arange(2)], readers=1, ttl_s=5)
+    t.hold("reaped", [np.arange(2)], readers=2, ttl_s=5)
+    clock.now += 6
+    # Past its TTL, not reaped yet: the decline ends it (once), and is answered released.
+    assert t.decline("lapsed", "reader-a") == (LeaseView("lapsed", 0, 0, 0, 0.0), True)
+    assert [(r.request_id, r.reason) for r in seen] == [("lapsed", ReleaseReason.EXPIRED)]
+    assert [r.request_id for r in t.reap()] == ["reaped"]
+    view, released = t.decline("reaped", "reader-a")
+    assert released and view.readers == view.confirmations == 0
+    assert [r.request_id for r in seen] == ["lapsed", "reaped"]  # nothing released twice
+
+
+def test_a_decline_after_the_other_readers_ended_the_lease_is_answered_released(
+    table: tuple[LeaseTable, list[Released]],
+) -> None:
+    t, seen = table
+    t.hold("r", [np.arange(2)], readers=1, ttl_s=30)
+    assert t.notified("r", t.confirm("r", "reader-a", 10).ticket)  # reader-a took the place
+    [rel] = seen
+    assert rel.reason is ReleaseReason.DONE
+    view, released = t.decline("r", "reader-b")  # reader-b never read
+    assert released and view == LeaseView("r", 0, 0, 0, 0.0) and len(seen) == 1
+
+
+def test_a_decline_of_a_request_never_held_or_forgotten_is_still_refused(clock: Clock) -> None:
+    t = LeaseTable(clock=clock, remember_released=1)
+    with pytest.raises(NotFound) as never:
+        t.decline("never-held", "reader-a")
+    assert "not held here" in never.value.message and "Hold" in never.value.fix
+    for rid in ("old", "new"):
+        t.hold(rid, [np.arange(2)], readers=1, ttl_s=30)
+        t.cancel(rid)
+    assert t.decline("new", "reader-a")[1]  # remembered
+    with pytest.raises(NotFound):
+        t.decline("old", "reader-a")  # forgotten: refused as never held
 
 
 def test_a_decline_of_the_only_place_releases_at_once_and_a_reader_that_read_cannot_decline(
