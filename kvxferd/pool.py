@@ -23,6 +23,13 @@ from kvxferd.layout.tensors import spec_from_tensors
 DIGEST_SIZE = 8
 
 
+def gpu_fix(device: str) -> str:
+    """What a refusal to allocate a pool on ``device`` adds to its fix ('' for the host)."""
+    if not device.startswith("cuda"):
+        return ""
+    return f", or free memory on {device} (nvidia-smi lists the processes holding it)"
+
+
 @dataclass(frozen=True)
 class RegionMemory:
     """Where one region lives: base address, bytes spanned, device index (0 for DRAM)."""

@@ -181,3 +181,43 @@ def test_serve_refuses_in_one_line_before_binding(tmp_path: Path, case: str) -> 
     assert len(lines) == 1 and lines[0].startswith("kvxferd: error: "), proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "missing").exists()
+
+
+# A daemon whose owned pool's VRAM torch cannot allocate. There is no GPU to exhaust here, so
+# the subprocess fakes the fault: pool.device is taken as visible and KVPool.allocate raises
+# the torch.OutOfMemoryError CUDA's caching allocator raises.
+FAKE_VRAM_OOM = """
+import sys
+import torch
+import kvxferd.service.memory as memory
+from kvxferd.cli import main
+from kvxferd.pool import KVPool
+
+def oom(cls, spec, device="cpu"):
+    raise torch.OutOfMemoryError(
+        f"CUDA out of memory. Tried to allocate {spec.nbytes} bytes. GPU 0 has a total"
+        " capacity of 79.19 GiB of which 1.00 GiB is free.\\nOf the allocated memory ...")
+
+memory.check_device = lambda device: None
+KVPool.allocate = classmethod(oom)
+raise SystemExit(main(sys.argv[1:]))
+"""
+
+
+def test_serve_refuses_a_vram_pool_it_cannot_allocate_in_one_line() -> None:
+    argv = ["serve", "--listen", "127.0.0.1:0", "--metrics-listen", ""]
+    argv += ["--preset", "dense:num_blocks=1", "--device", "cuda:0"]
+    proc = subprocess.run(
+        [sys.executable, "-c", FAKE_VRAM_OOM, *argv],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("kvxferd: error: pool.preset: "), proc.stderr
+    nbytes = preset("dense:num_blocks=1").nbytes
+    assert f"cannot allocate the pool's {nbytes} bytes on cuda:0" in lines[0], lines[0]
+    assert "fewer blocks" in lines[0] and "free memory on cuda:0" in lines[0], lines[0]

@@ -10,8 +10,9 @@ object); dropping the segment and every tensor unmaps it. ``unlink`` removes the
 
 Each mapping also holds an open file descriptor while it lives (Python's ``mmap`` keeps a
 duplicate of the one it mapped), so a pool of N regions holds N descriptors, and a failed
-Attach must let go of every mapping it made (:func:`kvxferd.daemon.attach_memory.build_memory`)
-or the descriptors pile up until every later Attach fails with EMFILE.
+Attach must let go of every mapping it made (:func:`kvxferd.daemon.attach_memory.build_memory`;
+on the engine's side ``EngineClient.attach`` and ``shared_tensors``) or the descriptors pile up
+until every later Attach fails with EMFILE.
 """
 
 from __future__ import annotations
@@ -34,11 +35,17 @@ log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
 _NO_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)
-NOFILE_FIX = (
-    "raise the daemon's open-files limit (LimitNOFILE= in its systemd unit, ulimit -n in the"
-    " shell that starts it; each region of an attached DRAM pool keeps one descriptor open),"
-    " or attach fewer regions (a cross-layer layout has one region for all layers)"
-)
+
+
+def nofile_fix(who: str = "daemon") -> str:
+    """How to get more descriptors for ``who`` (the process that maps: daemon or engine)."""
+    return (
+        f"raise the {who}'s open-files limit (LimitNOFILE= in its systemd unit, ulimit -n in"
+        " the shell that starts it; each region of an attached DRAM pool keeps one descriptor"
+        " open), or attach fewer regions (a cross-layer layout has one region for all layers)"
+    )
+
+
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 
 
@@ -54,15 +61,16 @@ def shm_path(name: str) -> Path:
     return SHM_DIR / bare
 
 
-def out_of_descriptors(exc: OSError, what: str) -> ResourceExhausted | None:
-    """The refusal for ``what`` when ``exc`` is EMFILE/ENFILE (this process, or the host, has
-    no file descriptor left): a limit to raise, not a /dev/shm to enlarge."""
+def out_of_descriptors(exc: OSError, what: str, who: str = "daemon") -> ResourceExhausted | None:
+    """The refusal for ``what`` when ``exc`` is EMFILE/ENFILE (this process, ``who``: the
+    daemon or the engine, or the host, has no file descriptor left): a limit to raise, not a
+    /dev/shm to enlarge."""
     if exc.errno not in _NO_DESCRIPTORS:
         return None
     if exc.errno == errno.EMFILE:
         return ResourceExhausted(
-            f"cannot {what}: the daemon's open-files limit is reached ({exc.strerror})",
-            fix=NOFILE_FIX,
+            f"cannot {what}: the {who}'s open-files limit is reached ({exc.strerror})",
+            fix=nofile_fix(who),
         )
     return ResourceExhausted(
         f"cannot {what}: the host has no open file left ({exc.strerror})",
@@ -101,8 +109,9 @@ class ShmSegment:
         self._mmap: mmap.mmap | None = mapping
 
     @classmethod
-    def create(cls, name: str, size: int) -> ShmSegment:
-        """Create a new segment of ``size`` bytes (fails if the name exists)."""
+    def create(cls, name: str, size: int, *, who: str = "daemon") -> ShmSegment:
+        """Create a new segment of ``size`` bytes (fails if the name exists); ``who`` creates
+        it (the daemon or the engine), as a refusal for want of descriptors names it."""
         path = shm_path(name)
         if size <= 0:
             raise InvalidRequest(f"shared memory size must be positive, got {size}")
@@ -115,7 +124,7 @@ class ShmSegment:
                 fix="remove the stale segment or pick another name",
             ) from exc
         except OSError as exc:
-            if refusal := out_of_descriptors(exc, f"create shared memory {path}"):
+            if refusal := out_of_descriptors(exc, f"create shared memory {path}", who):
                 raise refusal from exc
             raise
         try:
@@ -127,7 +136,7 @@ class ShmSegment:
             os.close(fd)
             path.unlink(missing_ok=True)
             what = f"map {size} bytes of shared memory at {path}"
-            if isinstance(exc, OSError) and (refusal := out_of_descriptors(exc, what)):
+            if isinstance(exc, OSError) and (refusal := out_of_descriptors(exc, what, who)):
                 raise refusal from exc
             raise ResourceExhausted(
                 f"cannot create {size} bytes of shared memory at {path}: {exc}", fix=SHM_FIX
@@ -137,8 +146,8 @@ class ShmSegment:
         return cls(name, mapping, size, created=True)
 
     @classmethod
-    def open(cls, name: str) -> ShmSegment:
-        """Map an existing segment (its whole size)."""
+    def open(cls, name: str, *, who: str = "daemon") -> ShmSegment:
+        """Map an existing segment (its whole size); ``who`` as for :meth:`create`."""
         path = shm_path(name)
         try:  # never through a symlink: the name must be a segment itself
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
@@ -153,7 +162,7 @@ class ShmSegment:
                 fix="run the engine and the daemon as the same user (or make it group-writable)",
             ) from exc
         except OSError as exc:  # a symlink (ELOOP), a directory (EISDIR), ...
-            if refusal := out_of_descriptors(exc, f"open shared memory {path}"):
+            if refusal := out_of_descriptors(exc, f"open shared memory {path}", who):
                 raise refusal from exc
             raise SpecError(
                 f"{path} is not a shared-memory segment ({exc.strerror})",
@@ -174,7 +183,7 @@ class ShmSegment:
                 raise SpecError(f"shared memory {path} is empty", fix="size it with ftruncate")
             mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as exc:
-            if refusal := out_of_descriptors(exc, f"map shared memory {path}"):
+            if refusal := out_of_descriptors(exc, f"map shared memory {path}", who):
                 raise refusal from exc
             raise
         finally:

@@ -30,13 +30,13 @@ import torch
 
 from kvxferd.attach import ShmSegment, region_tensor, strided_tensor
 from kvxferd.attach.shm import check_shm_room
-from kvxferd.errors import InvalidRequest, SpecError
+from kvxferd.errors import InvalidRequest, ResourceExhausted, SpecError
 from kvxferd.ipc.host import device_uuid
 from kvxferd.layout.dtypes import KVDType
 from kvxferd.layout.spec import KVCacheSpec, MemoryType
 from kvxferd.logs import kv
 from kvxferd.nixl import Registration
-from kvxferd.pool import KVPool
+from kvxferd.pool import KVPool, gpu_fix
 
 if TYPE_CHECKING:
     from kvxferd.attach.cuda_ipc import IpcMapping
@@ -198,7 +198,17 @@ def _build_owned(
     if spec.regions[0].memory is MemoryType.VRAM:
         from kvxferd.attach.cuda_ipc import export_tensor
 
-        pool = KVPool.allocate(spec, device)
+        try:
+            pool = KVPool.allocate(spec, device)
+        except RuntimeError as exc:  # torch.OutOfMemoryError is one
+            said = str(exc).strip().partition("\n")[0][:200]
+            if "out of memory" not in said.lower():
+                raise
+            raise ResourceExhausted(
+                f"the pool needs {spec.nbytes} bytes on {device}, which cannot allocate them"
+                f" ({said})",
+                fix=f"attach fewer blocks (num_blocks) or a smaller preset{gpu_fix(device)}",
+            ) from exc
         exports = []
         for r in spec.regions:
             ex = export_tensor(pool.tensors[r.name], r.nbytes)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -16,7 +17,7 @@ from kvxferd.engine.attachment import Attachment
 from kvxferd.engine.errors import refused
 from kvxferd.engine.shared import find_shared, shared_tensors
 from kvxferd.engine.values import HoldTicket, PoolState, ReleaseEvent, pool_state
-from kvxferd.errors import EngineDetached, InvalidRequest
+from kvxferd.errors import EngineDetached, InvalidRequest, KvxferdError, StateConflict
 from kvxferd.ipc.host import device_ordinal, device_uuid
 from kvxferd.layout.dtypes import KVDType
 from kvxferd.layout.presets import preset as preset_spec
@@ -118,6 +119,25 @@ class EngineClient:
         else:
             raise InvalidRequest(f"unknown mode {mode!r}", field="mode", fix="owned or imported")
         pool = self._call("Attach", req).pool
+        try:
+            return self._attached(pool, mode, tensors, imported_shm)
+        except BaseException as exc:
+            # The daemon attached and this side failed (mapping, the session): the tensors
+            # mapped so far live on in the failed frames, which the traceback keeps (each DRAM
+            # region holds a descriptor), and the daemon would keep the pool, refusing every
+            # other Attach, until pool.session_grace_ms passes. Let go of both now.
+            traceback.clear_frames(exc.__traceback__)
+            self._undo_attach(pool.attachment_id, exc)
+            raise
+
+    def _attached(
+        self,
+        pool: engine_pb2.PoolInfo,
+        mode: Mode,
+        tensors: Mapping[str, torch.Tensor] | None,
+        imported_shm: list[ShmSegment],
+    ) -> Attachment:
+        """The attachment the daemon made: its exports mapped (OWNED), its session open."""
         got = spec_from_proto(pool.spec, "pool.spec")
         att = Attachment(
             self,
@@ -131,6 +151,18 @@ class EngineClient:
         )
         self._open_session(att)
         return att
+
+    def _undo_attach(self, attachment_id: str, exc: BaseException) -> None:
+        """Detach what the daemon attached for an ``attach`` that then failed here."""
+        try:
+            self._call("Detach", engine_pb2.DetachRequest(force=True, attachment_id=attachment_id))
+        except (EngineDetached, StateConflict):
+            pass  # the daemon has let go of it already (or another engine attached since)
+        except KvxferdError as err:
+            exc.add_note(
+                f"the daemon keeps attachment {attachment_id} until pool.session_grace_ms"
+                f" passes (detaching it failed too: {err})"
+            )
 
     def _import_handle(
         self, region: str, t: torch.Tensor, shm: list[ShmSegment]
@@ -161,7 +193,7 @@ class EngineClient:
         return h
 
     def _open_session(self, att: Attachment) -> None:
-        call = self._stub.Session(
+        call: Any = self._stub.Session(
             engine_pb2.SessionRequest(attachment_id=att.attachment_id), metadata=self._metadata
         )
         try:
@@ -169,6 +201,7 @@ class EngineClient:
         except grpc.RpcError as exc:
             raise refused(exc, "Session") from None
         if first is None or first.WhichOneof("event") != "opened":
+            call.cancel()  # a stream still open would outlive the attach that failed
             raise EngineDetached("the session did not open", fix="check the daemon's log")
         att._call = call
         att._thread = threading.Thread(
@@ -210,7 +243,8 @@ def _check_device(region: str, t: torch.Tensor, device: str) -> None:
 def _map_exports(
     spec: KVCacheSpec, exports: Sequence[engine_pb2.MemoryHandle]
 ) -> dict[str, torch.Tensor]:
-    """Map the daemon's OWNED exports into this process as the spec's tensors."""
+    """Map the daemon's OWNED exports into this process as the spec's tensors (a failure
+    part-way leaves the tensors made so far to the caller's ``traceback.clear_frames``)."""
     out = {}
     for r, h in zip(spec.regions, exports, strict=True):
         if h.WhichOneof("handle") == "cuda_ipc_handle":
@@ -219,7 +253,7 @@ def _map_exports(
             ordinal = export_ordinal(h)
             raw = IpcMapping(h.cuda_ipc_handle, ordinal).tensor(h.offset, r.nbytes)
         else:
-            raw = ShmSegment.open(h.shm_name).tensor(h.offset, r.nbytes)
+            raw = ShmSegment.open(h.shm_name, who="engine").tensor(h.offset, r.nbytes)
         out[r.name] = region_tensor(r, raw)
     return out
 

@@ -1,7 +1,9 @@
 """Shared host memory for IMPORTED attaches: the engine allocates, the daemon imports.
 
 Segments are remembered by base address so that a tensor passed to ``attach`` can be traced
-back to its segment, and unlinked on detach or at exit.
+back to its segment, and unlinked on detach or at exit. Each segment's mapping holds one open
+descriptor while it lives (kvxferd/attach/shm.py), so a spec that cannot be allocated in full
+lets go of (and unlinks) the segments it made before it failed.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import atexit
 import os
 import threading
+import traceback
 import uuid
 from collections.abc import Sequence
 
@@ -34,15 +37,32 @@ def shared_tensors(spec: KVCacheSpec, device: str = "cpu") -> dict[str, torch.Te
         from kvxferd.layout.alloc import allocate_pool
 
         return allocate_pool(spec.with_memory(MemoryType.VRAM), device)
-    out = {}
+    out: dict[str, torch.Tensor] = {}
+    made: list[ShmSegment] = []
+    try:
+        _create_all(spec, made, out)
+    except BaseException as exc:
+        # The tensors made so far live on in the failed frames' locals, which the traceback
+        # keeps while anything holds the exception: clear them, then drop and unlink each.
+        traceback.clear_frames(exc.__traceback__)
+        out.clear()
+        forget_shared(made)
+        for seg in made:
+            seg.release()
+        made.clear()
+        raise
+    return out
+
+
+def _create_all(spec: KVCacheSpec, made: list[ShmSegment], out: dict[str, torch.Tensor]) -> None:
     tag = f"kvxferd-engine-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     for i, r in enumerate(spec.regions):
-        seg = ShmSegment.create(f"{tag}-{i}", r.nbytes)
+        seg = ShmSegment.create(f"{tag}-{i}", r.nbytes, who="engine")
+        made.append(seg)
         raw = seg.tensor(0, r.nbytes)
         with _SHARED_LOCK:
             _SHARED[int(raw.data_ptr())] = (seg.size, seg)
         out[r.name] = region_tensor(r, raw)
-    return out
 
 
 def unlink_shared(segments: Sequence[ShmSegment]) -> None:

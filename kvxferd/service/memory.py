@@ -27,7 +27,7 @@ from kvxferd.layout.spec import KVCacheSpec, MemoryType
 from kvxferd.layout.tomlspec import load_spec
 from kvxferd.metrics import Metrics
 from kvxferd.nixl import AgentOptions, MemType, NixlAgent
-from kvxferd.pool import KVPool
+from kvxferd.pool import KVPool, gpu_fix
 from kvxferd.staging.ring import StagingRing
 from kvxferd.transfer import EngineOptions, TransferEngine
 
@@ -63,7 +63,8 @@ def allocate(what: str, key: str, fix: str, make: Callable[[], T]) -> T:
     """``make()``, with an allocation failure turned into one line naming the key."""
     try:
         return make()
-    # torch says "can't allocate" with RuntimeError, a size past int64 with TypeError
+    # torch says "can't allocate" with RuntimeError (CUDA's torch.OutOfMemoryError is one), a
+    # size past int64 with TypeError
     except (MemoryError, OverflowError, RuntimeError, TypeError, ValueError) as exc:
         lines = str(exc).strip().splitlines() or [type(exc).__name__]
         raise ConfigError(f"cannot allocate {what}: {lines[0][:200]}", field=key, fix=fix) from exc
@@ -76,7 +77,7 @@ def owned_pool(cfg: Config) -> KVPool:
     return allocate(
         f"the pool's {spec.nbytes} bytes on {cfg.pool.device}",
         key,
-        f"give {key} fewer blocks (num_blocks) or fewer layers",
+        f"give {key} fewer blocks (num_blocks) or fewer layers{gpu_fix(cfg.pool.device)}",
         lambda: KVPool.allocate(spec, cfg.pool.device),
     )
 
@@ -89,7 +90,7 @@ def staging_ring(cfg: Config) -> StagingRing:
         f" {cfg.pool.device}",
         "transfer.staging_chunks",
         "lower transfer.staging_chunks or transfer.staging_chunk_bytes, or set"
-        " transfer.staging_chunks = 0 to disable staging",
+        f" transfer.staging_chunks = 0 to disable staging{gpu_fix(cfg.pool.device)}",
         lambda: StagingRing.allocate(t.staging_chunk_bytes, t.staging_chunks, cfg.pool.device),
     )
 
