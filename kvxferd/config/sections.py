@@ -33,6 +33,9 @@ class ServerConfig:
     non-loopback metrics_listen)."""
     drain_timeout_s: float = 10.0
     """On SIGTERM, how long in-flight transfers may finish before the daemon stops."""
+    watch_backlog: int = 16384
+    """Messages a WatchTransfers or WatchReleases stream may have unsent (its caller reads
+    slower than they come) before the daemon ends it with RESOURCE_EXHAUSTED."""
     instance_id: str = ""
     """Identifier of this daemon instance; default: generated at start (changes on restart)."""
 

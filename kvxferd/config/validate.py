@@ -48,6 +48,12 @@ def validate(cfg: Config) -> None:
                 field=key,
                 fix=f"use a shorter path (e.g. /run/kvxferd/{example})",
             )
+    if cfg.server.watch_backlog < 1:
+        raise ConfigError(
+            f"must be >= 1, got {cfg.server.watch_backlog}",
+            field="server.watch_backlog",
+            fix="leave it at 16384, or give a watch stream room for at least one message",
+        )
     if cfg.server.drain_timeout_s < 0:
         raise ConfigError(
             f"must be >= 0, got {cfg.server.drain_timeout_s}",

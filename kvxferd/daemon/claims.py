@@ -30,6 +30,10 @@ from kvxferd.errors import DeadlineExceeded, LeaseRefused
 # reaches the owner long after the READ_DONE or the release it could have overtaken, and the
 # owner refuses it itself.
 ENDED_TTL_S = 600.0
+# And how many such requests it remembers (~0.4 KB each): past it the oldest go first, so at
+# 1,000 pulls a second each is still kept for two minutes, far longer than a notification
+# takes, and the memory stays under ~50 MB whatever the pull rate (docs/operations.md).
+MAX_ENDED = 131072
 
 Key = tuple[str, str]  # (the owner's address, the request ID)
 
@@ -42,9 +46,14 @@ class ReadClaims:
     ended recently."""
 
     def __init__(
-        self, *, ended_ttl_s: float = ENDED_TTL_S, clock: Callable[[], float] = time.monotonic
+        self,
+        *,
+        ended_ttl_s: float = ENDED_TTL_S,
+        max_ended: int = MAX_ENDED,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._ttl = ended_ttl_s
+        self._max_ended = max_ended
         self._clock = clock
         self._reading: dict[Key, str] = {}
         self._ended: dict[Key, tuple[float, str]] = {}  # in order of expiry (one TTL for all)
@@ -108,6 +117,8 @@ class ReadClaims:
             self._expire()
             self._ended.pop(key, None)  # re-inserted last: the dict stays in expiry order
             self._ended[key] = (self._clock() + self._ttl, transfer_id)
+            if len(self._ended) > self._max_ended:  # the oldest first
+                del self._ended[next(iter(self._ended))]
 
     async def twin(
         self,
@@ -152,4 +163,4 @@ class ReadClaims:
             del self._ended[key]
 
 
-__all__ = ["ENDED_TTL_S", "ReadClaims"]
+__all__ = ["ENDED_TTL_S", "MAX_ENDED", "ReadClaims"]

@@ -18,6 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvxferd.blocks import check_block_ids, expand_group
+from kvxferd.daemon.backlog import Backlog
 from kvxferd.daemon.parts import Parts
 from kvxferd.daemon.peers import RemoteDescription
 from kvxferd.daemon.sessions import PeerSession, Sessions
@@ -27,6 +28,11 @@ from kvxferd.transfer import ReleaseFeed, ReleaseReason, notify
 from kvxferd.transfer.leases import Lease, LeaseView
 
 log = logging.getLogger(__name__)
+
+_RELEASES_FIX = (
+    "read the stream as fast as releases come; open it again to go on (the releases it"
+    " dropped are not sent again: Describe's held_requests counts what is still held)"
+)
 
 Int64Array = npt.NDArray[np.int64]
 
@@ -59,7 +65,7 @@ class Owner:
         )
         self._held: dict[str, HeldRequest] = {}
         self._described: dict[str, RemoteDescription] = {}  # session token -> its handshake
-        self._release_watchers: list[tuple[frozenset[str], asyncio.Queue[Release]]] = []
+        self._release_watchers: list[tuple[frozenset[str], Backlog[Release]]] = []
 
     async def start_release_pump(self) -> None:
         """Forward lease releases (from any thread) to engine watchers on this loop."""
@@ -83,7 +89,7 @@ class Owner:
             )
             for ids, q in self._release_watchers:
                 if not ids or rel.request_id in ids:
-                    q.put_nowait(release)
+                    q.put(release)
 
     def hold(
         self,
@@ -248,10 +254,16 @@ class Owner:
     def held_request_ids(self) -> list[str]:
         return list(self._held)
 
-    def watch_releases(self, request_ids: frozenset[str]) -> asyncio.Queue[Release]:
-        q: asyncio.Queue[Release] = asyncio.Queue()
+    def watch_releases(
+        self, request_ids: frozenset[str], *, bounded: bool = True
+    ) -> Backlog[Release]:
+        """Every later release of ``request_ids`` (all when empty); ``bounded``: at most
+        ``server.watch_backlog`` unread (a WatchReleases stream). An engine's own Session is
+        not bounded: it holds what it reads."""
+        limit = self.p.limits.watch_backlog if bounded else None
+        q: Backlog[Release] = Backlog(limit, "WatchReleases stream", _RELEASES_FIX)
         self._release_watchers.append((request_ids, q))
         return q
 
-    def unwatch_releases(self, q: asyncio.Queue[Release]) -> None:
+    def unwatch_releases(self, q: Backlog[Release]) -> None:
         self._release_watchers = [(i, w) for i, w in self._release_watchers if w is not q]

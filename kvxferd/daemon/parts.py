@@ -13,6 +13,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvxferd.daemon.backlog import WATCH_BACKLOG
 from kvxferd.daemon.peers import PeerDirectory
 from kvxferd.daemon.slot import PoolSlot
 from kvxferd.metrics import Metrics
@@ -34,6 +35,7 @@ class DaemonLimits:
     heartbeat_timeout_s: float = 5.0
     max_deadline_s: float = 600.0  # the longest lease an owner grants (LeaseTable.max_ttl_s)
     transfer_mode: str = "pull"  # transfer.mode: "pull" (decode READs) or "push" (prefill WRITEs)
+    watch_backlog: int = WATCH_BACKLOG  # server.watch_backlog (kvxferd/daemon/backlog.py)
 
 
 @dataclass

@@ -18,6 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvxferd.blocks.expand import logical_blocks_of
+from kvxferd.daemon.backlog import WATCH_BACKLOG, Backlog
 from kvxferd.errors import InvalidRequest, KvxferdError, NotFound
 from kvxferd.staging.stats import StageTimes
 from kvxferd.transfer import notify
@@ -101,14 +102,21 @@ def revised(rec: PullRecord, changes: dict[str, object]) -> PullRecord:
     return new
 
 
+_WATCH_FIX = (
+    "read the stream as fast as pulls change, or open it again (its first messages are every"
+    " pull's current status) and GetTransfer the pulls it follows"
+)
+
+
 class PullBook:
     """Pulls by transfer ID; keeps the last ``keep_finished`` terminal ones for lookups."""
 
-    def __init__(self, keep_finished: int = 4096) -> None:
+    def __init__(self, keep_finished: int = 4096, watch_backlog: int = WATCH_BACKLOG) -> None:
         self._pulls: dict[str, PullRecord] = {}
         self._finished: OrderedDict[str, None] = OrderedDict()
         self._keep = keep_finished
-        self._watchers: list[tuple[frozenset[str], asyncio.Queue[PullRecord]]] = []
+        self._backlog = watch_backlog
+        self._watchers: list[tuple[frozenset[str], Backlog[PullRecord]]] = []
         self._done_events: dict[str, asyncio.Event] = {}  # one per pull not yet terminal
         self._on_end: list[Callable[[PullRecord], None]] = []
 
@@ -187,24 +195,25 @@ class PullBook:
     def active(self) -> list[PullRecord]:
         return [self._pulls[tid] for tid in self._done_events]
 
-    def watch(self, transfer_ids: frozenset[str]) -> asyncio.Queue[PullRecord]:
+    def watch(self, transfer_ids: frozenset[str]) -> Backlog[PullRecord]:
         """A queue of every future change to ``transfer_ids`` (all pulls when empty), primed
-        with the current snapshot of those pulls (every known pull when empty)."""
-        q: asyncio.Queue[PullRecord] = asyncio.Queue()
+        with the current snapshot of those pulls (every known pull when empty); at most
+        ``watch_backlog`` changes unread past the snapshot (kvxferd/daemon/backlog.py)."""
+        snapshot = [r for r in map(self._pulls.get, transfer_ids or list(self._pulls)) if r]
+        limit = len(snapshot) + self._backlog
+        q: Backlog[PullRecord] = Backlog(limit, "WatchTransfers stream", _WATCH_FIX)
         self._watchers.append((transfer_ids, q))
-        for tid in transfer_ids or list(self._pulls):
-            rec = self._pulls.get(tid)
-            if rec is not None:
-                q.put_nowait(rec)
+        for rec in snapshot:
+            q.put(rec)
         return q
 
-    def unwatch(self, q: asyncio.Queue[PullRecord]) -> None:
+    def unwatch(self, q: Backlog[PullRecord]) -> None:
         self._watchers = [(ids, w) for ids, w in self._watchers if w is not q]
 
     def _publish(self, rec: PullRecord) -> None:
         for ids, q in self._watchers:
             if not ids or rec.transfer_id in ids:
-                q.put_nowait(rec)
+                q.put(rec)
 
     def follow(self, transfer_ids: frozenset[str]) -> Follower:
         """Every change of the named pulls (all pulls when empty), after a snapshot of their
@@ -221,7 +230,7 @@ class Follower:
     last named pull ending) unregisters it."""
 
     def __init__(
-        self, book: PullBook, q: asyncio.Queue[PullRecord], transfer_ids: frozenset[str]
+        self, book: PullBook, q: Backlog[PullRecord], transfer_ids: frozenset[str]
     ) -> None:
         self._book = book
         self._q = q

@@ -70,7 +70,7 @@ class Reader:
 
     def __init__(self, parts: Parts) -> None:
         self.p = parts
-        self.pulls = PullBook()
+        self.pulls = PullBook(watch_backlog=parts.limits.watch_backlog)
         self.draining = False
         self._confirming: dict[str, asyncio.Future[Share]] = {}
         self._posted: set[str] = set()  # pulls whose READ was posted (may write local blocks)

@@ -58,6 +58,7 @@ def compose_daemon(
             heartbeat_interval_s=cfg.peers.heartbeat_interval_ms / 1000,
             heartbeat_timeout_s=cfg.peers.heartbeat_timeout_ms / 1000,
             transfer_mode=cfg.transfer.mode,
+            watch_backlog=cfg.server.watch_backlog,
         ),
         instance_id=cfg.server.instance_id or uuid.uuid4().hex,
         staging=StagingFactory(

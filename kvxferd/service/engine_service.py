@@ -96,6 +96,9 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             await context.send_initial_metadata(())  # registered: see the proto's comment
             while True:
                 yield _release_to_proto(await q.get())
+        except KvxferdError as err:  # it fell too far behind (kvxferd/daemon/backlog.py)
+            context.set_trailing_metadata(trailer_for(err))
+            await context.abort(status_for(err), message_for(err))
         finally:
             self.d.owner.unwatch_releases(q)
 
@@ -115,7 +118,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             context.set_trailing_metadata(trailer_for(err))
             await context.abort(status_for(err), message_for(err))
             return
-        q = self.d.owner.watch_releases(frozenset())
+        q = self.d.owner.watch_releases(frozenset(), bounded=False)
         log.info("engine session opened", extra=kv(attachment=att.attachment_id))
         ended = asyncio.ensure_future(att.ended.wait())
         get: asyncio.Future[Release] | None = None

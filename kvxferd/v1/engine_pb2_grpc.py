@@ -106,7 +106,9 @@ class EngineServicer(object):
     def WatchReleases(self, request, context):
         """Stream releases: one message each time a held request's blocks may be reused. The initial
         metadata comes once the watch is registered: a client that waits for it sees every release
-        from then on (none before).
+        from then on (none before). A client that reads slower than releases come is cut off: once
+        server.watch_backlog messages wait unsent, the stream ends with RESOURCE_EXHAUSTED and the
+        releases it held are not sent again.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

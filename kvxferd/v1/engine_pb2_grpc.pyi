@@ -202,7 +202,9 @@ class EngineStub(typing.Generic[_EngineAttachType, _EngineDescribeType, _EngineH
     WatchReleases: _EngineWatchReleasesType
     """Stream releases: one message each time a held request's blocks may be reused. The initial
     metadata comes once the watch is registered: a client that waits for it sees every release
-    from then on (none before).
+    from then on (none before). A client that reads slower than releases come is cut off: once
+    server.watch_backlog messages wait unsent, the stream ends with RESOURCE_EXHAUSTED and the
+    releases it held are not sent again.
     """
 
     Detach: _EngineDetachType
@@ -289,7 +291,9 @@ class EngineServicer(metaclass=abc.ABCMeta):
     ) -> typing.Union[collections.abc.Iterator[kvxferd.v1.engine_pb2.WatchReleasesResponse], collections.abc.AsyncIterator[kvxferd.v1.engine_pb2.WatchReleasesResponse]]:
         """Stream releases: one message each time a held request's blocks may be reused. The initial
         metadata comes once the watch is registered: a client that waits for it sees every release
-        from then on (none before).
+        from then on (none before). A client that reads slower than releases come is cut off: once
+        server.watch_backlog messages wait unsent, the stream ends with RESOURCE_EXHAUSTED and the
+        releases it held are not sent again.
         """
 
     @abc.abstractmethod

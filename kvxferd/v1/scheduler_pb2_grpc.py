@@ -98,7 +98,9 @@ class SchedulerServicer(object):
         """Stream status changes: first the current status of every matching transfer, then one
         message per change. With transfer_ids given, the stream ends once all are terminal. The
         server sends its initial metadata once the watch is registered: a caller that waits for it
-        before StartPull misses no change of that pull.
+        before StartPull misses no change of that pull. A caller that reads slower than changes
+        come is cut off: once server.watch_backlog messages wait unsent, the stream ends with
+        RESOURCE_EXHAUSTED (open it again: its first messages are the current statuses).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

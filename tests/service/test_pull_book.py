@@ -50,7 +50,7 @@ def test_updates_bump_the_revision_and_a_terminal_state_is_final() -> None:
         assert done.revision == 3 and done.finished_ns >= added.created_ns
         assert (await waiter) is done and book.num_active == 0
         assert book.update("t1", state=PullState.FAILED) is done  # terminal is final
-        heard = [q.get_nowait() for _ in range(q.qsize())]
+        heard = [await q.get() for _ in range(len(q))]
         assert [r.revision for r in heard] == [1, 2, 3]
 
     asyncio.run(run())
