@@ -15,10 +15,13 @@ point, one terminal status); only the data movement differs. :meth:`PushReceiver
   EXPIRED when the deadline passed first (the call is then cancelled, which cancels the WRITE);
   every end but DONE lists every local block the WRITE may have touched;
 * never ends (nor lets :meth:`PushReceiver.settle`, hence an engine detach, return) while the
-  owner's WRITE may still land: a cancelled push waits for the owner's answer to its Push call
-  (sent once its WRITE completed or failed), and a push whose owner cannot answer (unreachable,
-  or silent past the answer's time) waits until the owner's WRITE timeout has passed, the one
-  bound the owner guarantees.
+  owner's WRITE may still land. Only the owner's answer to its Push call (sent once its WRITE
+  completed, failed or was cancelled at its timeout) says so: a cancelled push, or one past
+  its deadline, waits for it, and the call is not cancelled meanwhile (that would lose the
+  answer). No clock of ours bounds a stalled owner (stopped, paused, starved: its WRITE goes on
+  when it resumes), so a push whose owner is silent stays TRANSFERRING past its deadline,
+  saying so in the log, for up to :data:`SILENT_OWNER_S`. An owner whose connection broke
+  before it answered is waited out to its WRITE timeout, the one bound a running owner keeps.
 """
 
 from __future__ import annotations
@@ -50,6 +53,10 @@ Int64Array = npt.NDArray[np.int64]
 
 MIN_WRITE_MARGIN_S = 0.05
 MAX_WRITE_MARGIN_S = 1.0
+# How long past a pull's deadline a push waits for a silent owner's answer before it ends
+# anyway (its blocks listed; docs/nixl.md §9), and how often it says so meanwhile.
+SILENT_OWNER_S = 300.0
+STALL_LOG_S = 10.0
 
 
 def write_timeout_s(left_s: float) -> float:
@@ -63,13 +70,34 @@ def descriptors(plan: TransferPlan) -> int:
     return int(plan_runs(plan)[0].size)
 
 
-async def _fenced(call: asyncio.Task[peer_pb2.PushResponse], fence: float) -> None:
-    """Wait for the owner's answer to ``call`` (its WRITE is over then) until ``fence`` (the
-    owner's WRITE timeout has passed by then); cancel the call if it has not answered."""
-    if not call.done():
-        await asyncio.wait({call}, timeout=max(0.0, fence - time.monotonic()))
-    if not call.done():
-        call.cancel()
+async def _sleep_until(t: float) -> None:
+    await asyncio.sleep(max(0.0, t - time.monotonic()))
+
+
+async def _answer(
+    call: asyncio.Task[peer_pb2.PushResponse],
+    lease: _Lease,
+    transfer_id: str,
+    address: str,
+    deadline: float,
+) -> None:
+    """Wait for the owner's answer to ``call`` (its WRITE is over then: written, failed, or
+    cancelled at its timeout) or for the WRITE to land. An owner that has not answered by the
+    pull's deadline is stalled (stopped, paused, starved): it may still WRITE when it resumes,
+    so the wait goes on, said in the log, until the call's own limit
+    (:data:`SILENT_OWNER_S` past the deadline), or until its connection breaks."""
+    waits: set[asyncio.Future[Any]] = {call, lease.landed}
+    left = max(0.0, deadline - time.monotonic())
+    await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+    while not call.done() and not lease.landed.done():
+        log.warning(
+            "push past its deadline with no answer from the owner; its blocks are not given"
+            " back while its WRITE may still land",
+            extra=kv(
+                transfer_id=transfer_id, peer=address, late_s=round(time.monotonic() - deadline, 1)
+            ),
+        )
+        await asyncio.wait(waits, timeout=STALL_LOG_S, return_when=asyncio.FIRST_COMPLETED)
 
 
 def _answered(call: asyncio.Task[peer_pb2.PushResponse]) -> None:
@@ -173,7 +201,9 @@ class PushReceiver:
         fence = posted + write_timeout_s(left) + MIN_WRITE_MARGIN_S
         with self._lock:
             self._leases[ticket] = lease
-        call = loop.create_task(link.client.push(req, left))
+        # No time limit of our own ends the call before the owner answers: a stalled owner
+        # (stopped, paused) may still WRITE when it resumes (see the module).
+        call = loop.create_task(link.client.push(req, left + SILENT_OWNER_S))
         stop = asyncio.Event()
         stopped = loop.create_task(stop.wait())
         self._calls[transfer_id] = call
@@ -181,55 +211,72 @@ class PushReceiver:
         self._ended[transfer_id] = loop.create_future()
         try:
             waits: set[asyncio.Future[Any]] = {call, lease.landed, stopped}
-            done, _ = await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
-            if stopped in done and not lease.landed.done():
-                await _fenced(call, fence)  # the owner's answer, or its WRITE timeout
+            await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            cancelled = stop.is_set() and not lease.landed.done()
+            if not lease.landed.done() and not call.done():
+                # Cancelled, or past the deadline: the WRITE is over only once the owner says so.
+                await _answer(call, lease, transfer_id, link.address, deadline)
+            if lease.landed.done():
+                # Landed: DONE now. The owner's answer follows (it ends our share when it saw
+                # its WRITE complete); cancelling the call would stop that, so it is left.
+                call.add_done_callback(_answered)
+                return self._end(
+                    transfer_id,
+                    agent,
+                    plan,
+                    TransferStatus.DONE,
+                    posted=posted,
+                    completed=lease.landed.result(),
+                    descriptors=descriptors(plan),
+                )
+            err = None if call.cancelled() else call.exception()
+            if cancelled or call.cancelled():
+                if isinstance(err, PeerUnavailable):
+                    await _sleep_until(fence)  # no answer: its WRITE may run until its timeout
                 return self._end(transfer_id, agent, plan, TransferStatus.CANCELLED, posted=posted)
-            if call in done and call.cancelled():
-                return self._end(transfer_id, agent, plan, TransferStatus.CANCELLED, posted=posted)
-            if call in done and call.exception() is not None and not lease.landed.done():
-                err = call.exception()
-                assert isinstance(err, Exception)
+            if err is not None:
                 error = err if isinstance(err, KvxferdError) else KvxferdError(str(err))
+                if time.monotonic() >= deadline + SILENT_OWNER_S:
+                    log.error(
+                        "ending a push whose owner never answered; its WRITE may still land in"
+                        " the blocks now listed as not written",
+                        extra=kv(transfer_id=transfer_id, peer=link.address),
+                    )
                 if not isinstance(err, KvxferdError) or isinstance(err, PeerUnavailable):
                     # No answer from the owner: its WRITE may still run until its timeout.
-                    await asyncio.sleep(max(0.0, fence - time.monotonic()))
+                    await _sleep_until(fence)
                 status = (
                     TransferStatus.EXPIRED
                     if isinstance(error, DeadlineExceeded)
                     else TransferStatus.FAILED
                 )
                 return self._end(transfer_id, agent, plan, status, posted=posted, error=error)
-            if not lease.landed.done():  # written (the owner said so): the notification is due
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(
-                        asyncio.shield(lease.landed), max(1e-3, deadline - time.monotonic())
-                    )
-            if not lease.landed.done():
-                call.cancel()
+            # Written (the owner said so): the notification is due until the deadline.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    asyncio.shield(lease.landed), max(1e-3, deadline - time.monotonic())
+                )
+            if lease.landed.done():
                 return self._end(
                     transfer_id,
                     agent,
                     plan,
-                    TransferStatus.EXPIRED,
+                    TransferStatus.DONE,
                     posted=posted,
-                    error=DeadlineExceeded(
-                        f"the push of {request_id!r} from {link.address} did not land within the"
-                        " pull's deadline",
-                        fix="raise deadline_ms, or check the prefill daemon's health and load",
-                    ),
+                    completed=lease.landed.result(),
+                    descriptors=descriptors(plan),
                 )
-            # Landed: DONE now. The owner's answer follows (it ends our share when it saw its
-            # WRITE complete); cancelling the call would stop that, so it is left to finish.
-            call.add_done_callback(_answered)
             return self._end(
                 transfer_id,
                 agent,
                 plan,
-                TransferStatus.DONE,
+                TransferStatus.EXPIRED,
                 posted=posted,
-                completed=lease.landed.result(),
-                descriptors=descriptors(plan),
+                error=DeadlineExceeded(
+                    f"the push of {request_id!r} from {link.address} did not land within the"
+                    " pull's deadline",
+                    fix="raise deadline_ms, or check the prefill daemon's health and load",
+                ),
             )
         finally:
             with self._lock:
