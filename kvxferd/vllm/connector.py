@@ -66,6 +66,7 @@ from kvxferd.vllm.params import (
     PullJob,
     Ticket,
     blocks_to_hold,
+    check_prompt,
     plan_pull,
     ticket_from_params,
     unpulled_decline,
@@ -81,13 +82,15 @@ log = init_logger("vllm.kvxferd")
 
 @dataclass
 class KvxferdMetadata(KVConnectorMetadata):  # type: ignore[misc]
-    """Scheduler -> every worker rank, once per step: the pulls to start, per finished
-    prefill the TP ranks that could not hold it (they report it sent at once), and the held
-    prefills this engine will not pull (each rank declines its own)."""
+    """Scheduler -> every worker rank, once per step: the pulls to start, the finished prefills
+    whose blocks vLLM keeps until every rank reported them sent (``delayed``: only these may
+    be reported), per such prefill the TP ranks that could not hold it (they report it sent at
+    once), and the held prefills this engine will not pull (each rank declines its own)."""
 
     pulls: list[PullJob] = field(default_factory=list)
     unheld: dict[str, tuple[int, ...]] = field(default_factory=dict)
     declines: list[Decline] = field(default_factory=list)
+    delayed: list[str] = field(default_factory=list)
 
 
 def _tp_rank() -> int:
@@ -113,6 +116,7 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._pending: list[PullJob] = []
         self._unheld: dict[str, tuple[int, ...]] = {}
         self._declines: list[Decline] = []
+        self._delayed: list[str] = []
         self._planned: set[str] = set()
         # worker side
         self._engine: EngineLink | None = None
@@ -183,6 +187,7 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         if not isinstance(meta, KvxferdMetadata):
             return
         rank = self._worker.tp_rank
+        self._worker.await_release(meta.delayed)  # before any report: only these are reported
         self._worker.release_unheld(r for r, ranks in meta.unheld.items() if rank in ranks)
         self._worker.decline(meta.declines)
         self._worker.start(meta.pulls)
@@ -215,8 +220,11 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     def _ticket(self, request: Any) -> Ticket | None:
         try:
-            return ticket_from_params(request.kv_transfer_params)
-        except KvxferdError as err:
+            ticket = ticket_from_params(request.kv_transfer_params)
+            if ticket is not None:
+                check_prompt(ticket, int(request.num_prompt_tokens))
+            return ticket
+        except KvxferdError as err:  # not planned: request_finished declines its hold
             log.error("kvxferd: request %s: %s; computing it locally", request.request_id, err)
             return None
 
@@ -258,8 +266,8 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._pending.append(job)
 
     def build_connector_meta(self, scheduler_output: Any) -> KvxferdMetadata:
-        meta = KvxferdMetadata(self._pending, self._unheld, self._declines)
-        self._pending, self._unheld, self._declines = [], {}, []
+        meta = KvxferdMetadata(self._pending, self._unheld, self._declines, self._delayed)
+        self._pending, self._unheld, self._declines, self._delayed = [], {}, [], []
         return meta
 
     def request_finished(
@@ -268,6 +276,14 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         return self.request_finished_all_groups(request, (block_ids,))
 
     def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        delay, params = self._finished(request, block_ids)
+        if delay:  # the workers report it sent (vLLM asserts it still exists): only these
+            self._delayed.append(request.request_id)
+        return delay, params
+
+    def _finished(
         self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus

@@ -5,10 +5,12 @@ vLLM's scheduler runs once per engine, its workers once per TP rank, each beside
 kvxferd daemon (docs/vllm.md, "Tensor parallelism"). When a prefill finishes, the scheduler
 side calls ``Hold`` on every rank's daemon over its Engine socket, at once (the ranks share
 one block table, so the block IDs are the same on each), and writes one ticket that names
-every rank's daemon. A rank whose hold failed will never see a release, so the connector tells
-that rank's worker to report the request sent at once (:attr:`RankHolds.unheld`), and the
+every rank's daemon. A rank whose hold failed may never see a release, so the connector tells
+that rank's worker to report the request sent at once (:attr:`HoldOutcome.unheld`), and the
 ranks that did hold release theirs when the hold's lease lapses (no decode engine gets a
-ticket for it).
+ticket for it). A failed Hold may still have held (its answer was lost: a timeout, a reset
+connection); that lease's release comes later for a request already reported or freed, and
+the worker drops it (:meth:`kvxferd.vllm.worker.RankWorker.await_release`).
 """
 
 from __future__ import annotations

@@ -84,10 +84,25 @@ def _bad(what: str, got: Any) -> InvalidRequest:
     )
 
 
+INT64_MAX = 2**63 - 1  # the ticket's integers travel as protobuf int64 (block IDs) or compare with
+# int64 clocks: anything larger, or negative, is not a ticket the prefill side wrote
+
+
 def _int(v: Any, what: str) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
         raise _bad(f"{what} must be an integer", v)
+    if not 0 <= v <= INT64_MAX:
+        raise _bad(f"{what} must be in [0, 2**63)", v)
     return v
+
+
+def _utf8(v: Any) -> bool:
+    """A string that protobuf can encode (no lone surrogates, which JSON lets through)."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def ticket_from_params(params: Mapping[str, Any] | None) -> Ticket | None:
@@ -99,10 +114,10 @@ def ticket_from_params(params: Mapping[str, Any] | None) -> Ticket | None:
     if not isinstance(raw, Mapping):
         raise _bad("must be an object", raw)
     addr, rid = raw.get("peer_address"), raw.get("request_id")
-    if not isinstance(addr, str) or ":" not in addr:
+    if not isinstance(addr, str) or ":" not in addr or not _utf8(addr):
         raise _bad("peer_address must be 'host:port'", addr)
-    if not isinstance(rid, str) or not rid:
-        raise _bad("request_id must be a non-empty string", rid)
+    if not isinstance(rid, str) or not rid or not _utf8(rid):
+        raise _bad("request_id must be a non-empty UTF-8 string", rid)
     groups = raw.get("remote_block_ids")
     if not isinstance(groups, list) or not all(isinstance(g, list) for g in groups):
         raise _bad("remote_block_ids must be a list of lists", groups)
@@ -115,7 +130,7 @@ def ticket_from_params(params: Mapping[str, Any] | None) -> Ticket | None:
     if (
         not isinstance(ranks, list)
         or not ranks
-        or not all(isinstance(a, str) and ":" in a for a in ranks)
+        or not all(isinstance(a, str) and ":" in a and _utf8(a) for a in ranks)
     ):
         raise _bad("peer_addresses must list one 'host:port' per prefill TP rank", ranks)
     if ranks[0] != addr:
@@ -291,6 +306,20 @@ def unpulled_decline(
     if ticket is None or ticket.expires_unix_ns <= now_ns:
         return None
     return Decline.of(ticket, decode_tp)
+
+
+def check_prompt(ticket: Ticket, num_prompt_tokens: int) -> None:
+    """Refuse a ticket held for another prompt length than this decode request's: the proxy
+    paired a request with another's ``kv_transfer_params`` (pulling them would give it another
+    prompt's KV cache, or leave positions the ticket cannot fill)."""
+    if ticket.num_tokens != num_prompt_tokens:
+        raise InvalidRequest(
+            f"the ticket holds a prompt of {ticket.num_tokens} tokens, this request's has"
+            f" {num_prompt_tokens}",
+            field=f"kv_transfer_params.{KEY}.num_tokens",
+            fix="send the decode engine the same prompt as the prefill engine, with that"
+            f" request's kv_transfer_params (see {DOC}, 'The proxy')",
+        )
 
 
 def check_tp(ticket: Ticket, tp_size: int) -> None:

@@ -36,6 +36,7 @@ from kvxferd.wire.scheduler_socket import SchedulerSockets
 log = logging.getLogger(__name__)
 
 SETTLE_POLL_S = 0.05  # a pull whose watch broke: how often its status is asked until it ends
+MAX_PULL_DEADLINE_MS = 600_000  # the longest pull deadline a daemon accepts (Limits.max_deadline_s)
 
 
 @dataclass
@@ -54,6 +55,10 @@ class PullResult:
 
 def state_name(state: int) -> str:
     return scheduler_pb2.TransferState.Name(state).removeprefix("TRANSFER_STATE_")  # type: ignore[arg-type]
+
+
+def _code(exc: grpc.RpcError) -> grpc.StatusCode | None:
+    return exc.code() if isinstance(exc, grpc.Call | RpcFailure) else None
 
 
 def _refused(
@@ -105,12 +110,16 @@ class PullLink:
             target: Any = self._wait
             args: tuple[Any, ...] = (req, loc, on_done)
         else:
+            sent_ns = time.time_ns()
             try:
                 st = self._stub.StartPull(req, timeout=CALL_TIMEOUT_S, metadata=self._md).status
             except grpc.RpcError as exc:
-                on_done(_refused(req, self.address, exc, loc))
-                return
-            target, args = self._follow, (st, loc, on_done)
+                if _code(exc) != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    on_done(_refused(req, self.address, exc, loc))
+                    return
+                target, args = self._unknown, (req, sent_ns, exc, loc, on_done)
+            else:
+                target, args = self._follow, (st, loc, on_done)
         threading.Thread(
             target=target, args=args, name=f"kvxferd-pull-{transfer_id[:24]}", daemon=True
         ).start()
@@ -137,12 +146,39 @@ class PullLink:
                 on_done(_refused(req, self._sockets.path, exc, local))
                 return
         req.wait = False
+        sent_ns = time.time_ns()
         try:
             st = self._stub.StartPull(req, timeout=CALL_TIMEOUT_S, metadata=self._md).status
         except grpc.RpcError as exc:
-            on_done(_refused(req, self.address, exc, local))
+            if _code(exc) not in lost:
+                on_done(_refused(req, self.address, exc, local))
+                return
+            # Neither way answered: the socket's StartPull may be running the pull.
+            self._unknown(req, sent_ns, exc, local, on_done)
             return
         self._follow(st, local, on_done)
+
+    def _unknown(
+        self,
+        req: scheduler_pb2.StartPullRequest,
+        sent_ns: int,
+        exc: grpc.RpcError,
+        local: tuple[tuple[int, ...], ...],
+        on_done: Callable[[PullResult], None],
+    ) -> None:
+        """A StartPull whose outcome is unknown (no answer, in time or at all): the pull may be
+        running, so it is not REFUSED (vLLM would reuse blocks the daemon may still write) but
+        settled like a pull whose watch broke. Its deadline counts from when the daemon got it,
+        at the latest within CALL_TIMEOUT_S of ``sent_ns``; a pull of the daemon's default
+        deadline (``deadline_ms`` 0) ends by the longest deadline a daemon accepts."""
+        ms = req.deadline_ms or MAX_PULL_DEADLINE_MS
+        st = scheduler_pb2.TransferStatus(
+            transfer_id=req.transfer_id,
+            request_id=req.request_id,
+            deadline_unix_ns=sent_ns + ms * 1_000_000,
+        )
+        why = str(rpc_error("Scheduler.StartPull", self.address, exc))
+        self._settled(self._settle(st, f"StartPull got no answer: {why}"), why, local, on_done)
 
     def _follow(
         self,
@@ -164,19 +200,32 @@ class PullLink:
             why = str(rpc_error("Scheduler.WatchTransfers", self.address, exc))
         if last.state not in TERMINAL:
             last = self._settle(last, why)
-            if last.state not in TERMINAL:
-                on_done(PullResult(st.request_id, st.transfer_id, "LOST", error=why, local=local))
-                return
+        self._settled(last, why, local, on_done)
+
+    def _settled(
+        self,
+        last: scheduler_pb2.TransferStatus,
+        why: str,
+        local: tuple[tuple[int, ...], ...],
+        on_done: Callable[[PullResult], None],
+    ) -> None:
+        """Report a pull :meth:`_settle` waited for: its terminal state, or LOST once its
+        deadline has passed without one (every local block a load error)."""
+        if last.state not in TERMINAL:
+            on_done(PullResult(last.request_id, last.transfer_id, "LOST", error=why, local=local))
+            return
         self._report(last, local, on_done)
 
     def _settle(self, st: scheduler_pb2.TransferStatus, why: str) -> scheduler_pb2.TransferStatus:
-        """The pull's watch broke: it may still be writing into vLLM's blocks, which must not
-        be freed or recomputed before it ends. Cancel it and ask for its status until it is
-        terminal, or until its deadline has passed (the daemon ends every pull by then; one
-        that cannot be reached meanwhile is reported LOST only after that)."""
+        """The pull's watch broke (or its StartPull got no answer): it may still be writing
+        into vLLM's blocks, which must not be freed or recomputed before it ends. Cancel it and
+        ask for its status until it is terminal, or until its deadline has passed (the daemon
+        ends every pull by then; one that cannot be reached meanwhile is reported LOST only
+        after that). The daemon's own deadline replaces ``st``'s once it answers."""
         give_up = st.deadline_unix_ns / 1e9 + CALL_TIMEOUT_S if st.deadline_unix_ns else 0.0
         log.warning(
-            "pull's watch broke; cancelling it", extra=kv(transfer_id=st.transfer_id, why=why)
+            "pull's outcome is unknown; cancelling it and waiting until it ends",
+            extra=kv(transfer_id=st.transfer_id, why=why),
         )
         with contextlib.suppress(grpc.RpcError):
             self._stub.CancelTransfer(
@@ -192,6 +241,8 @@ class PullLink:
                     timeout=CALL_TIMEOUT_S,
                     metadata=self._md,
                 ).status
+            if last.deadline_unix_ns:  # the daemon's own deadline, once it answered
+                give_up = last.deadline_unix_ns / 1e9 + CALL_TIMEOUT_S
             if last.state in TERMINAL or time.time() > give_up:
                 return last
             time.sleep(SETTLE_POLL_S)

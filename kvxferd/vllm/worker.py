@@ -9,7 +9,9 @@ gets the same per-step metadata from the scheduler. :class:`RankWorker` is what 
   pull on this rank ended (DONE or not: a failed pull's blocks are in ``load_errors``), and the
   prefill requests whose hold this rank's daemon released (or that the scheduler could not
   hold on this rank, :meth:`release_unheld`). vLLM counts a request finished once every worker
-  reported it (``KVOutputAggregator``), so each rank reports only its own share;
+  reported it (``KVOutputAggregator``), so each rank reports only its own share, and only for
+  the requests the connector told vLLM to keep (:meth:`await_release`), each once: vLLM's
+  scheduler asserts that a request it is told was sent still exists;
 * ``decline``: for each decode request that ended before its pull (or could not be planned),
   tell this rank's share of the prefill daemons it will not be read (DeclinePull), so their
   holds end now;
@@ -25,7 +27,6 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from collections import OrderedDict
 from collections.abc import Iterable
 
 from kvxferd.vllm.daemon import Release
@@ -35,7 +36,10 @@ from kvxferd.vllm.pull_link import PullLink, PullResult
 # vLLM's logger tree: inside vLLM these lines go through its handler, format and level.
 log = logging.getLogger("vllm.kvxferd")
 
-SEEN_MAX = 65536
+# A release for a request nobody awaits is kept this many get_finished calls in case the
+# scheduler's word that it awaits one is still on its way (it comes in the metadata of the
+# step whose finished_req_ids name the request, one or two steps after the Hold), then dropped.
+UNCLAIMED_STEPS = 64
 
 
 class RankWorker:
@@ -51,8 +55,10 @@ class RankWorker:
         self._notify_only: set[str] = set()
         self._done_recv: set[str] = set()
         self._load_errors: set[int] = set()
-        self._released: set[str] = set()
-        self._finished_seen: OrderedDict[str, None] = OrderedDict()
+        self._awaiting: set[str] = set()  # vLLM keeps their blocks until this rank reports them
+        self._released: set[str] = set()  # awaited and released: reported at the next finished
+        self._unclaimed: dict[str, int] = {}  # released, not (yet) awaited: -> self._step then
+        self._step = 0
 
     def transfer_id(self, request_id: str) -> str:
         return f"vllm-{self.engine_id}-r{self.tp_rank}-{request_id}"
@@ -87,7 +93,11 @@ class RankWorker:
                 job.remote,
                 job.local,
                 deadline_ms=self.deadline_ms,
-                on_done=functools.partial(self.pull_done, request_id=job.request_id),
+                on_done=functools.partial(
+                    self.pull_done,
+                    request_id=job.request_id,
+                    decline=(job.remote_request_id, peer),
+                ),
             )
 
     def decline(self, declines: Iterable[Decline]) -> None:
@@ -100,9 +110,19 @@ class RankWorker:
             for peer in d.peers_for(self.tp_rank):
                 pull.decline(d.remote_request_id, peer)
 
-    def pull_done(self, result: PullResult, request_id: str | None = None) -> None:
-        """A pull of this rank ended (on the pull's thread, or at once when refused)."""
+    def pull_done(
+        self,
+        result: PullResult,
+        request_id: str | None = None,
+        decline: tuple[str, str] | None = None,
+    ) -> None:
+        """A pull of this rank ended (on the pull's thread, or at once when refused). One the
+        daemon refused never read the prefill's hold: ``decline`` it, so the prefill engine
+        gets its blocks back now rather than at the lease's TTL (``decline``: the held
+        request's ID and the prefill daemon this rank pulled from)."""
         rid = request_id or result.request_id
+        if result.state == "REFUSED" and decline is not None and self.pull is not None:
+            self.pull.decline(*decline)
         with self._lock:
             if result.state != "DONE":
                 failed = result.invalid_local or tuple(b for g in result.local for b in g)
@@ -123,6 +143,22 @@ class RankWorker:
             else:
                 self._done_recv.add(rid)
 
+    def await_release(self, request_ids: Iterable[str]) -> None:
+        """Finished prefills whose blocks vLLM keeps until this rank reports them sent (the
+        connector's ``request_finished`` returned True): only these are ever reported, once."""
+        with self._lock:
+            for rid in request_ids:
+                self._awaiting.add(rid)
+                if self._unclaimed.pop(rid, None) is not None:  # released before we heard
+                    self._released.add(rid)
+
+    def _release(self, rid: str, why: str) -> None:
+        if rid in self._awaiting:
+            self._released.add(rid)
+        else:  # not awaited (yet): vLLM freed it already, or this rank reported it already
+            self._unclaimed[rid] = self._step
+            log.debug("kvxferd: TP rank %d: %s %s, not awaited", self.tp_rank, why, rid)
+
     def on_release(self, rel: Release) -> None:
         """This rank's daemon released a held prefill (on the engine session's thread)."""
         if rel.reason != "DONE":
@@ -134,26 +170,30 @@ class RankWorker:
                 rel.reason,
             )
         with self._lock:
-            self._released.add(rel.request_id)
+            self._release(rel.request_id, f"released ({rel.reason})")
 
     def release_unheld(self, request_ids: Iterable[str]) -> None:
         """Prefill requests the scheduler could not hold on this rank: nothing will be
         released here, so report them sent (vLLM waits for every rank before it frees)."""
         with self._lock:
-            self._released.update(request_ids)
+            for rid in request_ids:
+                self._release(rid, "not held")
 
     def finished(self, finished_req_ids: Iterable[str]) -> tuple[set[str], set[str]]:
-        """``(sending, recving)`` for vLLM's ``get_finished``: prefills released on this rank
-        (once vLLM said they finished), decode pulls of this rank that ended."""
+        """``(sending, recving)`` for vLLM's ``get_finished``: awaited prefills released on
+        this rank, decode pulls of this rank that ended. A release nobody awaits is dropped
+        once vLLM finished the request without awaiting it, or after UNCLAIMED_STEPS calls."""
         with self._lock:
+            self._step += 1
             for rid in finished_req_ids:
-                self._finished_seen[rid] = None
-            while len(self._finished_seen) > SEEN_MAX:
-                self._finished_seen.popitem(last=False)
-            sending = {r for r in self._released if r in self._finished_seen}
-            self._released -= sending
-            for r in sending:
-                del self._finished_seen[r]
+                if rid not in self._awaiting and self._unclaimed.pop(rid, None) is not None:
+                    log.debug("kvxferd: dropped the release of %s: vLLM freed it", rid)
+            stale = [r for r, s in self._unclaimed.items() if self._step - s > UNCLAIMED_STEPS]
+            for rid in stale:
+                del self._unclaimed[rid]
+                log.debug("kvxferd: dropped the release of %s: not awaited", rid)
+            sending, self._released = self._released, set()
+            self._awaiting -= sending
             recving = set(self._done_recv)
             self._done_recv.clear()
             self._started -= recving

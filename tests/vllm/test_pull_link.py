@@ -2,11 +2,12 @@
 on the decode daemon's scheduler socket when Describe names one (one StartPull with ``wait``),
 over gRPC with WatchTransfers when it does not, and over gRPC again when the socket named is
 gone. Each way the worker hears one terminal result with the daemon's own words, and the bytes
-arrive."""
+arrive. A StartPull that got no answer (faked: no daemon needed) is settled, not refused."""
 
 from __future__ import annotations
 
 import queue
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +17,11 @@ import pytest
 
 from kvxferd.scenario.client import DaemonClient
 from kvxferd.scenario.daemons import DaemonOptions
+from kvxferd.v1 import scheduler_pb2
+from kvxferd.vllm import pull_link
 from kvxferd.vllm.pull_link import PullLink, PullResult
+from kvxferd.wire.codec import group_ids_to_proto
+from kvxferd.wire.peer_client import RpcFailure
 from tests.service.conftest import Daemons, launch
 
 WAIT_S = 30.0
@@ -146,3 +151,84 @@ def test_a_pull_whose_watch_breaks_is_reported_only_once_it_has_ended(pair: Daem
     finally:
         dec.close()
     assert st.finished_unix_ns and st.state != 0
+
+
+class _Unanswered:
+    """A daemon that does not answer StartPull (over gRPC, or on its scheduler socket, which
+    breaks mid-call): the pull may be running. ``answers`` GetTransfer statuses follow, each
+    call taking the next (an exception is raised, a status answered)."""
+
+    path = "/nowhere/scheduler.sock"
+
+    def __init__(self, start: grpc.StatusCode, answers: list[object]) -> None:
+        self.start, self.answers, self.cancels = start, answers, 0
+
+    def call(self, *args: object, **kw: object) -> object:  # the scheduler socket
+        raise RpcFailure(grpc.StatusCode.UNAVAILABLE, "the scheduler socket broke", ())
+
+    def close(self) -> None:
+        pass
+
+    def StartPull(self, *args: object, **kw: object) -> object:  # noqa: N802 (gRPC's name)
+        raise RpcFailure(self.start, "no answer", ())
+
+    def CancelTransfer(self, *args: object, **kw: object) -> object:  # noqa: N802
+        self.cancels += 1
+        raise RpcFailure(grpc.StatusCode.UNAVAILABLE, "still unreachable", ())
+
+    def GetTransfer(self, *args: object, **kw: object) -> object:  # noqa: N802
+        nxt = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+        if isinstance(nxt, Exception):
+            raise nxt
+        return scheduler_pb2.GetTransferResponse(status=nxt)
+
+
+@pytest.mark.parametrize(
+    ("way", "start"),
+    [
+        ("socket broke", grpc.StatusCode.UNAVAILABLE),
+        ("socket broke", grpc.StatusCode.DEADLINE_EXCEEDED),
+        ("grpc", grpc.StatusCode.DEADLINE_EXCEEDED),
+    ],
+)
+@pytest.mark.parametrize("ends", ["cancelled", "never answers"])
+def test_a_pull_whose_start_got_no_answer_is_settled_not_refused(
+    monkeypatch: pytest.MonkeyPatch, way: str, start: grpc.StatusCode, ends: str
+) -> None:
+    # Before, StartPull's no-answer was reported REFUSED at once: vLLM reused (recomputed
+    # into, freed) blocks the pull may still have been writing. Now the link cancels it and
+    # reports it once it is terminal, or LOST once its deadline has passed.
+    monkeypatch.setattr(pull_link, "CALL_TIMEOUT_S", 0.2)
+    down = RpcFailure(grpc.StatusCode.UNAVAILABLE, "unreachable", ())
+    tid = "vllm-e-r0-dec-1"
+    if ends == "cancelled":
+        final = scheduler_pb2.TransferStatus(
+            transfer_id=tid,
+            request_id="cmpl-1",
+            state=scheduler_pb2.TRANSFER_STATE_CANCELLED,
+            invalid_local_block_ids=group_ids_to_proto([[3, 4]]),
+        )
+        answers: list[object] = [down, down, final]
+    else:
+        answers = [down]
+    daemon = _Unanswered(start, answers)
+    link = PullLink("127.0.0.1:1")
+    link._stub = daemon  # type: ignore[assignment]
+    if way == "socket broke":
+        link._sockets = daemon  # type: ignore[assignment]
+    done: queue.Queue[PullResult] = queue.Queue()
+    t0 = time.monotonic()
+    try:
+        link.start(
+            tid, "cmpl-1", "10.0.0.5:1", [[7, 8]], [[3, 4]], deadline_ms=300, on_done=done.put
+        )
+        r = done.get(timeout=WAIT_S)
+    finally:
+        link.close()
+    assert daemon.cancels == 1
+    assert r.local == ((3, 4),) and r.transfer_id == tid
+    if ends == "cancelled":
+        assert r.state == "CANCELLED" and r.invalid_local == (3, 4), r
+    else:  # unreachable throughout: reported only after the deadline (300 ms) has passed
+        assert r.state == "LOST" and time.monotonic() - t0 >= 0.3, r
+        assert "no answer" in r.error

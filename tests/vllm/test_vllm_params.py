@@ -5,6 +5,7 @@ vLLM."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -14,17 +15,20 @@ import torch
 
 from kvxferd.errors import InvalidRequest, SpecError
 from kvxferd.layout.spec import GroupKind
+from kvxferd.v1 import scheduler_pb2
 from kvxferd.vllm.memory import SharedKvAllocation
 from kvxferd.vllm.params import (
     Decline,
     LocalBlock,
     Ticket,
     blocks_to_hold,
+    check_prompt,
     plan_pull,
     pull_lists,
     ticket_from_params,
     unpulled_decline,
 )
+from kvxferd.wire.codec import group_ids_to_proto
 
 FA, SWA, MAMBA = GroupKind.FULL_ATTENTION, GroupKind.SLIDING_WINDOW, GroupKind.MAMBA
 
@@ -65,6 +69,58 @@ def test_malformed_ticket_names_the_field(field: str, value: object, match: str)
     with pytest.raises(InvalidRequest, match=match) as ei:
         ticket_from_params(params)
     assert "docs/vllm.md" in str(ei.value)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("remote_block_ids", [[2**63, 8]], r"a block ID must be in \[0, 2\*\*63\)"),
+        ("remote_block_ids", [[-1, 8]], r"a block ID must be in \[0, 2\*\*63\)"),
+        ("remote_starts", [-3], r"a start position must be in \[0, 2\*\*63\)"),
+        ("num_tokens", 2**64, r"num_tokens must be in \[0, 2\*\*63\)"),
+        ("expires_unix_ns", -(2**70), r"expires_unix_ns must be in \[0, 2\*\*63\)"),
+        ("request_id", "\ud800", "non-empty UTF-8 string"),
+        ("peer_address", "h\udfff:1", "host:port"),
+        ("peer_addresses", ["127.0.0.1:5000", "h\ud800:1"], "one 'host:port' per"),
+    ],
+)
+def test_a_ticket_protobuf_cannot_carry_is_refused_when_parsed(
+    field: str, value: object, match: str
+) -> None:
+    """Before, a block ID >= 2**63 (or negative) and a lone surrogate (valid JSON "\\ud800")
+    passed ticket_from_params and raised in the worker when StartPull/DeclinePull was built,
+    inside vLLM's execute_model on every rank. Now they are malformed tickets: refused at parse
+    time (the connector logs it and computes the request locally)."""
+    params = _ticket([[1, 2]]).to_params()
+    params["kvxferd"][field] = value
+    params = json.loads(json.dumps(params))  # what vLLM's API server hands the connector
+    with pytest.raises(InvalidRequest, match=match) as ei:
+        ticket_from_params(params)
+    assert "docs/vllm.md" in str(ei.value)
+    assert unpulled_decline(params, planned=False, now_ns=0, decode_tp=1) is None
+
+
+def test_the_largest_accepted_ticket_builds_its_protobuf_requests() -> None:
+    big = 2**63 - 1
+    params = json.loads(json.dumps(_ticket([[big, 0]], [big]).to_params()))
+    t = ticket_from_params(params)
+    assert t is not None and t.remote_block_ids == ((big, 0),)
+    scheduler_pb2.StartPullRequest(
+        request_id=t.request_id,
+        peer_address=t.peer_address,
+        remote_block_ids=group_ids_to_proto([list(g) for g in t.remote_block_ids]),
+    ).SerializeToString()
+
+
+def test_a_ticket_held_for_another_prompt_length_is_refused() -> None:
+    # Before, a decode request carrying another request's ticket (a proxy mix-up) pulled that
+    # prompt's KV cache, or, shorter, left positions no held block fills (load errors).
+    t = _ticket([[1, 2]])  # num_tokens 100
+    check_prompt(t, 100)
+    with pytest.raises(InvalidRequest, match="holds a prompt of 100 tokens, this request's has 99"):
+        check_prompt(t, 99)
+    with pytest.raises(InvalidRequest, match="num_tokens"):
+        check_prompt(t, 101)
 
 
 def _tp2_ticket(ids: list[list[int]]) -> Ticket:

@@ -134,7 +134,11 @@ def aggregate(
 ) -> tuple[set[str], set[int]]:
     """Poll every rank's ``get_finished`` until ``want`` is finished on all of them (``which``:
     0 sending, 1 recving), counting as vLLM's KVOutputAggregator does; returns the requests
-    every rank reported and the union of the ranks' load errors."""
+    every rank reported and the union of the ranks' load errors. Sending: the connector kept
+    ``want``'s blocks (``KvxferdMetadata.delayed``), so each rank awaits its release."""
+    if which == 0:
+        for w in workers:
+            w.await_release([want])
     counts: Counter[str] = Counter()
     errors: set[int] = set()
     seen = set(finished)
