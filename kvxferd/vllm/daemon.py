@@ -232,7 +232,13 @@ class EngineLink:
         self.ended.set()
 
     def hold(
-        self, request_id: str, block_ids: Sequence[Sequence[int]], *, readers: int, ttl_ms: int
+        self,
+        request_id: str,
+        block_ids: Sequence[Sequence[int]],
+        *,
+        readers: int,
+        ttl_ms: int,
+        timeout_s: float = CALL_TIMEOUT_S,
     ) -> engine_pb2.HoldResponse:
         req = engine_pb2.HoldRequest(
             request_id=request_id,
@@ -240,7 +246,7 @@ class EngineLink:
             expected_readers=readers,
             ttl_ms=ttl_ms,
         )
-        return self._call("Hold", req)  # type: ignore[no-any-return]
+        return self._call("Hold", req, timeout_s)  # type: ignore[no-any-return]
 
     def describe(self) -> engine_pb2.PoolInfo:
         return self._call("Describe", engine_pb2.DescribeRequest()).pool  # type: ignore[no-any-return]

@@ -39,6 +39,14 @@ class HoldOutcome:
     errors: tuple[str, ...]
 
 
+# Hold runs on vLLM's scheduler loop (request_finished), which waits for it: a local call that
+# answers in about a millisecond, so a daemon silent this long is wedged, and every finished
+# prompt would otherwise stall the whole engine for the generic 30 s call timeout. A Hold whose
+# answer is lost is safe: the request is reported sent at once on that rank, and a late
+# release of it is dropped (kvxferd/vllm/worker.py).
+HOLD_TIMEOUT_S = 5.0
+
+
 class RankHolds:
     """``Hold`` on each TP rank's daemon (``sockets[r]`` is rank ``r``'s Engine socket)."""
 
@@ -59,7 +67,9 @@ class RankHolds:
         self, link: EngineLink, request_id: str, held: HeldBlocks
     ) -> engine_pb2.HoldResponse | KvxferdError:
         try:
-            return link.hold(request_id, held.ids, readers=1, ttl_ms=self.ttl_ms)
+            return link.hold(
+                request_id, held.ids, readers=1, ttl_ms=self.ttl_ms, timeout_s=HOLD_TIMEOUT_S
+            )
         except KvxferdError as err:
             return err
 
