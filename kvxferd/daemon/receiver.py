@@ -220,19 +220,13 @@ class PushReceiver:
                 # Landed: DONE now. The owner's answer follows (it ends our share when it saw
                 # its WRITE complete); cancelling the call would stop that, so it is left.
                 call.add_done_callback(_answered)
-                return self._end(
-                    transfer_id,
-                    agent,
-                    plan,
-                    TransferStatus.DONE,
-                    posted=posted,
-                    completed=lease.landed.result(),
-                    descriptors=descriptors(plan),
-                )
+                return self._landed(transfer_id, agent, plan, lease, posted)
             err = None if call.cancelled() else call.exception()
+            if err is not None and (
+                not isinstance(err, KvxferdError) or isinstance(err, PeerUnavailable)
+            ):
+                await _sleep_until(fence)  # no answer: its WRITE may run until its timeout
             if cancelled or call.cancelled():
-                if isinstance(err, PeerUnavailable):
-                    await _sleep_until(fence)  # no answer: its WRITE may run until its timeout
                 return self._end(transfer_id, agent, plan, TransferStatus.CANCELLED, posted=posted)
             if err is not None:
                 error = err if isinstance(err, KvxferdError) else KvxferdError(str(err))
@@ -242,9 +236,6 @@ class PushReceiver:
                         " the blocks now listed as not written",
                         extra=kv(transfer_id=transfer_id, peer=link.address),
                     )
-                if not isinstance(err, KvxferdError) or isinstance(err, PeerUnavailable):
-                    # No answer from the owner: its WRITE may still run until its timeout.
-                    await _sleep_until(fence)
                 status = (
                     TransferStatus.EXPIRED
                     if isinstance(error, DeadlineExceeded)
@@ -257,15 +248,7 @@ class PushReceiver:
                     asyncio.shield(lease.landed), max(1e-3, deadline - time.monotonic())
                 )
             if lease.landed.done():
-                return self._end(
-                    transfer_id,
-                    agent,
-                    plan,
-                    TransferStatus.DONE,
-                    posted=posted,
-                    completed=lease.landed.result(),
-                    descriptors=descriptors(plan),
-                )
+                return self._landed(transfer_id, agent, plan, lease, posted)
             return self._end(
                 transfer_id,
                 agent,
@@ -289,6 +272,21 @@ class PushReceiver:
             ended = self._ended.pop(transfer_id)
             if not ended.done():
                 ended.set_result(None)
+
+    @classmethod
+    def _landed(
+        cls, transfer_id: str, agent: str, plan: TransferPlan, lease: _Lease, posted: float
+    ) -> TransferResult:
+        """DONE: the WRITE's notification landed (every block written)."""
+        return cls._end(
+            transfer_id,
+            agent,
+            plan,
+            TransferStatus.DONE,
+            posted=posted,
+            completed=lease.landed.result(),
+            descriptors=descriptors(plan),
+        )
 
     @staticmethod
     def _end(
