@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1] / "kvxferd"
 # Bottom floor first. A package may import packages of lower floors only (not its own floor's
 # other packages).
 FLOORS: tuple[tuple[str, ...], ...] = (
-    ("errors", "logs", "tasks", "v1"),
+    ("busypoll", "errors", "logs", "tasks", "v1"),
     ("netpolicy",),
     ("layout", "config"),
     ("blocks", "kernels", "pool", "attach", "nixl"),

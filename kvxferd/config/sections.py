@@ -38,6 +38,11 @@ class ServerConfig:
     slower than they come) before the daemon ends it with RESOURCE_EXHAUSTED."""
     instance_id: str = ""
     """Identifier of this daemon instance; default: generated at start (changes on restart)."""
+    busy_poll: str = "auto"
+    """Keep the event loop polling after each call arrives instead of sleeping (kvxferd.busypoll):
+    ``auto`` where at least 8 CPUs are usable, ``on``, or ``off``."""
+    busy_poll_window_ms: float = 5.0
+    """How long the loop keeps polling after the last frame or RPC arrived, when busy polling."""
 
 
 @dataclass(frozen=True)

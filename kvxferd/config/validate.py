@@ -9,6 +9,8 @@ from kvxferd.config.sections import DOCS, Config, TransferConfig, check_token
 from kvxferd.errors import ConfigError
 from kvxferd.netpolicy import PeerAllowList
 
+BUSY_POLL_MODES = ("auto", "on", "off")  # server.busy_poll (kvxferd/busypoll.py)
+
 MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
 MAX_STAGING_BYTES = 1 << 40
 """The staging ring (staging_chunks x staging_chunk_bytes) is one buffer allocated and
@@ -53,6 +55,18 @@ def validate(cfg: Config) -> None:
             f"must be >= 1, got {cfg.server.watch_backlog}",
             field="server.watch_backlog",
             fix="leave it at 16384, or give a watch stream room for at least one message",
+        )
+    if cfg.server.busy_poll not in BUSY_POLL_MODES:
+        raise ConfigError(
+            f"must be one of {', '.join(BUSY_POLL_MODES)}, got {cfg.server.busy_poll!r}",
+            field="server.busy_poll",
+            fix="use auto (spin where at least 8 CPUs are usable), on or off",
+        )
+    if not 0 < cfg.server.busy_poll_window_ms <= 1000:
+        raise ConfigError(
+            f"must be > 0 and <= 1000, got {cfg.server.busy_poll_window_ms}",
+            field="server.busy_poll_window_ms",
+            fix="leave it at 5, or set server.busy_poll = off to never spin",
         )
     if cfg.server.drain_timeout_s < 0:
         raise ConfigError(

@@ -40,6 +40,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
+from kvxferd import busypoll
 from kvxferd.config import Config, is_loopback
 from kvxferd.daemon.attach import Attacher
 from kvxferd.daemon.core import Daemon
@@ -380,7 +381,8 @@ async def serve_forever(cfg: Config, *, ready_file: str = "", fill_seed: int | N
             )
         )
         tmp.replace(ready_file)
-    with serving_heap():  # start-up's objects out of the collector's walks (heap.py)
+    # Start-up's objects out of the collector's walks (heap.py); the loop polls while busy.
+    with serving_heap(), busypoll.polling(cfg.server.busy_poll, cfg.server.busy_poll_window_ms):
         await stop.wait()
         log.info("stopping", extra=kv(drain_timeout_s=cfg.server.drain_timeout_s))
         await running.stop()

@@ -15,6 +15,8 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc import aio
 
+from kvxferd import busypoll
+
 
 class _Undecodable:
     """What a guarded deserializer returns for a body that is not the expected message."""
@@ -123,6 +125,7 @@ class DecodeGuard(aio.ServerInterceptor):  # type: ignore[type-arg]
         ],
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler[Any, Any]:
+        busypoll.touch()  # a call arrived: keep the loop awake for the rest of its exchange
         handler = await continuation(details)
         if handler is None or handler.request_deserializer is None:
             return handler

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, cast
 
 import grpc
 
+from kvxferd import busypoll
 from kvxferd.logs import kv
 from kvxferd.tasks import start_now
 from kvxferd.wire.local import CANCEL, REQUEST, answer_frame
@@ -130,6 +131,7 @@ class Calls(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         assert self.transport is not None
+        busypoll.touch()  # a call arrived: keep the loop awake for the rest of its exchange
         try:
             for call_id, kind, body in self._frames.feed(data):
                 if self._backed_up or self._held:

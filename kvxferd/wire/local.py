@@ -42,6 +42,7 @@ from typing import Any, cast
 
 import grpc
 
+from kvxferd import busypoll
 from kvxferd.v1 import peer_pb2, scheduler_pb2
 from kvxferd.wire.errors import clip
 from kvxferd.wire.peer_client import Metadata, NotSent, RpcFailure
@@ -232,6 +233,7 @@ class _Answers(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
 
     def data_received(self, data: bytes) -> None:
+        busypoll.touch()  # an answer: the call that waits for it goes on at once
         try:
             for call_id, kind, body in self._frames.feed(data):
                 fut = self.waiting.pop(call_id, None)

@@ -1,0 +1,66 @@
+"""Idle CPU of two real daemons (``kvxferd serve``, prefill and decode), before any pull and
+after some: busy polling (``server.busy_poll``, kvxferd/busypoll.py) must leave an idle daemon
+asleep once its window has passed. Prints each daemon's CPU share of one core while idle.
+
+    python -m bench.idle_daemons [--device cuda] [--seconds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from kvxferd.scenario.client import DaemonClient
+from kvxferd.scenario.control_path import (
+    TINY,
+    cpu_seconds,
+    decode_daemon,
+    prefill_daemon,
+    random_ids,
+)
+from kvxferd.scenario.daemons import DaemonSet
+from kvxferd.scenario.puller import DaemonPuller
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--seconds", type=float, default=5.0)
+    args = ap.parse_args(argv)
+    opts = [prefill_daemon(TINY, args.device), decode_daemon("decode", TINY, args.device, "auto")]
+    with tempfile.TemporaryDirectory(prefix="kvx-idle-") as wd, DaemonSet(Path(wd), opts) as ds:
+        ds.start()
+        ds.wait_ready()
+        pre, dec = ds["prefill"].ready, ds["decode"].ready
+        assert pre is not None and dec is not None
+        pids = {"prefill": pre.pid, "decode": dec.pid}
+
+        def idle(label: str) -> None:
+            time.sleep(1.0)  # past any busy-poll window
+            before = {k: cpu_seconds(p) for k, p in pids.items()}
+            time.sleep(args.seconds)
+            share = {k: (cpu_seconds(p) - before[k]) / args.seconds for k, p in pids.items()}
+            print(f"{label}: " + ", ".join(f"{k} {v:.1%} of a core" for k, v in share.items()))
+
+        idle("idle after start")
+        prefill = DaemonClient("prefill", pre.grpc, pre.engine_socket)
+        decode = DaemonClient(
+            "decode", dec.grpc, dec.engine_socket, scheduler_socket=dec.scheduler_socket
+        )
+        puller = DaemonPuller(prefill, decode)
+        rng = np.random.default_rng(0)
+        for _ in range(200):
+            puller.pull(random_ids(rng, 80, 16), random_ids(rng, 80, 16), socket=True)
+        idle("idle after 200 pulls")
+        puller.close()
+        prefill.close()
+        decode.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

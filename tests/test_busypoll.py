@@ -1,0 +1,182 @@
+"""Busy polling (kvxferd/busypoll.py, docs/config.md ``server.busy_poll``): the loop is kept
+polling only for a window after something arrived, never while idle; ``auto`` decides by the
+CPUs the daemon may use; a real daemon started with it on serves pulls and says what it chose."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvxferd import busypoll
+from kvxferd.busypoll import AUTO_MIN_CPUS, BusyPoll, quota_cpus, resolve
+from kvxferd.config import load_config
+from kvxferd.errors import ConfigError
+from kvxferd.scenario.client import DaemonClient
+from kvxferd.scenario.control_path import TINY, random_ids
+from kvxferd.scenario.daemons import DaemonOptions, DaemonSet
+from kvxferd.scenario.puller import DaemonPuller
+
+
+@pytest.mark.parametrize(
+    ("mode", "cpus", "on"),
+    [
+        ("on", 1, True),
+        ("off", 64, False),
+        ("auto", AUTO_MIN_CPUS, True),
+        ("auto", AUTO_MIN_CPUS - 1, False),
+        ("auto", 1.5, False),
+        ("auto", math.inf, True),
+    ],
+)
+def test_resolve_says_why(mode: str, cpus: float, on: bool) -> None:
+    got, why = resolve(mode, cpus)
+    assert got is on
+    assert why  # the start-up log line's reason
+    if mode == "auto":
+        assert f"{cpus:g} CPUs" in why
+
+
+@pytest.mark.parametrize(
+    ("text", "cpus"),
+    [
+        ("max 100000\n", math.inf),
+        ("200000 100000\n", 2.0),
+        ("50000 100000", 0.5),
+        ("", math.inf),
+        ("garbage here", math.inf),
+        ("100 0", math.inf),
+    ],
+)
+def test_cgroup_quota(text: str, cpus: float) -> None:
+    assert quota_cpus(text) == cpus
+
+
+def test_usable_cpus_is_at_most_the_affinity() -> None:
+    import os
+
+    assert 0 < busypoll.usable_cpus() <= len(os.sched_getaffinity(0))
+
+
+def test_window_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="> 0"):
+        BusyPoll(0.0)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "match"),
+    [
+        ("server.busy_poll", "always", "auto, on, off"),
+        ("server.busy_poll_window_ms", "0", "> 0"),
+        ("server.busy_poll_window_ms", "5000", "<= 1000"),
+    ],
+)
+def test_bad_settings_are_refused_naming_the_key(key: str, value: str, match: str) -> None:
+    with pytest.raises(ConfigError, match=match) as ei:
+        load_config(None, env={}, overrides={key: value})
+    assert ei.value.field == key
+
+
+def test_idle_never_spins_and_a_touch_spins_for_one_window() -> None:
+    async def main() -> None:
+        poll = BusyPoll(0.05)
+        poll.start()
+        await asyncio.sleep(0.1)  # nothing arrived: the task waits, the loop sleeps
+        assert poll.turns == 0 and not poll.spinning
+        t0 = time.monotonic()
+        poll.touch()
+        await asyncio.sleep(0.01)
+        assert poll.spinning
+        spun = poll.turns
+        assert spun > 10  # the loop came back to the task at every turn
+        while poll.spinning:
+            await asyncio.sleep(0.005)
+        assert time.monotonic() - t0 >= 0.05  # the whole window from the touch
+        after = poll.turns
+        await asyncio.sleep(0.1)
+        assert poll.turns == after and not poll.spinning  # idle again: no more turns
+        poll.stop()
+
+    asyncio.run(main())
+
+
+def test_touches_extend_the_window() -> None:
+    async def main() -> None:
+        poll = BusyPoll(0.03)
+        poll.start()
+        t0 = time.monotonic()
+        for _ in range(6):  # a touch every 20 ms for 120 ms: never idle for a window
+            poll.touch()
+            await asyncio.sleep(0.02)
+            assert poll.spinning
+        assert time.monotonic() - t0 >= 0.12
+        poll.stop()
+        await asyncio.sleep(0.01)
+        assert not poll.spinning
+
+    asyncio.run(main())
+
+
+def test_module_touch_feeds_only_the_installed_one() -> None:
+    async def main() -> None:
+        poll = BusyPoll(0.02)
+        poll.start()
+        busypoll.touch()  # none installed: nothing happens
+        await asyncio.sleep(0.01)
+        assert poll.turns == 0
+        old = busypoll.install(poll)
+        try:
+            busypoll.touch()
+            await asyncio.sleep(0.01)
+            assert poll.turns > 0
+        finally:
+            assert busypoll.install(old) is poll
+            poll.stop()
+
+    asyncio.run(main())
+
+
+@pytest.mark.slow
+def test_daemons_with_busy_polling_on_serve_pulls_and_say_so() -> None:
+    """Both daemons spinning (``on``, whatever the CPUs): pulls on the scheduler socket end DONE
+    with their bytes checked, and each daemon's log says busy polling is on and why."""
+    on = ("--set", "server.busy_poll=on", "--set", "server.busy_poll_window_ms=2")
+    opts = [
+        DaemonOptions("prefill", TINY, extra=on),
+        DaemonOptions("decode", TINY, extra=on, scheduler_socket=True),
+    ]
+    with tempfile.TemporaryDirectory() as wd, DaemonSet(Path(wd), opts) as ds:
+        ds.start()
+        ds.wait_ready()
+        pre, dec = ds["prefill"].ready, ds["decode"].ready
+        assert pre is not None and dec is not None
+        prefill = DaemonClient("prefill", pre.grpc, pre.engine_socket)
+        decode = DaemonClient(
+            "decode", dec.grpc, dec.engine_socket, scheduler_socket=dec.scheduler_socket
+        )
+        puller = DaemonPuller(prefill, decode)
+        rng = np.random.default_rng(3)
+        try:
+            for seed in range(5):  # pull() raises unless DONE and released
+                local, remote = random_ids(rng, 80, 16), random_ids(rng, 80, 16)
+                puller.pull(local, remote, socket=True)
+                assert puller.verify(local, remote, seed) == 0, "pulled blocks differ"
+        finally:
+            puller.close()
+            prefill.close()
+            decode.close()
+        for name in ("prefill", "decode"):
+            lines = [
+                json.loads(line)
+                for line in ds[name].log_path.read_text().splitlines()
+                if line.startswith("{") and '"busy polling"' in line
+            ]
+            assert lines, f"{name}: no 'busy polling' line in its log"
+            why = "server.busy_poll = on; polling 2 ms"
+            assert lines[0]["on"] is True and lines[0]["why"].startswith(why)
