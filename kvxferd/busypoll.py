@@ -140,8 +140,8 @@ def resolve(mode: str, cpus: float) -> tuple[bool, str]:
     if mode == "off":
         return False, "server.busy_poll = off"
     if cpus >= AUTO_MIN_CPUS:
-        return True, f"{cpus:g} CPUs usable (auto spins from {AUTO_MIN_CPUS})"
-    return False, f"only {cpus:g} CPUs usable (auto spins from {AUTO_MIN_CPUS})"
+        return True, f"{cpus:g} CPUs usable, auto spins from {AUTO_MIN_CPUS}"
+    return False, f"only {cpus:g} CPUs usable, auto spins from {AUTO_MIN_CPUS}"
 
 
 @contextlib.contextmanager

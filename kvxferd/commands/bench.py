@@ -194,6 +194,7 @@ def run(args: argparse.Namespace) -> int:
             "set UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y: " if note.set_get_zcopy else ""
         ) + note.reason
     info, vers, env = machine.machine(), machine.versions(), machine.transports()
+    spin = machine.busy_polling()
     base = [
         Cell(t, p, workload.blocks(t), workload.request_bytes(t), strategy=args.strategy[0])
         for t in sizes
@@ -211,6 +212,8 @@ def run(args: argparse.Namespace) -> int:
         f" median of {args.repeat}",
         *machine.describe(info, vers, env),
         *([f"ucx env:    {ucx_note}"] if ucx_note else []),
+        f"daemons:    busy polling {'on' if spin['on'] else 'off'} ({spin['why']};"
+        f" server.busy_poll, window {spin['window_ms']:g} ms)",
     ]
     for line in header:
         print(line, flush=True)
@@ -226,6 +229,7 @@ def run(args: argparse.Namespace) -> int:
         "machine": info,
         "versions": vers,
         "transports": env,
+        "busy_poll": spin,
         "device": args.device,
         "devices": {"prefill": workload.dev_prefill, "decode": workload.dev_decode},
         "layout": {

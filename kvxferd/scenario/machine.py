@@ -8,6 +8,8 @@ import sys
 from importlib import metadata
 from typing import Any
 
+from kvxferd import busypoll
+
 NIXL_DISTRIBUTIONS = ("nixl", "nixl-cu13", "nixl-cu12")
 
 
@@ -82,6 +84,16 @@ def versions() -> dict[str, str]:
 def transports() -> dict[str, str]:
     """The UCX environment (UCX_TLS and friends); empty means UCX picks the transports."""
     return {k: v for k, v in sorted(os.environ.items()) if k.startswith("UCX_")}
+
+
+def busy_polling() -> dict[str, Any]:
+    """What ``server.busy_poll`` gives the daemons this process starts (they inherit its
+    environment and CPU affinity): on or off and why (kvxferd/busypoll.py)."""
+    from kvxferd.config import load_config
+
+    server = load_config(None).server
+    on, why = busypoll.resolve(server.busy_poll, busypoll.usable_cpus())
+    return {"on": on, "why": why, "window_ms": server.busy_poll_window_ms}
 
 
 def describe(info: dict[str, Any], vers: dict[str, str], env: dict[str, str]) -> list[str]:
