@@ -8,22 +8,18 @@ asleep once its window has passed. Prints each daemon's CPU share of one core wh
 from __future__ import annotations
 
 import argparse
-import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 
-from kvxferd.scenario.client import DaemonClient
 from kvxferd.scenario.control_path import (
     TINY,
     cpu_seconds,
     decode_daemon,
     prefill_daemon,
+    pulling_pair,
     random_ids,
 )
-from kvxferd.scenario.daemons import DaemonSet
-from kvxferd.scenario.puller import DaemonPuller
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,9 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=5.0)
     args = ap.parse_args(argv)
     opts = [prefill_daemon(TINY, args.device), decode_daemon("decode", TINY, args.device, "auto")]
-    with tempfile.TemporaryDirectory(prefix="kvx-idle-") as wd, DaemonSet(Path(wd), opts) as ds:
-        ds.start()
-        ds.wait_ready()
+    with pulling_pair(opts) as (ds, puller):
         pre, dec = ds["prefill"].ready, ds["decode"].ready
         assert pre is not None and dec is not None
         pids = {"prefill": pre.pid, "decode": dec.pid}
@@ -47,18 +41,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{label}: " + ", ".join(f"{k} {v:.1%} of a core" for k, v in share.items()))
 
         idle("idle after start")
-        prefill = DaemonClient("prefill", pre.grpc, pre.engine_socket)
-        decode = DaemonClient(
-            "decode", dec.grpc, dec.engine_socket, scheduler_socket=dec.scheduler_socket
-        )
-        puller = DaemonPuller(prefill, decode)
         rng = np.random.default_rng(0)
         for _ in range(200):
             puller.pull(random_ids(rng, 80, 16), random_ids(rng, 80, 16), socket=True)
         idle("idle after 200 pulls")
-        puller.close()
-        prefill.close()
-        decode.close()
     return 0
 
 

@@ -7,9 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,10 +16,8 @@ from kvxferd import busypoll
 from kvxferd.busypoll import AUTO_MIN_CPUS, BusyPoll, quota_cpus, resolve
 from kvxferd.config import load_config
 from kvxferd.errors import ConfigError
-from kvxferd.scenario.client import DaemonClient
-from kvxferd.scenario.control_path import TINY, random_ids
-from kvxferd.scenario.daemons import DaemonOptions, DaemonSet
-from kvxferd.scenario.puller import DaemonPuller
+from kvxferd.scenario.control_path import TINY, pulling_pair, random_ids
+from kvxferd.scenario.daemons import DaemonOptions
 
 
 @pytest.mark.parametrize(
@@ -151,26 +147,12 @@ def test_daemons_with_busy_polling_on_serve_pulls_and_say_so() -> None:
         DaemonOptions("prefill", TINY, extra=on),
         DaemonOptions("decode", TINY, extra=on, scheduler_socket=True),
     ]
-    with tempfile.TemporaryDirectory() as wd, DaemonSet(Path(wd), opts) as ds:
-        ds.start()
-        ds.wait_ready()
-        pre, dec = ds["prefill"].ready, ds["decode"].ready
-        assert pre is not None and dec is not None
-        prefill = DaemonClient("prefill", pre.grpc, pre.engine_socket)
-        decode = DaemonClient(
-            "decode", dec.grpc, dec.engine_socket, scheduler_socket=dec.scheduler_socket
-        )
-        puller = DaemonPuller(prefill, decode)
+    with pulling_pair(opts) as (ds, puller):
         rng = np.random.default_rng(3)
-        try:
-            for seed in range(5):  # pull() raises unless DONE and released
-                local, remote = random_ids(rng, 80, 16), random_ids(rng, 80, 16)
-                puller.pull(local, remote, socket=True)
-                assert puller.verify(local, remote, seed) == 0, "pulled blocks differ"
-        finally:
-            puller.close()
-            prefill.close()
-            decode.close()
+        for seed in range(5):  # pull() raises unless DONE and released
+            local, remote = random_ids(rng, 80, 16), random_ids(rng, 80, 16)
+            puller.pull(local, remote, socket=True)
+            assert puller.verify(local, remote, seed) == 0, "pulled blocks differ"
         for name in ("prefill", "decode"):
             lines = [
                 json.loads(line)

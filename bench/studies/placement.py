@@ -16,21 +16,18 @@ import contextlib
 import json
 import os
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-from kvxferd.scenario.client import DaemonClient
 from kvxferd.scenario.control_path import (
     checked_blocks,
     decode_daemon,
     prefill_daemon,
+    pulling_pair,
     random_ids,
 )
-from kvxferd.scenario.daemons import DaemonSet
-from kvxferd.scenario.puller import DaemonPuller
 
 
 def threads(pid: int) -> dict[int, float]:
@@ -87,25 +84,13 @@ def main(argv: list[str] | None = None) -> int:
     blocks = checked_blocks(args.pool, 16)
     rows = []
     everything = set(range(os.cpu_count() or 1))
-    with (
-        tempfile.TemporaryDirectory(prefix="kvx-place-") as wd,
-        DaemonSet(
-            Path(wd),
-            [
-                prefill_daemon(args.pool, args.device),
-                decode_daemon("decode", args.pool, args.device, "kernel"),
-            ],
-        ) as ds,
-    ):
-        ds.start()
-        ds.wait_ready()
+    options = [
+        prefill_daemon(args.pool, args.device),
+        decode_daemon("decode", args.pool, args.device, "kernel"),
+    ]
+    with pulling_pair(options) as (ds, puller):
         pre, dec = ds["prefill"].ready, ds["decode"].ready
         assert pre is not None and dec is not None
-        p = DaemonClient("prefill", pre.grpc, pre.engine_socket)
-        d = DaemonClient(
-            "decode", dec.grpc, dec.engine_socket, scheduler_socket=dec.scheduler_socket
-        )
-        puller = DaemonPuller(p, d)
         rng = np.random.default_rng(0)
         for _ in range(args.warmup):
             puller.pull(random_ids(rng, blocks, 16), random_ids(rng, blocks, 16), socket=True)
@@ -150,9 +135,6 @@ def main(argv: list[str] | None = None) -> int:
                 f" p99 {row['p99_ms']:.3f} ms; decode CPU ms/pull {busy}",
                 flush=True,
             )
-        puller.close()
-        p.close()
-        d.close()
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

@@ -9,10 +9,12 @@ on the decode daemon's scheduler socket, then waits for the prefill daemon to re
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -68,16 +70,10 @@ def random_ids(rng: np.random.Generator, blocks: int, n: int) -> Int64Array:
     return out
 
 
-def measure(
-    pool: str, device: str, pulls: int, warmup: int, *, strategy: str, n: int = BLOCKS
-) -> dict[str, Any]:
-    blocks = checked_blocks(pool, n)
-    options = [prefill_daemon(pool, device), decode_daemon("decode", pool, device, strategy)]
-    rng = np.random.default_rng(0)
-
-    def ids() -> Int64Array:
-        return random_ids(rng, blocks, n)
-
+@contextlib.contextmanager
+def pulling_pair(options: list[DaemonOptions]) -> Iterator[tuple[DaemonSet, DaemonPuller]]:
+    """Two real daemons, ``prefill`` and ``decode`` (the one with the scheduler socket), started
+    and ready in a temporary directory, and a puller between them; all closed on the way out."""
     with (
         tempfile.TemporaryDirectory(prefix="kvx-control-") as workdir,
         DaemonSet(Path(workdir), options) as daemons,
@@ -92,29 +88,45 @@ def measure(
         )
         puller = DaemonPuller(prefill, decode)
         try:
-            for _ in range(warmup):
-                puller.pull(ids(), ids(), socket=True)
-            cpu0 = {"decode": cpu_seconds(dec.pid), "prefill": cpu_seconds(pre.pid)}
-            ms: list[float] = []
-            stages: dict[str, list[float]] = {}
-            strategies: set[int] = set()
-            t0 = time.perf_counter()
-            for _ in range(pulls):
-                out = puller.pull(ids(), ids(), socket=True)
-                ms.append(out.seconds * 1e3)
-                strategies.add(out.status.strategy)
-                for st in out.status.stages:
-                    stages.setdefault(st.name, []).append(st.seconds * 1e3)
-            wall = time.perf_counter() - t0
-            cpu = {
-                "decode": cpu_seconds(dec.pid) - cpu0["decode"],
-                "prefill": cpu_seconds(pre.pid) - cpu0["prefill"],
-            }
-            daemons.check_alive()
+            yield daemons, puller
         finally:
             puller.close()
             prefill.close()
             decode.close()
+
+
+def measure(
+    pool: str, device: str, pulls: int, warmup: int, *, strategy: str, n: int = BLOCKS
+) -> dict[str, Any]:
+    blocks = checked_blocks(pool, n)
+    options = [prefill_daemon(pool, device), decode_daemon("decode", pool, device, strategy)]
+    rng = np.random.default_rng(0)
+
+    def ids() -> Int64Array:
+        return random_ids(rng, blocks, n)
+
+    with pulling_pair(options) as (daemons, puller):
+        pre, dec = daemons["prefill"].ready, daemons["decode"].ready
+        assert pre is not None and dec is not None
+        for _ in range(warmup):
+            puller.pull(ids(), ids(), socket=True)
+        cpu0 = {"decode": cpu_seconds(dec.pid), "prefill": cpu_seconds(pre.pid)}
+        ms: list[float] = []
+        stages: dict[str, list[float]] = {}
+        strategies: set[int] = set()
+        t0 = time.perf_counter()
+        for _ in range(pulls):
+            out = puller.pull(ids(), ids(), socket=True)
+            ms.append(out.seconds * 1e3)
+            strategies.add(out.status.strategy)
+            for st in out.status.stages:
+                stages.setdefault(st.name, []).append(st.seconds * 1e3)
+        wall = time.perf_counter() - t0
+        cpu = {
+            "decode": cpu_seconds(dec.pid) - cpu0["decode"],
+            "prefill": cpu_seconds(pre.pid) - cpu0["prefill"],
+        }
+        daemons.check_alive()
     return {
         "pool": pool,
         "device": device,
@@ -140,5 +152,6 @@ __all__ = [
     "measure",
     "pool_blocks",
     "prefill_daemon",
+    "pulling_pair",
     "random_ids",
 ]
