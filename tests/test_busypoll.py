@@ -8,6 +8,7 @@ import asyncio
 import json
 import math
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -162,3 +163,66 @@ def test_daemons_with_busy_polling_on_serve_pulls_and_say_so() -> None:
             assert lines, f"{name}: no 'busy polling' line in its log"
             why = "server.busy_poll = on; polling 2 ms"
             assert lines[0]["on"] is True and lines[0]["why"].startswith(why)
+
+
+def _recording(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Replace busypoll.touch with one that records which module called it."""
+    import sys
+
+    callers: list[str] = []
+    monkeypatch.setattr(
+        busypoll, "touch", lambda: callers.append(sys._getframe(1).f_globals["__name__"])
+    )
+    return callers
+
+
+def test_every_frame_both_ways_touches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A framed call keeps both ends' loops polling: the server when its request arrives
+    (kvxferd/service/local_calls.py), the caller when the answer does (kvxferd/wire/local.py)."""
+    from prometheus_client import CollectorRegistry
+
+    from kvxferd.metrics import Metrics
+    from kvxferd.service.local_peer import LocalPeerServer
+    from kvxferd.v1 import peer_pb2
+    from kvxferd.wire.local import LocalTransport
+
+    class Service:
+        async def Heartbeat(self, request: object, context: object) -> object:  # noqa: N802
+            return peer_pb2.HeartbeatResponse()
+
+    callers = _recording(monkeypatch)
+
+    async def main() -> None:
+        server = LocalPeerServer(
+            Service(), Metrics.create(CollectorRegistry()), str(tmp_path / "s")
+        )
+        await server.start()
+        client = LocalTransport(server.path)
+        await client("Heartbeat", peer_pb2.HeartbeatRequest(), timeout=5, metadata=())
+        await server.close()
+
+    asyncio.run(main())
+    assert "kvxferd.service.local_calls" in callers
+    assert "kvxferd.wire.local" in callers
+
+
+def test_every_grpc_call_touches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gRPC call keeps the server's loop polling (kvxferd/service/decode_guard.py)."""
+    from grpc import aio
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from kvxferd.service.decode_guard import DecodeGuard
+
+    callers = _recording(monkeypatch)
+
+    async def main() -> None:
+        server = aio.server(interceptors=[DecodeGuard()])
+        health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        async with aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        await server.stop(None)
+
+    asyncio.run(main())
+    assert callers.count("kvxferd.service.decode_guard") == 1
