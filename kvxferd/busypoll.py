@@ -26,7 +26,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,8 @@ def install(poll: BusyPoll | None) -> BusyPoll | None:
 
 
 def quota_cpus(cpu_max: str) -> float:
-    """The CPUs a cgroup v2 ``cpu.max`` line allows (``"max 100000"``: no limit, inf)."""
+    """The CPUs a cgroup quota allows, from ``"QUOTA PERIOD"`` (cgroup v2's ``cpu.max``; v1's
+    two files joined): ``max`` (v2) or a negative quota (v1's -1) is no limit, inf."""
     parts = cpu_max.split()
     if len(parts) != 2 or parts[0] == "max":
         return math.inf
@@ -116,21 +117,55 @@ def quota_cpus(cpu_max: str) -> float:
         quota, period = int(parts[0]), int(parts[1])
     except ValueError:
         return math.inf
-    return quota / period if period > 0 else math.inf
+    return quota / period if period > 0 and quota > 0 else math.inf
+
+
+def _ancestors(path: str) -> list[str]:
+    """``/a/b`` -> ``["/a/b", "/a", "/"]``: a cgroup and every cgroup above it."""
+    parts = [p for p in path.split("/") if p]
+    return ["/" + "/".join(parts[:i]) for i in range(len(parts), -1, -1)]
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def cgroup_cpus(proc_cgroup: str, read: Callable[[str], str | None] = _read) -> float:
+    """The CPUs this process's cgroups allow (``/proc/self/cgroup``'s text; inf: no quota): the
+    smallest quota of its cgroup and those above it, cgroup v2 (``cpu.max``) or v1 (the ``cpu``
+    controller's ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``). In a container with its own
+    cgroup namespace the paths are ``/``, which is the container's."""
+    out = math.inf
+    for line in proc_cgroup.splitlines():
+        hier, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if not hier or not path.startswith("/"):
+            continue
+        if hier == "0" and controllers == "":  # cgroup v2
+            for cg in _ancestors(path):
+                text = read(f"/sys/fs/cgroup{cg.rstrip('/')}/cpu.max")
+                if text is not None:
+                    out = min(out, quota_cpus(text))
+        elif "cpu" in controllers.split(","):  # cgroup v1
+            for cg in _ancestors(path):
+                base = f"/sys/fs/cgroup/cpu{cg.rstrip('/')}"
+                quota, period = read(f"{base}/cpu.cfs_quota_us"), read(f"{base}/cpu.cfs_period_us")
+                if quota is not None and period is not None:
+                    out = min(out, quota_cpus(f"{quota.strip()} {period.strip()}"))
+    return out
 
 
 def usable_cpus() -> float:
-    """CPUs this process may run on: its affinity, capped by its cgroup's quota if any."""
+    """CPUs this process may run on: its affinity, capped by its cgroups' CPU quota if any."""
     try:
         n: float = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         n = os.cpu_count() or 1
-    try:
-        with open("/sys/fs/cgroup/cpu.max") as f:
-            n = min(n, quota_cpus(f.read()))
-    except OSError:
-        pass
-    return n
+    return min(n, cgroup_cpus(_read("/proc/self/cgroup") or ""))
 
 
 def resolve(mode: str, cpus: float) -> tuple[bool, str]:
@@ -169,6 +204,7 @@ def polling(mode: str, window_ms: float) -> Iterator[BusyPoll | None]:
 __all__ = [
     "AUTO_MIN_CPUS",
     "BusyPoll",
+    "cgroup_cpus",
     "install",
     "polling",
     "quota_cpus",

@@ -8,6 +8,7 @@ import asyncio
 import json
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -49,10 +50,67 @@ def test_resolve_says_why(mode: str, cpus: float, on: bool) -> None:
         ("", math.inf),
         ("garbage here", math.inf),
         ("100 0", math.inf),
+        ("-1 100000", math.inf),
     ],
 )
 def test_cgroup_quota(text: str, cpus: float) -> None:
     assert quota_cpus(text) == cpus
+
+
+def _files(files: dict[str, str]) -> Callable[[str], str | None]:
+    return files.get
+
+
+@pytest.mark.parametrize(
+    ("proc", "files", "cpus"),
+    [
+        # cgroup v2, a systemd unit with CPUQuota=150%: the unit's own cpu.max
+        (
+            "0::/system.slice/kvxferd.service\n",
+            {
+                "/sys/fs/cgroup/system.slice/kvxferd.service/cpu.max": "150000 100000\n",
+                "/sys/fs/cgroup/system.slice/cpu.max": "max 100000\n",
+            },
+            1.5,
+        ),
+        # v2, the tighter quota is a parent's
+        (
+            "0::/kubepods/pod1/c1",
+            {
+                "/sys/fs/cgroup/kubepods/pod1/c1/cpu.max": "max 100000",
+                "/sys/fs/cgroup/kubepods/pod1/cpu.max": "200000 100000",
+                "/sys/fs/cgroup/kubepods/cpu.max": "1600000 100000",
+            },
+            2.0,
+        ),
+        # v2 in a container with its own namespace: "/" is the container's cgroup
+        ("0::/\n", {"/sys/fs/cgroup/cpu.max": "800000 100000"}, 8.0),
+        # v2, no quota anywhere
+        ("0::/user.slice", {}, math.inf),
+        # cgroup v1 (this repository's CI machine has it), a quota of 4 CPUs
+        (
+            "4:memory:/x\n1:cpu,cpuacct:/docker/abc\n0::/\n",
+            {
+                "/sys/fs/cgroup/cpu/docker/abc/cpu.cfs_quota_us": "400000\n",
+                "/sys/fs/cgroup/cpu/docker/abc/cpu.cfs_period_us": "100000\n",
+            },
+            4.0,
+        ),
+        # v1, no quota (-1)
+        (
+            "1:cpu:/",
+            {
+                "/sys/fs/cgroup/cpu/cpu.cfs_quota_us": "-1",
+                "/sys/fs/cgroup/cpu/cpu.cfs_period_us": "100000",
+            },
+            math.inf,
+        ),
+        ("", {}, math.inf),
+        ("garbage\n", {}, math.inf),
+    ],
+)
+def test_cgroup_cpus(proc: str, files: dict[str, str], cpus: float) -> None:
+    assert busypoll.cgroup_cpus(proc, _files(files)) == cpus
 
 
 def test_usable_cpus_is_at_most_the_affinity() -> None:
