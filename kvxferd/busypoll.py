@@ -47,12 +47,21 @@ class BusyPoll:
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._polling = False
+        self._since = 0.0  # monotonic: when the current polling began
+        self._polled_s = 0.0  # seconds spent polling before it
         self.turns = 0  # loop turns spent polling
 
     @property
     def spinning(self) -> bool:
         """Whether the loop is being kept polling now (touched within the last window)."""
         return self._polling
+
+    @property
+    def polled_s(self) -> float:
+        """Seconds the loop has spent polling instead of sleeping, the current stretch
+        included (read by /metrics from its own thread: two float reads)."""
+        since = self._since
+        return self._polled_s + (_now() - since if self._polling else 0.0)
 
     def touch(self) -> None:
         """Something arrived: keep polling for a window from now (cheap: called per frame)."""
@@ -81,6 +90,7 @@ class BusyPoll:
             wake.clear()
             # One yield per loop turn: while this task is ready, the loop polls its sockets
             # with a zero timeout and runs whatever arrived before coming back here.
+            self._since = _now()
             self._polling = True
             try:
                 while _now() < self._until:
@@ -88,6 +98,7 @@ class BusyPoll:
                     await sleep(0)
             finally:
                 self._polling = False
+                self._polled_s += _now() - self._since
 
 
 _active: BusyPoll | None = None
@@ -98,6 +109,11 @@ def touch() -> None:
     poll = _active
     if poll is not None:
         poll.touch()
+
+
+def active() -> BusyPoll | None:
+    """The busy polling :func:`touch` feeds, if it is on."""
+    return _active
 
 
 def install(poll: BusyPoll | None) -> BusyPoll | None:
@@ -204,6 +220,7 @@ def polling(mode: str, window_ms: float) -> Iterator[BusyPoll | None]:
 __all__ = [
     "AUTO_MIN_CPUS",
     "BusyPoll",
+    "active",
     "cgroup_cpus",
     "install",
     "polling",

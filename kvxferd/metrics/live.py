@@ -10,9 +10,10 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvxferd import busypoll
 from kvxferd.metrics.peer_labels import PeerLabels
 from kvxferd.metrics.values import ACTIVE_STATES, LINK_STATES
 from kvxferd.staging.stats import Occupancy
@@ -70,7 +71,7 @@ class LiveCollector(Collector):
     def describe(self) -> list[GaugeMetricFamily]:
         return []  # no samples at registration time (the daemon may not exist yet)
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         state = self._start.state
         if state is None:
             return
@@ -157,6 +158,19 @@ class LiveCollector(Collector):
         for (peer, name), gbps in sorted(best.items()):
             transport.add_metric([peer, name], gbps)
         yield transport
+        poll = busypoll.active()
+        yield GaugeMetricFamily(
+            "kvxferd_busy_poll",
+            "1 while the event loop polls for server.busy_poll_window_ms after each call"
+            " instead of sleeping (server.busy_poll), 0 when it does not.",
+            value=1 if poll is not None else 0,
+        )
+        yield CounterMetricFamily(
+            "kvxferd_busy_poll_seconds",
+            "Seconds the event loop has spent polling instead of sleeping (busy polling's CPU"
+            " cost: up to one core for as long as it polls).",
+            value=poll.polled_s if poll is not None else 0.0,
+        )
 
 
 __all__ = ["LiveCollector", "LiveSource", "LiveState", "ScrapeStart"]
