@@ -16,6 +16,7 @@ from kvxferd.scenario.control_path import (
     TINY,
     cpu_seconds,
     decode_daemon,
+    pool_blocks,
     prefill_daemon,
     pulling_pair,
     random_ids,
@@ -41,9 +42,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{label}: " + ", ".join(f"{k} {v:.1%} of a core" for k, v in share.items()))
 
         idle("idle after start")
-        rng = np.random.default_rng(0)
+        rng, blocks = np.random.default_rng(0), pool_blocks(TINY)
         for _ in range(200):
-            puller.pull(random_ids(rng, 80, 16), random_ids(rng, 80, 16), socket=True)
+            puller.pull(random_ids(rng, blocks, 16), random_ids(rng, blocks, 16), socket=True)
         idle("idle after 200 pulls")
     return 0
 

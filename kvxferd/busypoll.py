@@ -46,28 +46,23 @@ class BusyPoll:
         self._until = 0.0  # monotonic: spin until then
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
-        self._polling = False
+        self.spinning = False  # the loop is being kept polling now (touched within the window)
         self._since = 0.0  # monotonic: when the current polling began
         self._polled_s = 0.0  # seconds spent polling before it
         self.turns = 0  # loop turns spent polling
-
-    @property
-    def spinning(self) -> bool:
-        """Whether the loop is being kept polling now (touched within the last window)."""
-        return self._polling
 
     @property
     def polled_s(self) -> float:
         """Seconds the loop has spent polling instead of sleeping, the current stretch
         included (read by /metrics from its own thread: two float reads)."""
         since = self._since
-        return self._polled_s + (_now() - since if self._polling else 0.0)
+        return self._polled_s + (_now() - since if self.spinning else 0.0)
 
     def touch(self) -> None:
         """Something arrived: keep polling for a window from now (cheap: called per frame)."""
         self._until = _now() + self.window_s
         wake = self._wake
-        if wake is not None and not self._polling and not wake.is_set():
+        if wake is not None and not self.spinning and not wake.is_set():
             wake.set()
 
     def start(self) -> None:
@@ -91,13 +86,13 @@ class BusyPoll:
             # One yield per loop turn: while this task is ready, the loop polls its sockets
             # with a zero timeout and runs whatever arrived before coming back here.
             self._since = _now()
-            self._polling = True
+            self.spinning = True
             try:
                 while _now() < self._until:
                     self.turns += 1
                     await sleep(0)
             finally:
-                self._polling = False
+                self.spinning = False
                 self._polled_s += _now() - self._since
 
 

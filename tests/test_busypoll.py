@@ -18,7 +18,7 @@ from kvxferd import busypoll
 from kvxferd.busypoll import AUTO_MIN_CPUS, BusyPoll, quota_cpus, resolve
 from kvxferd.config import load_config
 from kvxferd.errors import ConfigError
-from kvxferd.scenario.control_path import TINY, pulling_pair, random_ids
+from kvxferd.scenario.control_path import TINY, pool_blocks, pulling_pair, random_ids
 from kvxferd.scenario.daemons import DaemonOptions
 
 
@@ -216,9 +216,9 @@ def test_daemons_with_busy_polling_on_serve_pulls_and_say_so() -> None:
         DaemonOptions("decode", TINY, extra=on, scheduler_socket=True),
     ]
     with pulling_pair(opts) as (ds, puller):
-        rng = np.random.default_rng(3)
+        rng, blocks = np.random.default_rng(3), pool_blocks(TINY)
         for seed in range(5):  # pull() raises unless DONE and released
-            local, remote = random_ids(rng, 80, 16), random_ids(rng, 80, 16)
+            local, remote = random_ids(rng, blocks, 16), random_ids(rng, blocks, 16)
             puller.pull(local, remote, socket=True)
             assert puller.verify(local, remote, seed) == 0, "pulled blocks differ"
         for name in ("prefill", "decode"):

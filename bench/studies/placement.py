@@ -27,6 +27,7 @@ from kvxferd.scenario.control_path import (
     prefill_daemon,
     pulling_pair,
     random_ids,
+    stat_cpu_seconds,
 )
 
 
@@ -34,12 +35,8 @@ def threads(pid: int) -> dict[int, float]:
     """CPU seconds so far of each thread of ``pid``."""
     out: dict[int, float] = {}
     for t in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{t}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except FileNotFoundError:
-            continue
-        out[int(t)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
+            out[int(t)] = stat_cpu_seconds(f"/proc/{pid}/task/{t}/stat")
     return out
 
 

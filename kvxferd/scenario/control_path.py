@@ -29,11 +29,16 @@ BLOCKS = 16
 TINY = "dense:num_blocks=80,num_kv_heads=1,head_size=8"
 
 
-def cpu_seconds(pid: int) -> float:
-    """User plus system CPU time of every thread of ``pid`` so far."""
-    with open(f"/proc/{pid}/stat") as f:
+def stat_cpu_seconds(path: str) -> float:
+    """User plus system CPU time so far from a ``/proc`` stat file (a process's or a thread's)."""
+    with open(path) as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of every thread of ``pid`` so far."""
+    return stat_cpu_seconds(f"/proc/{pid}/stat")
 
 
 def pool_blocks(pool: str) -> int:
@@ -154,4 +159,5 @@ __all__ = [
     "prefill_daemon",
     "pulling_pair",
     "random_ids",
+    "stat_cpu_seconds",
 ]

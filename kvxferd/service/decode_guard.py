@@ -111,7 +111,8 @@ class DecodeGuard(aio.ServerInterceptor):  # type: ignore[type-arg]
     gRPC answers UNKNOWN ("Unexpected error") when a deserializer raises; this interceptor
     wraps every method's deserializer and behaviour instead (the wrapped handler is built once
     per method). It must come first, so that it wraps what later interceptors return; calls
-    the token interceptor refuses never parse their body."""
+    the token interceptor refuses never parse their body. Being run for every call that arrives,
+    it also keeps the loop busy polling for the rest of the call (kvxferd/busypoll.py)."""
 
     def __init__(self) -> None:
         self._cache: dict[
