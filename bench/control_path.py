@@ -45,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"  stages p50 (ms): {stages}")
     print(
+        f"  released after the answer (WatchReleases): p50 {fig['release_p50_ms']:.3f} ms,"
+        f" p99 {fig['release_p99_ms']:.3f} ms"
+    )
+    print(
         f"  CPU per pull: decode daemon {cpu['decode']:.3f} ms, prefill daemon"
         f" {cpu['prefill']:.3f} ms (every thread; wall {fig['wall_s']:.1f} s)"
     )

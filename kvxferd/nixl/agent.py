@@ -135,6 +135,10 @@ class NixlAgent:
     def remove_poller(self, poller: Poller) -> None:
         self._thread.remove_poller(poller)
 
+    def wake(self) -> None:
+        """Run the NIXL thread's pollers now instead of at the end of its wait (any thread)."""
+        self._thread.wake()
+
     def submit(self, fn: Any, *args: Any) -> Future[Any]:
         """Run an arbitrary callable on the NIXL thread (for callers that batch several calls)."""
         return self._thread.submit(fn, *args)

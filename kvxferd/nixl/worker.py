@@ -27,6 +27,7 @@ T = TypeVar("T")
 Poller = Callable[[], "float | None"]
 
 _STOP = object()
+_WAKE = object()  # wake(): no task, only the pollers' run
 
 
 class NixlThread:
@@ -79,6 +80,11 @@ class NixlThread:
                 self._pollers.remove(poller)
 
         self.call(_remove)
+
+    def wake(self) -> None:
+        """Cut the thread's wait short: its pollers run now and say how long to wait next
+        (any thread; one queue put, no future)."""
+        self._queue.put(_WAKE)
 
     def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         """Queue ``fn(*args)`` on the thread; the future can be awaited via asyncio.wrap_future."""
@@ -136,12 +142,13 @@ class NixlThread:
                 if item is _STOP:
                     self._fail_pending()
                     return
-                fut, fn, args = item
-                if fut.set_running_or_notify_cancel():
-                    try:
-                        fut.set_result(fn(*args))
-                    except BaseException as exc:
-                        fut.set_exception(exc)
+                if item is not _WAKE:
+                    fut, fn, args = item
+                    if fut.set_running_or_notify_cancel():
+                        try:
+                            fut.set_result(fn(*args))
+                        except BaseException as exc:
+                            fut.set_exception(exc)
                 try:
                     item = self._queue.get_nowait()
                 except queue.Empty:
@@ -166,7 +173,7 @@ class NixlThread:
                 item = self._queue.get_nowait()
             except queue.Empty:
                 return
-            if item is _STOP:
+            if item is _STOP or item is _WAKE:
                 continue
             fut = item[0]
             if fut.set_running_or_notify_cancel():

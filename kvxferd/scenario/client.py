@@ -340,6 +340,7 @@ class ReleaseWatcher:
         self._client = client
         self._cond = threading.Condition()
         self.released: dict[str, int] = {}
+        self.released_at: dict[str, float] = {}  # time.perf_counter() when the stream said so
         self.error = ""
         self._closing = False
         engine = client.engine
@@ -364,6 +365,7 @@ class ReleaseWatcher:
             for resp in self._call:
                 with self._cond:
                     self.released[resp.request_id] = resp.reason
+                    self.released_at[resp.request_id] = time.perf_counter()
                     self._cond.notify_all()
             if not self._closing:
                 self.error = "the WatchReleases stream ended"

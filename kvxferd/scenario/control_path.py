@@ -117,12 +117,14 @@ def measure(
             puller.pull(ids(), ids(), socket=True)
         cpu0 = {"decode": cpu_seconds(dec.pid), "prefill": cpu_seconds(pre.pid)}
         ms: list[float] = []
+        release_ms: list[float] = []
         stages: dict[str, list[float]] = {}
         strategies: set[int] = set()
         t0 = time.perf_counter()
         for _ in range(pulls):
             out = puller.pull(ids(), ids(), socket=True)
             ms.append(out.seconds * 1e3)
+            release_ms.append(out.release_seconds * 1e3)
             strategies.add(out.status.strategy)
             for st in out.status.stages:
                 stages.setdefault(st.name, []).append(st.seconds * 1e3)
@@ -144,6 +146,9 @@ def measure(
         "p90_ms": float(np.percentile(ms, 90)),
         "p99_ms": float(np.percentile(ms, 99)),
         "stages_p50_ms": {k: statistics.median(v) for k, v in stages.items()},
+        # The pull's answer -> its release seen on WatchReleases (the blocks held meanwhile).
+        "release_p50_ms": statistics.median(release_ms),
+        "release_p99_ms": float(np.percentile(release_ms, 99)),
         "cpu_ms_per_pull": {k: v / pulls * 1e3 for k, v in cpu.items()},
     }
 

@@ -42,6 +42,9 @@ def say(text: str) -> None:
 class PullOutcome:
     seconds: float  # StartPull call -> terminal status (on the stream, or StartPull's answer)
     status: scheduler_pb2.TransferStatus
+    # The terminal status seen -> the prefill daemon's release of the request seen on its
+    # WatchReleases stream: how long the owner holds the blocks after the pull ended.
+    release_seconds: float = math.nan
 
     @property
     def server_seconds(self) -> float:
@@ -98,7 +101,8 @@ class DaemonPuller:
                 wait_s=WAIT_TIMEOUT_S,
                 local=socket,
             ).status
-            seconds = time.perf_counter() - t0
+            ended = time.perf_counter()
+            seconds = ended - t0
         else:
             self.watching(True)
             assert self._watcher is not None
@@ -111,14 +115,16 @@ class DaemonPuller:
             if resp.status.state in TERMINAL:
                 watcher.resolve(pending, resp.status, "StartPull")
             st = watcher.wait(pending, WAIT_TIMEOUT_S)
-            seconds = pending.terminal_at - t0
+            ended = pending.terminal_at
+            seconds = ended - t0
         if st.state != scheduler_pb2.TRANSFER_STATE_DONE:
             why = st.error.message if st.HasField("error") else "no error detail"
             raise BenchFailure(f"pull {rid} ended {state_name(st.state)}: {why}")
         # Not timed: let the prefill daemon release the blocks before they are held again.
         if self.releases.wait([rid], 10.0) and not self.releases.error:
             raise BenchFailure(f"the prefill daemon did not release {rid} within 10s")
-        return PullOutcome(seconds, st)
+        released = self.releases.released_at.get(rid, math.nan) - ended
+        return PullOutcome(seconds, st, released)
 
     def verify(self, local: Int64Array, remote: Int64Array, seed: int) -> int:
         rng = np.random.default_rng(seed)

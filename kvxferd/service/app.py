@@ -367,22 +367,21 @@ async def serve_forever(cfg: Config, *, ready_file: str = "", fill_seed: int | N
         loop.add_signal_handler(sig, stop.set)
     running = await start(cfg, fill_seed=fill_seed)
     if ready_file:
+        ready = {
+            "grpc": running.grpc_address,
+            "metrics": running.metrics_address,
+            "engine_socket": running.engine_socket,
+            "peer_socket": running.daemon.local_socket,
+            "scheduler_socket": cfg.server.scheduler_socket,
+            "pid": os.getpid(),
+        }
         tmp = Path(ready_file + ".tmp")
-        tmp.write_text(
-            json.dumps(
-                {
-                    "grpc": running.grpc_address,
-                    "metrics": running.metrics_address,
-                    "engine_socket": running.engine_socket,
-                    "peer_socket": running.daemon.local_socket,
-                    "scheduler_socket": cfg.server.scheduler_socket,
-                    "pid": os.getpid(),
-                }
-            )
-        )
+        tmp.write_text(json.dumps(ready))
         tmp.replace(ready_file)
     # Start-up's objects out of the collector's walks (heap.py); the loop polls while busy.
-    with serving_heap(), busypoll.polling(cfg.server.busy_poll, cfg.server.busy_poll_window_ms):
+    window_ms = cfg.server.busy_poll_window_ms
+    with serving_heap(), busypoll.polling(cfg.server.busy_poll, window_ms) as poll:
+        running.pump.prompt_reads(window_ms / 1e3, spin=poll is not None)  # READ_DONEs due
         await stop.wait()
         log.info("stopping", extra=kv(drain_timeout_s=cfg.server.drain_timeout_s))
         await running.stop()

@@ -37,6 +37,7 @@ import numpy.typing as npt
 
 from kvxferd.errors import AlreadyExists, InvalidRequest, LeaseRefused, NotFound, PermissionDenied
 from kvxferd.logs import kv
+from kvxferd.transfer.due import ReadDue
 from kvxferd.transfer.lease import (
     Lease,
     LeaseView,
@@ -79,6 +80,7 @@ class LeaseTable:
         self._lock = threading.Lock()
         self._callbacks: list[ReleaseCallback] = []
         self.stray_notifications = 0
+        self.due = ReadDue(clock)  # the READ_DONEs due soon (kvxferd/transfer/due.py)
 
     def subscribe(self, callback: ReleaseCallback) -> None:
         self._callbacks.append(callback)
@@ -159,6 +161,7 @@ class LeaseTable:
             lease, rel = self._live(request_id, now)
             if lease is not None:
                 share = lease.shares.get(reader)
+                new = share is None
                 if share is not None and share.state is not ShareState.READING:
                     raise LeaseRefused(
                         f"this reader already ended its share of {request_id!r}"
@@ -175,6 +178,7 @@ class LeaseTable:
                 else:
                     share.expires_at = max(share.expires_at, now + extend)
                 view = lease_view(lease, share)
+                self.due.granted(now, new=new)
         self._notify([rel] if rel else [])
         if lease is None:
             raise self._missing(request_id)
@@ -248,6 +252,7 @@ class LeaseTable:
                 self.stray_notifications += 1
                 return False
             share.state = ShareState.DONE
+            self.due.notified()
             rel = self._settle(lease, now)
         self._notify([rel] if rel else [])
         return True
@@ -309,11 +314,8 @@ class LeaseTable:
     def reading(self, reader: str) -> int:
         """How many shares ``reader`` is reading now."""
         with self._lock:
-            return sum(
-                1
-                for lease in self._leases.values()
-                if (s := lease.shares.get(reader)) is not None and s.state is ShareState.READING
-            )
+            shares = [lease.shares.get(reader) for lease in self._leases.values()]
+        return sum(1 for s in shares if s is not None and s.state is ShareState.READING)
 
     def reap(self) -> list[Released]:
         """Lapse shares past their expiry and release the leases that can end (a full scan)."""

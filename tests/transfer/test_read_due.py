@@ -1,0 +1,206 @@
+"""A READ_DONE is due soon after a share is granted: the lease table says when one is
+(``LeaseTable.due``, kvxferd/transfer/due.py); the notification pump then polls at a short
+wait instead of the agent's idle one, and a grant wakes a resting NIXL thread
+(kvxferd/transfer/owner.py); ``NixlThread.wake`` cuts the thread's wait short."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvxferd.errors import LeaseRefused
+from kvxferd.nixl.worker import NixlThread
+from kvxferd.transfer import notify
+from kvxferd.transfer.leases import LeaseTable
+from kvxferd.transfer.owner import READ_DUE_SPIN_S, READ_DUE_WAIT_S, NotificationPump
+
+WINDOW_S = 0.005
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeAgent:
+    """What the pump uses of a NixlAgent: its notifications, its poller hook and wake()."""
+
+    def __init__(self) -> None:
+        self.inbox: dict[str, list[bytes]] = {}
+        self.wakes = 0
+        self.pollers: list[Any] = []
+
+    def get_notifs(self) -> dict[str, list[bytes]]:
+        out, self.inbox = self.inbox, {}
+        return out
+
+    def add_poller(self, poller: Any) -> None:
+        self.pollers.append(poller)
+
+    def remove_poller(self, poller: Any) -> None:
+        self.pollers.remove(poller)
+
+    def wake(self) -> None:
+        self.wakes += 1
+
+
+def held(table: LeaseTable, request_id: str, readers: int = 1) -> None:
+    table.hold(request_id, [np.array([1, 2])], readers=readers, ttl_s=60)
+
+
+def test_nothing_is_due_before_a_grant() -> None:
+    table = LeaseTable(clock=Clock())
+    held(table, "r")
+    assert not table.due.due(WINDOW_S)
+
+
+def test_a_grant_is_due_until_its_read_done() -> None:
+    table = LeaseTable(clock=Clock())
+    held(table, "r")
+    ticket = table.confirm("r", "dec", 5).ticket
+    assert table.due.due(WINDOW_S)
+    assert table.notified("r", ticket)
+    assert not table.due.due(WINDOW_S)
+
+
+def test_two_grants_stay_due_until_both_are_notified() -> None:
+    table = LeaseTable(clock=Clock())
+    held(table, "a")
+    held(table, "b")
+    ta = table.confirm("a", "dec", 5).ticket
+    tb = table.confirm("b", "dec", 5).ticket
+    assert table.notified("a", ta)
+    assert table.due.due(WINDOW_S)
+    assert table.notified("b", tb)
+    assert not table.due.due(WINDOW_S)
+
+
+def test_a_stray_notification_does_not_end_what_is_due() -> None:
+    table = LeaseTable(clock=Clock())
+    held(table, "r")
+    ticket = table.confirm("r", "dec", 5).ticket
+    assert not table.notified("r", ticket + 1)  # the wrong ticket
+    assert not table.notified("other", ticket)  # an unknown request
+    assert table.due.due(WINDOW_S)
+
+
+def test_a_share_ended_another_way_is_due_only_until_the_window_passes() -> None:
+    clock = Clock()
+    table = LeaseTable(clock=clock)
+    held(table, "r")
+    table.confirm("r", "dec", 5)
+    table.finish("r", "dec", done=True)  # FinishPull: no notification comes
+    assert table.due.due(WINDOW_S)
+    clock.now += 2 * WINDOW_S
+    assert not table.due.due(WINDOW_S)
+    # ... and the count started again: the next grant's READ_DONE ends what is due.
+    held(table, "s")
+    ticket = table.confirm("s", "dec", 5).ticket
+    assert table.due.due(WINDOW_S)
+    assert table.notified("s", ticket)
+    assert not table.due.due(WINDOW_S)
+
+
+def test_a_renewed_confirmation_extends_the_window_without_counting_twice() -> None:
+    clock = Clock()
+    table = LeaseTable(clock=clock)
+    held(table, "r")
+    ticket = table.confirm("r", "dec", 5).ticket
+    clock.now += WINDOW_S * 0.8
+    assert table.confirm("r", "dec", 5).ticket == ticket  # the same share, renewed
+    clock.now += WINDOW_S * 0.8  # past the first grant's window, not the renewal's
+    assert table.due.due(WINDOW_S)
+    assert table.notified("r", ticket)
+    assert not table.due.due(WINDOW_S)
+
+
+def test_a_refused_confirmation_is_not_a_grant() -> None:
+    table = LeaseTable(clock=Clock())
+    grants: list[None] = []
+    table.due.on_grant = lambda: grants.append(None)
+    held(table, "r")
+    table.confirm("r", "a", 5)
+    with pytest.raises(LeaseRefused, match="all of them have confirmed"):  # one reader expected
+        table.confirm("r", "b", 5)
+    assert len(grants) == 1
+
+
+def pump_with(spin: bool, window_s: float = WINDOW_S) -> tuple[NotificationPump, FakeAgent, Clock]:
+    clock = Clock()
+    table = LeaseTable(clock=clock)
+    agent = FakeAgent()
+    pump = NotificationPump(agent, table, clock=clock)  # type: ignore[arg-type]
+    pump.prompt_reads(window_s, spin=spin)
+    return pump, agent, clock
+
+
+@pytest.mark.parametrize(("spin", "wait"), [(True, READ_DUE_SPIN_S), (False, READ_DUE_WAIT_S)])
+def test_the_pump_polls_promptly_while_a_read_done_is_due(spin: bool, wait: float) -> None:
+    pump, agent, _ = pump_with(spin)
+    table = pump._leases
+    held(table, "r")
+    assert pump.poll() is None  # nothing due: the agent's idle wait
+    ticket = table.confirm("r", "dec", 5).ticket
+    assert pump.poll() == wait
+    agent.inbox = {"dec-agent": [notify.encode("r", ticket)]}
+    assert pump.poll() is None  # counted: back to the idle wait
+    assert "r" not in table  # and the blocks went back
+
+
+def test_the_pump_rests_once_the_window_passed_without_a_notification() -> None:
+    pump, _, clock = pump_with(spin=True)
+    held(pump._leases, "r")
+    pump._leases.confirm("r", "dec", 5)
+    assert pump.poll() == READ_DUE_SPIN_S
+    clock.now += 2 * WINDOW_S
+    assert pump.poll() is None
+
+
+def test_a_grant_wakes_a_resting_thread_once() -> None:
+    pump, agent, _ = pump_with(spin=True)
+    table = pump._leases
+    for rid in ("a", "b"):
+        held(table, rid)
+    assert pump.poll() is None  # resting
+    table.confirm("a", "dec", 5)  # no running loop here: woken at once
+    assert agent.wakes == 1
+    table.confirm("b", "dec", 5)  # already woken: the next poll sees both due
+    assert agent.wakes == 1
+    assert pump.poll() == READ_DUE_SPIN_S
+
+
+def test_a_window_of_zero_turns_prompt_reads_off() -> None:
+    pump, agent, _ = pump_with(spin=True, window_s=0.0)
+    held(pump._leases, "r")
+    assert pump.poll() is None
+    pump._leases.confirm("r", "dec", 5)
+    assert pump.poll() is None
+    assert agent.wakes == 0
+
+
+def test_a_negative_window_is_refused() -> None:
+    pump, _, _ = pump_with(spin=True)
+    with pytest.raises(ValueError, match="window"):
+        pump.prompt_reads(-1.0, spin=True)
+
+
+def test_wake_cuts_the_nixl_threads_idle_wait_short() -> None:
+    thread = NixlThread("wake-test", idle_wait_s=60.0)
+    polled = threading.Event()
+    thread.add_poller(lambda: (polled.set(), None)[1])
+    thread.start()
+    try:
+        time.sleep(0.05)  # asleep in its first 60 s wait now
+        assert not polled.is_set()
+        thread.wake()
+        assert polled.wait(10), "wake() did not run the pollers before the 60 s wait ended"
+        assert thread.call(lambda: 7) == 7  # tasks still run after a wake
+    finally:
+        thread.stop()
