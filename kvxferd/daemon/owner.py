@@ -66,6 +66,7 @@ class Owner:
         self._held: dict[str, HeldRequest] = {}
         self._described: dict[str, RemoteDescription] = {}  # session token -> its handshake
         self._release_watchers: list[tuple[frozenset[str], Backlog[Release]]] = []
+        parts.leases.due.on_read_done = parts.metrics.lease_read_seconds.observe
 
     async def start_release_pump(self) -> None:
         """Forward lease releases (from any thread) to engine watchers on this loop."""

@@ -51,6 +51,7 @@ class Metrics:
     posted_descriptors: Counter
     handshakes: Counter
     lease_releases: Counter
+    lease_read_seconds: Histogram
     notifications: Counter
     pull_stage_seconds: Histogram
     rpc_errors: Counter
@@ -188,6 +189,13 @@ class Metrics:
                 "kvxferd_lease_releases",
                 "Held requests released, by reason.",
                 ["reason"],
+                registry=r,
+            ),
+            lease_read_seconds=Histogram(
+                "kvxferd_lease_read_seconds",
+                "Owner side: from a reader's lease confirmation to its READ_DONE counted (its copy"
+                " and the notification's way back): how long one read holds the blocks.",
+                buckets=RPC_BUCKETS,
                 registry=r,
             ),
             pull_stage_seconds=Histogram(

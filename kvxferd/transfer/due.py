@@ -3,6 +3,9 @@ pump (kvxferd/transfer/owner.py) when it granted a share, whose reader will READ
 within milliseconds, so that the pump polls promptly until the notification came instead of at
 the NIXL agent's idle pace (5 ms: 2.5 ms more on average before the blocks go back).
 
+It also hands each READ_DONE's time since its grant to a hook (the owner's
+``kvxferd_lease_read_seconds``: how long one read holds the blocks, notification included).
+
 Pure and clock-injected, like the lease table that feeds it (under its lock) from the service
 loop, while the pump asks from the NIXL thread: its own lock keeps the two consistent.
 """
@@ -23,6 +26,8 @@ class ReadDue:
         self.granted_at = -math.inf  # the clock's time of the last grant
         self._count = 0
         self.on_grant: Callable[[], None] | None = None  # after each grant: must not block
+        # Each READ_DONE counted, with the seconds since its share's grant (a metric's observe).
+        self.on_read_done: Callable[[float], None] | None = None
 
     def granted(self, now: float, *, new: bool) -> None:
         """A reader confirmed: a share was granted (``new``) or renewed, and it is about to
@@ -33,10 +38,12 @@ class ReadDue:
         if self.on_grant is not None:
             self.on_grant()
 
-    def notified(self) -> None:
-        """A granted share's READ_DONE was counted."""
+    def notified(self, since_grant_s: float) -> None:
+        """A granted share's READ_DONE was counted, ``since_grant_s`` after its grant."""
         with self._lock:
             self._count = max(0, self._count - 1)
+        if self.on_read_done is not None:
+            self.on_read_done(since_grant_s)
 
     def due(self, within_s: float) -> bool:
         """Whether a READ_DONE is due: a share was granted less than ``within_s`` ago and not

@@ -39,6 +39,7 @@ class Share:
     ticket: int
     expires_at: float
     state: ShareState = ShareState.READING
+    granted_at: float = 0.0  # the table's clock when the share was granted
 
 
 @dataclass

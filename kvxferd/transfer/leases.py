@@ -173,7 +173,7 @@ class LeaseTable:
                     refusal = place_refusal(lease)
                     if refusal is not None:
                         raise refusal
-                    share = Share(reader, new_ticket(), now + extend)
+                    share = Share(reader, new_ticket(), now + extend, granted_at=now)
                     lease.shares[reader] = share
                 else:
                     share.expires_at = max(share.expires_at, now + extend)
@@ -252,7 +252,7 @@ class LeaseTable:
                 self.stray_notifications += 1
                 return False
             share.state = ShareState.DONE
-            self.due.notified()
+            self.due.notified(now - share.granted_at)
             rel = self._settle(lease, now)
         self._notify([rel] if rel else [])
         return True

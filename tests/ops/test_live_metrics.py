@@ -415,6 +415,8 @@ def test_a_pull_moves_the_series_it_should(world: World) -> None:
     assert _value(w, "direct", "kvxferd_rpcs_total", method="StartPull", code="OK") >= 5
     assert _value(w, "direct", "kvxferd_rpcs_total", method="StartPull", code="INTERNAL") == 0
     assert _value(w, "prefill", "kvxferd_rpcs_total", method="Hold", code="OK") == 6
+    # Each counted READ_DONE, from its share's grant, on the owner.
+    assert _value(w, "prefill", "kvxferd_lease_read_seconds_count") >= 4
     assert _value(w, "direct", "kvxferd_peer_rpcs_total", method="Handshake", code="OK") >= 1
     assert _value(w, "direct", "kvxferd_rpc_duration_seconds_count", method="StartPull") == 6
     # Refused handshake, seen as a link state and a handshake result.

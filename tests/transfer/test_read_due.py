@@ -82,6 +82,19 @@ def test_two_grants_stay_due_until_both_are_notified() -> None:
     assert not table.due.due(WINDOW_S)
 
 
+def test_each_counted_read_done_reports_its_time_since_the_grant() -> None:
+    clock = Clock()
+    table = LeaseTable(clock=clock)
+    seen: list[float] = []
+    table.due.on_read_done = seen.append
+    held(table, "r")
+    ticket = table.confirm("r", "dec", 5).ticket
+    clock.now += 0.25
+    assert not table.notified("r", ticket + 1)  # stray: not reported
+    assert table.notified("r", ticket)
+    assert seen == [pytest.approx(0.25)]
+
+
 def test_a_stray_notification_does_not_end_what_is_due() -> None:
     table = LeaseTable(clock=Clock())
     held(table, "r")
