@@ -39,9 +39,11 @@
 // cap: min(regions, cap) rows of cap / rows CTAs, rows striding over the regions. The caller
 // (kvxferd.kernels.cuda_ops.copy_groups) checks every run against every region of the group
 // before calling. A table of at most kInlineValues values (a 16-block pull of a 32-layer
-// cache: 112) is passed by value as the kernel's parameter (copy_group_inline_kernel), so the
-// launch needs no pinned copy, no device allocation and no upload: those took ~0.1 ms of a
-// small pull's ~0.13 ms op call on an H200 (bench/ipc_kernel.py, "launch parts").
+// cache: 112), or of kLargeInlineValues where the CUDA version and the GPU allow 32 KB of launch
+// parameters (1 GiB of random blocks: ~1,600), is passed by value as the kernel's parameter
+// (copy_group_inline_kernel), so the launch needs no pinned copy, no device allocation and no
+// upload: those took ~0.1 ms of a small pull's ~0.13 ms op call on an H200
+// (bench/ipc_kernel.py, "launch parts").
 //
 // kCtaPerPiece (the first kernel, kept for the benchmark's comparison): CTA b copies pieces
 // b, b + grid, ... each by all its kThreads threads in tiles.
@@ -61,6 +63,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <limits>
 #include <string>
@@ -146,15 +149,29 @@ __global__ void __launch_bounds__(kStrideThreads)
 
 // A table small enough to travel as the launch's parameter (the runs, then the bases): no
 // pinned copy, no upload, no allocation per launch. 480 values keep every parameter of the
-// launch within the 4 KiB any CUDA version accepts.
+// launch within the 4 KiB any CUDA version accepts; from CUDA 12.1, on a driver of 12.1 or
+// later and a GPU of compute capability 7.0 or more, a launch's parameters may take 32,764
+// bytes, so kLargeInlineValues (32,000 bytes: 1 GiB of random 64 KiB blocks of a 32-layer cache
+// is ~1,600 values) travel the same way instead of by a pinned upload and a device allocation
+// (a 512-block pull's launch took 0.14 ms of the decode daemon's thread on an H200 that way:
+// docs/benchmarks.md, "Session 23").
 constexpr int64_t kInlineValues = 480;
 struct InlineTable {
   int64_t v[kInlineValues];
 };
+#if defined(CUDART_VERSION) && CUDART_VERSION >= 12010
+#define KVXFERD_LARGE_PARAMS 1
+constexpr int64_t kLargeInlineValues = 4000;
+struct LargeInlineTable {
+  int64_t v[kLargeInlineValues];
+};
+#else
+constexpr int64_t kLargeInlineValues = 0;
+#endif
 
-template <int V>
+template <int V, typename Table>
 __global__ void __launch_bounds__(kStrideThreads)
-    copy_group_inline_kernel(const __grid_constant__ InlineTable table, int64_t n_runs,
+    copy_group_inline_kernel(const __grid_constant__ Table table, int64_t n_runs,
                              int64_t n_regions, int64_t total, int shift) {
   copy_group_body<V, false>(table.v, table.v + 3 * n_runs, n_regions, total, shift);
 }
@@ -377,15 +394,48 @@ void launch_group(const int64_t* runs, const int64_t* bases, int64_t n_runs, int
   copy_group_kernel<V><<<grid, kStrideThreads, 0, stream>>>(runs, bases, n_regions, total, shift);
 }
 
-template <int V>
-void launch_group_inline(const InlineTable& table, int64_t n_runs, int64_t n_regions,
+template <int V, typename Table>
+void launch_group_inline(const Table& table, int64_t n_runs, int64_t n_regions,
                          int64_t longest, int64_t cap, int sms, cudaStream_t stream) {
   int shift = 0;
   while ((int64_t{1} << shift) < longest / V) ++shift;
   const int64_t total = n_runs << shift;
-  const dim3 grid = group_grid(copy_group_inline_kernel<V>, total, n_regions, cap, sms);
-  copy_group_inline_kernel<V>
+  const dim3 grid = group_grid(copy_group_inline_kernel<V, Table>, total, n_regions, cap, sms);
+  copy_group_inline_kernel<V, Table>
       <<<grid, kStrideThreads, 0, stream>>>(table, n_runs, n_regions, total, shift);
+}
+
+// The table of `numel` values at `rows` as a launch parameter of type Table, launched.
+template <typename Table>
+std::string launch_inline(const int64_t* rows, int64_t numel, int64_t n_runs, int64_t n_regions,
+                          const Scan& s, int64_t max_ctas, const Target& t) {
+  Table table;
+  std::copy(rows, rows + numel, table.v);
+  return with_width("copy_group", s.v, [&](auto w) {
+    launch_group_inline<decltype(w)::value, Table>(table, n_runs, n_regions, s.longest, max_ctas,
+                                                   t.sms, t.stream);
+  });
+}
+
+// Whether device `dev` takes launch parameters of up to 32,764 bytes (see kLargeInlineValues):
+// the driver's CUDA version and the device's compute capability, asked once per device.
+bool large_params(c10::DeviceIndex dev) {
+#ifdef KVXFERD_LARGE_PARAMS
+  static std::atomic<int> known[64];  // 0: not asked yet, 1: yes, -1: no (any thread)
+  if (dev < 0 || dev >= 64) return false;
+  if (known[dev].load() == 0) {
+    int driver = 0, major = 0;
+    const bool ok =
+        cudaDriverGetVersion(&driver) == cudaSuccess && driver >= 12010 &&
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+        major >= 7;
+    known[dev].store(ok ? 1 : -1);
+  }
+  return known[dev].load() == 1;
+#else
+  (void)dev;
+  return false;
+#endif
 }
 
 // copy_group's launch from the table's values (`numel` of them at `rows`, on the host) on
@@ -424,13 +474,13 @@ std::string copy_group_rows(const int64_t* rows, int64_t numel, int64_t n_runs,
   const c10::cuda::CUDAStreamGuard on_stream(stream_of(dev, stream));
   const Target t = target(dev);
   if (numel <= kInlineValues) {  // the table travels with the launch
-    InlineTable inline_table;
-    std::copy(rows, rows + numel, inline_table.v);
-    return with_width("copy_group", s.v, [&](auto w) {
-      launch_group_inline<decltype(w)::value>(inline_table, n_runs, n_regions, s.longest,
-                                              max_ctas, t.sms, t.stream);
-    });
+    return launch_inline<InlineTable>(rows, numel, n_runs, n_regions, s, max_ctas, t);
   }
+#ifdef KVXFERD_LARGE_PARAMS
+  if (numel <= kLargeInlineValues && large_params(dev)) {  // ... in a launch of up to 32 KB
+    return launch_inline<LargeInlineTable>(rows, numel, n_runs, n_regions, s, max_ctas, t);
+  }
+#endif
   const at::Tensor on_dev = upload(rows, numel, at::Device(at::kCUDA, dev));
   const int64_t* d = on_dev.data_ptr<int64_t>();
   return with_width("copy_group", s.v, [&](auto w) {

@@ -175,20 +175,31 @@ def test_the_group_kernel_matches_the_twin(ops: Any, align: int, max_ctas: int) 
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
-@pytest.mark.parametrize("runs", [100, 300], ids=["table-with-the-launch", "table-uploaded"])
+@pytest.mark.parametrize(
+    "runs",
+    [100, 300, 1400],
+    ids=["table-with-the-launch", "table-in-a-32k-launch", "table-uploaded"],
+)
 def test_group_tables_inline_or_uploaded_run_on_the_stream_passed(ops: Any, runs: int) -> None:
-    """A copy_group table of at most 480 values travels as the kernel's parameter, a bigger
-    one is uploaded; both copy what the twin copies, queued on the stream the caller passed:
-    behind 0.1 s of work already on that stream, not on the current stream."""
+    """A copy_group table of at most 480 values travels as the kernel's parameter, as does one
+    of at most 4,000 where the CUDA version and the GPU take 32 KB of launch parameters (CUDA
+    12.1, compute capability 7.0: every GPU these tests run on), a bigger one is uploaded; each
+    copies what the twin copies, queued on the stream the caller passed: behind 0.1 s of work
+    already on that stream, not on the current stream."""
     from kvxferd.kernels import prepare_copy, run_copy
 
     rng = np.random.default_rng(runs)
-    slot, top = 2048, min(SIZES[0], SIZES[2])
+    slot, top = 512, min(SIZES[0], SIZES[2])
     slots = rng.choice(top // slot, runs, replace=False)
     ln = rng.integers(1, slot // 16, size=runs) * 16
     src_off = rng.integers(0, (top - slot) // 16, size=runs) * 16
     g = GroupCopy(np.array([0, 2], np.int64), slots * slot, src_off, ln)
-    assert (3 * runs + 2 * 2 <= 480) is (runs == 100)
+    values = 3 * runs + 2 * 2
+    assert (values <= 480, 480 < values <= 4000, values > 4000) == (
+        runs == 100,
+        runs == 300,
+        runs == 1400,
+    )
     src = [_random(n, 60 + i) for i, n in enumerate(SIZES)]
     want = [torch.full((n,), 0x33, dtype=torch.uint8, device="cuda") for n in SIZES]
     got = [t.clone() for t in want]

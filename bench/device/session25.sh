@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Session 25, call 1: every gpu test at this tree (the copy_group launch taking tables of up to
+# 4,000 values as its parameter, cuda/copy_ranges.cu; the owner's prompt READ_DONE polls), then
+# 512-block KERNEL pulls back to back (1 GiB of random blocks, bench.control_path), _base (the
+# tree before the launch change: git archive of kvxferd, cuda and bench at its commit) against
+# this tree, alternating, two rounds; then this tree's 16-block pulls with the release after the
+# answer (WatchReleases) and both daemons' timelines.
+#   rm -rf _base && mkdir _base && git archive HEAD kvxferd cuda bench | tar -x -C _base
+#   carry: [".whl", "_base"]
+. bench/device/env.sh
+ROOT=$PWD
+machine
+build_kernels
+(cd _base && PYTHONPATH=/tmp/site:$ROOT/_base build_kernels)
+TESTS_S=300 gpu_tests "session 25" tests
+for round in 1 2; do
+  for side in base new; do
+    dir=$ROOT; [ "$side" = base ] && dir=$ROOT/_base
+    step "control path, 512 blocks: $side, round $round"
+    (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout 120 python3 bench/control_path.py \
+      --device cuda --pool dense:num_blocks=1200 --blocks 512 --pulls 300 --warmup 50 \
+      --json "$OUT/cp512-$side-$round.json" 2>&1 | head -3)
+  done
+done
+step "control path, 16 blocks, this tree"
+timeout 100 python3 bench/control_path.py --device cuda --pool dense:num_blocks=600 \
+  --pulls 2000 --json "$OUT/cp16.json" 2>&1 | tail -4
+step "timelines, 16 blocks"
+rm -rf /tmp/tl && mkdir -p /tmp/tl
+KVX_TIMELINE_DIR=/tmp/tl PYTHONPATH=$ROOT/bench/timeline_hook:$PYTHONPATH timeout 100 \
+  python3 bench/control_path.py --device cuda --pool dense:num_blocks=600 --pulls 1500 \
+  --json "$OUT/cp16-timeline.json" 2>&1 | head -1
+python3 -m bench.timeline_report /tmp/tl --skip 300 > "$OUT/timeline-16.txt" 2>&1
+grep -E "frame_in>|plan>|owner:serve<|answer_in>|cuda_run_copy|wait_event<|StartPull<|send_notif>|owner:nixl_call:_get_notifs" "$OUT/timeline-16.txt" | head -20
+step "done"
