@@ -264,13 +264,25 @@ c10::cuda::CUDAStream stream_of(const at::Tensor& like, int64_t stream) {
   return stream_of(static_cast<c10::DeviceIndex>(like.device().index()), stream);
 }
 
-Target target(c10::DeviceIndex dev) {
-  Target t{c10::cuda::getCurrentCUDAStream(dev).stream(), 0};
-  if (cudaDeviceGetAttribute(&t.sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
-      t.sms <= 0) {
-    t.sms = 1;
+// The device's SM count, asked of the runtime once per device (a launch of a small pull is on
+// its critical path, and every runtime call there costs more than its own work while the
+// daemon's caches are cold for it).
+int sm_count(c10::DeviceIndex dev) {
+  static std::atomic<int> known[64];  // 0: not asked yet (any thread)
+  const bool cached = dev >= 0 && dev < 64;
+  if (cached) {
+    if (const int n = known[dev].load(); n > 0) return n;
   }
-  return t;
+  int n = 0;
+  if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n <= 0) {
+    return 1;  // not cached: asked again next time
+  }
+  if (cached) known[dev].store(n);
+  return n;
+}
+
+Target target(c10::DeviceIndex dev) {
+  return Target{c10::cuda::getCurrentCUDAStream(dev).stream(), sm_count(dev)};
 }
 
 Target target(const at::Tensor& like) {
@@ -471,16 +483,21 @@ std::string copy_group_rows(const int64_t* rows, int64_t numel, int64_t n_runs,
                s.longest, " bytes in the longest run); cut runs into smaller pieces");
   }
   const c10::cuda::CUDAGuard guard(dev);
-  const c10::cuda::CUDAStreamGuard on_stream(stream_of(dev, stream));
-  const Target t = target(dev);
-  if (numel <= kInlineValues) {  // the table travels with the launch
-    return launch_inline<InlineTable>(rows, numel, n_runs, n_regions, s, max_ctas, t);
-  }
+  if (numel <= kInlineValues || (numel <= kLargeInlineValues && large_params(dev))) {
+    // The table travels with the launch, which names its stream: nothing else is queued, so
+    // no stream guard (its getStreamFromExternal and two stream exchanges).
+    const Target t{stream != 0 ? reinterpret_cast<cudaStream_t>(stream)
+                               : c10::cuda::getCurrentCUDAStream(dev).stream(),
+                   sm_count(dev)};
+    if (numel <= kInlineValues) {
+      return launch_inline<InlineTable>(rows, numel, n_runs, n_regions, s, max_ctas, t);
+    }
 #ifdef KVXFERD_LARGE_PARAMS
-  if (numel <= kLargeInlineValues && large_params(dev)) {  // ... in a launch of up to 32 KB
     return launch_inline<LargeInlineTable>(rows, numel, n_runs, n_regions, s, max_ctas, t);
-  }
 #endif
+  }
+  const c10::cuda::CUDAStreamGuard on_stream(stream_of(dev, stream));  // the upload's stream
+  const Target t = target(dev);
   const at::Tensor on_dev = upload(rows, numel, at::Device(at::kCUDA, dev));
   const int64_t* d = on_dev.data_ptr<int64_t>();
   return with_width("copy_group", s.v, [&](auto w) {
@@ -519,8 +536,13 @@ int64_t copy_vector_width(at::Tensor table) {
 std::string copy_group_raw(int64_t table, int64_t numel, int64_t n_runs, int64_t n_regions,
                            int64_t device, int64_t max_ctas, int64_t stream) {
   if (table == 0) return msg("copy_group: the table's address is null");
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess || device < 0 || device >= count) {
+  static std::atomic<int> devices{0};  // the device count, once the runtime gave it
+  int count = devices.load();
+  if (count == 0) {
+    if (cudaGetDeviceCount(&count) != cudaSuccess) count = 0;
+    if (count > 0) devices.store(count);
+  }
+  if (device < 0 || device >= count) {
     return msg("copy_group: no CUDA device ", device, " here");
   }
   return copy_group_rows(reinterpret_cast<const int64_t*>(table), numel, n_runs, n_regions,

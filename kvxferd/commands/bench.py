@@ -346,6 +346,11 @@ def run(args: argparse.Namespace) -> int:
                 f" same client, the same answer as StartPull with wait): p50"
                 f" {rpc['p50_ms']:.2f} ms, p99 {rpc['p99_ms']:.2f} ms"
             )
+        rel = latency["release"]
+        print(
+            f"  released after the pull (its status seen -> the release on the prefill"
+            f" daemon's WatchReleases): p50 {rel['p50_ms']:.2f} ms, p99 {rel['p99_ms']:.2f} ms"
+        )
     if latency.get("floor_ms") is not None:
         print(
             f"  floor: {latency['floor_ms']:.2f} ms, the time of the {latency['tokens']}-token"

@@ -293,10 +293,12 @@ class Shares:
         this daemon meanwhile."""
         if not ends_share(held, state):
             return
+        # Started now (eagerly where Python allows): the owner hears of it before this
+        # daemon's books for the pull are done (kvxferd/daemon/reader.py, _settle).
         if held.done and notify:
-            self.p.spawn(self.notify_done(link, request_id, held.ticket))
+            self.p.spawn(self.notify_done(link, request_id, held.ticket), now=True)
         else:
-            self.p.spawn(self.release(link, request_id, done=held.done))
+            self.p.spawn(self.release(link, request_id, done=held.done), now=True)
 
     def ensure_heartbeat(self, link: PeerLink) -> None:
         task = self._heartbeats.get(link.address)

@@ -5,6 +5,7 @@ what ran recorded from the terminal status and ``ListPeers``, then the small-req
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -222,6 +223,7 @@ def _latency(
         m: ([], [], {}) for m in modes
     }
     rpc_ms: dict[bool, list[float]] = {False: [], True: []}
+    release_ms: list[float] = []  # each pull's answer -> its release seen on WatchReleases
     block = max(1, min(LATENCY_BLOCK, pulls // 4))
     order = [
         m
@@ -241,6 +243,8 @@ def _latency(
         rpc_ms[mode == SOCKET].append((time.perf_counter() - t0) * 1e3)
         client_ms, server_ms, stages_ms = runs[mode]
         client_ms.append(out.seconds * 1e3)
+        if not math.isnan(out.release_seconds):  # NaN: the WatchReleases stream failed
+            release_ms.append(out.release_seconds * 1e3)
         server_ms.append(out.server_seconds * 1e3)
         for stage in out.status.stages:
             stages_ms.setdefault(stage.name, []).append(stage.seconds * 1e3)
@@ -255,6 +259,13 @@ def _latency(
         SOCKET: _figures(*runs[SOCKET]),
         "rpc": _rpc_floor(rpc_ms[False], "gRPC"),
         "socket_rpc": _rpc_floor(rpc_ms[True], "the scheduler socket"),
+        "release": {
+            "ms": release_ms,
+            "p50_ms": percentile(release_ms, 50),
+            "p99_ms": percentile(release_ms, 99),
+            "what": "each pull's terminal status seen -> the prefill daemon's release of its"
+            " request seen on WatchReleases: how long the owner holds the blocks after the pull",
+        },
     }
 
 

@@ -10,6 +10,7 @@ on the decode daemon's scheduler socket, then waits for the prefill daemon to re
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import statistics
 import tempfile
@@ -124,7 +125,8 @@ def measure(
         for _ in range(pulls):
             out = puller.pull(ids(), ids(), socket=True)
             ms.append(out.seconds * 1e3)
-            release_ms.append(out.release_seconds * 1e3)
+            if not math.isnan(out.release_seconds):  # NaN: the WatchReleases stream failed
+                release_ms.append(out.release_seconds * 1e3)
             strategies.add(out.status.strategy)
             for st in out.status.stages:
                 stages.setdefault(st.name, []).append(st.seconds * 1e3)
@@ -147,8 +149,8 @@ def measure(
         "p99_ms": float(np.percentile(ms, 99)),
         "stages_p50_ms": {k: statistics.median(v) for k, v in stages.items()},
         # The pull's answer -> its release seen on WatchReleases (the blocks held meanwhile).
-        "release_p50_ms": statistics.median(release_ms),
-        "release_p99_ms": float(np.percentile(release_ms, 99)),
+        "release_p50_ms": statistics.median(release_ms) if release_ms else math.nan,
+        "release_p99_ms": float(np.percentile(release_ms, 99)) if release_ms else math.nan,
         "cpu_ms_per_pull": {k: v / pulls * 1e3 for k, v in cpu.items()},
     }
 

@@ -184,6 +184,10 @@ def test_bench_smoke(tmp_path: Path) -> None:
     assert len(sock_rpc["ms"]) == 3 and 0 < sock_rpc["p50_ms"] <= sock_rpc["p99_ms"]
     assert "control floor, gRPC: one GetTransfer round trip" in proc.stdout
     assert "control floor, scheduler socket: one GetTransfer round trip" in proc.stdout
+    # Each pull's blocks released after it, as the prefill engine hears of it.
+    rel = lat["release"]
+    assert len(rel["ms"]) == 9 and 0 < rel["p50_ms"] <= rel["p99_ms"]
+    assert "released after the pull" in proc.stdout
     # Every cell records the daemon's stages of each of its pulls.
     for r in rows.values():
         stages = r["strategy"]["stage_seconds"]
