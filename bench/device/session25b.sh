@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Session 25, call 2: every gpu test at this tree (the copy_group launch without a stream guard
+# and with the SM and device counts asked once, cuda/copy_ranges.cu; the READ_DONE sent before
+# the pull's books), then 16-block KERNEL pulls of the control path, _base (fecf8ea: before both)
+# against this tree, alternating, two rounds; then this tree's timelines.
+#   rm -rf _base && mkdir _base && git archive fecf8ea kvxferd cuda bench | tar -x -C _base
+#   carry: [".whl", "_base"]
+. bench/device/env.sh
+ROOT=$PWD
+machine
+build_kernels
+(cd _base && PYTHONPATH=/tmp/site:$ROOT/_base build_kernels)
+TESTS_S=300 gpu_tests "session 25, call 2" tests
+for round in 1 2; do
+  for side in base new; do
+    dir=$ROOT; [ "$side" = base ] && dir=$ROOT/_base
+    step "control path, 16 blocks: $side, round $round"
+    (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout 100 python3 bench/control_path.py \
+      --device cuda --pool dense:num_blocks=600 --pulls 2000 \
+      --json "$OUT/cp16-$side-$round.json" 2>&1 | tail -4)
+  done
+done
+step "timelines, 16 blocks"
+rm -rf /tmp/tl && mkdir -p /tmp/tl
+KVX_TIMELINE_DIR=/tmp/tl PYTHONPATH=$ROOT/bench/timeline_hook:$PYTHONPATH timeout 100 \
+  python3 bench/control_path.py --device cuda --pool dense:num_blocks=600 --pulls 1500 \
+  --json "$OUT/cp16-timeline.json" 2>&1 | head -1
+python3 -m bench.timeline_report /tmp/tl --skip 300 > "$OUT/timeline-16.txt" 2>&1
+grep -E "answer_in>|cuda_run_copy|wait_event<|StartPull<|settle|send_notif>" "$OUT/timeline-16.txt"
+step "done"
