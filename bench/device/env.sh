@@ -73,3 +73,23 @@ spy_decode() {
   wait $cp
   cat "$OUT/cp-prof.log"
 }
+# build_base: the kernels of the _base tree (a git archive of kvxferd, cuda and bench at the
+# commit an A/B compares against), built with that tree's own loader and sources.
+build_base() {
+  (cd "$PWD/_base" && PYTHONPATH=/tmp/site:$PWD build_kernels)
+}
+# ab_own TAG LINES [ARGS...]: bench.control_path, each side with its own tree's script, code and
+# daemons (_base, then this tree) in each round of $ROUNDS (default "1 2"); ARGS are the
+# control path's (--device cuda is given); the first LINES lines of each run are printed.
+# JSON: $OUT/TAG-<side>-<round>.json.
+ab_own() {
+  local tag=$1 lines=$2 root=$PWD dir round side; shift 2
+  for round in ${ROUNDS:-1 2}; do
+    for side in base new; do
+      dir=$root; [ "$side" = base ] && dir=$root/_base
+      step "control path ($tag): $side, round $round"
+      (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout 120 python3 bench/control_path.py \
+        --device cuda "$@" --json "$OUT/$tag-$side-$round.json" 2>&1 | head -"$lines")
+    done
+  done
+}

@@ -11,17 +11,9 @@
 ROOT=$PWD
 machine
 build_kernels
-(cd _base && PYTHONPATH=/tmp/site:$ROOT/_base build_kernels)
+build_base
 TESTS_S=300 gpu_tests "session 25" tests
-for round in 1 2; do
-  for side in base new; do
-    dir=$ROOT; [ "$side" = base ] && dir=$ROOT/_base
-    step "control path, 512 blocks: $side, round $round"
-    (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout 120 python3 bench/control_path.py \
-      --device cuda --pool dense:num_blocks=1200 --blocks 512 --pulls 300 --warmup 50 \
-      --json "$OUT/cp512-$side-$round.json" 2>&1 | head -3)
-  done
-done
+ab_own cp512 3 --pool dense:num_blocks=1200 --blocks 512 --pulls 300 --warmup 50
 step "control path, 16 blocks, this tree"
 timeout 100 python3 bench/control_path.py --device cuda --pool dense:num_blocks=600 \
   --pulls 2000 --json "$OUT/cp16.json" 2>&1 | tail -4

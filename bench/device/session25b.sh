@@ -9,17 +9,9 @@
 ROOT=$PWD
 machine
 build_kernels
-(cd _base && PYTHONPATH=/tmp/site:$ROOT/_base build_kernels)
+build_base
 TESTS_S=300 gpu_tests "session 25, call 2" tests
-for round in 1 2; do
-  for side in base new; do
-    dir=$ROOT; [ "$side" = base ] && dir=$ROOT/_base
-    step "control path, 16 blocks: $side, round $round"
-    (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout 100 python3 bench/control_path.py \
-      --device cuda --pool dense:num_blocks=600 --pulls 2000 \
-      --json "$OUT/cp16-$side-$round.json" 2>&1 | tail -4)
-  done
-done
+ab_own cp16 4 --pool dense:num_blocks=600 --pulls 2000
 step "timelines, 16 blocks"
 rm -rf /tmp/tl && mkdir -p /tmp/tl
 KVX_TIMELINE_DIR=/tmp/tl PYTHONPATH=$ROOT/bench/timeline_hook:$PYTHONPATH timeout 100 \

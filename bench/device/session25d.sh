@@ -9,7 +9,7 @@
 ROOT=$PWD
 machine
 build_kernels
-(cd _base && PYTHONPATH=/tmp/site:$ROOT/_base build_kernels)
+build_base
 for round in 1 2; do
   for side in base new; do
     dir=$ROOT; [ "$side" = base ] && dir=$ROOT/_base
