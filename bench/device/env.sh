@@ -93,3 +93,15 @@ ab_own() {
     done
   done
 }
+# timelines16 STEPS: 1,500 16-block KERNEL pulls of the control path on this tree with both
+# daemons' timelines (bench/timeline_hook); the report goes to $OUT/timeline-16.txt and its
+# rows matching the extended regex STEPS are printed.
+timelines16() {
+  step "timelines, 16 blocks"
+  rm -rf /tmp/tl && mkdir -p /tmp/tl
+  KVX_TIMELINE_DIR=/tmp/tl PYTHONPATH=$PWD/bench/timeline_hook:$PYTHONPATH timeout 100 \
+    python3 bench/control_path.py --device cuda --pool dense:num_blocks=600 --pulls 1500 \
+    --json "$OUT/cp16-timeline.json" 2>&1 | head -1
+  python3 -m bench.timeline_report /tmp/tl --skip 300 > "$OUT/timeline-16.txt" 2>&1
+  grep -E "$1" "$OUT/timeline-16.txt" | head -30
+}

@@ -8,7 +8,6 @@
 #   rm -rf _base && mkdir _base && git archive HEAD kvxferd cuda bench | tar -x -C _base
 #   carry: [".whl", "_base"]
 . bench/device/env.sh
-ROOT=$PWD
 machine
 build_kernels
 build_base
@@ -17,11 +16,5 @@ ab_own cp512 3 --pool dense:num_blocks=1200 --blocks 512 --pulls 300 --warmup 50
 step "control path, 16 blocks, this tree"
 timeout 100 python3 bench/control_path.py --device cuda --pool dense:num_blocks=600 \
   --pulls 2000 --json "$OUT/cp16.json" 2>&1 | tail -4
-step "timelines, 16 blocks"
-rm -rf /tmp/tl && mkdir -p /tmp/tl
-KVX_TIMELINE_DIR=/tmp/tl PYTHONPATH=$ROOT/bench/timeline_hook:$PYTHONPATH timeout 100 \
-  python3 bench/control_path.py --device cuda --pool dense:num_blocks=600 --pulls 1500 \
-  --json "$OUT/cp16-timeline.json" 2>&1 | head -1
-python3 -m bench.timeline_report /tmp/tl --skip 300 > "$OUT/timeline-16.txt" 2>&1
-grep -E "frame_in>|plan>|owner:serve<|answer_in>|cuda_run_copy|wait_event<|StartPull<|send_notif>|owner:nixl_call:_get_notifs" "$OUT/timeline-16.txt" | head -20
+timelines16 "frame_in>|plan>|owner:serve<|answer_in>|cuda_run_copy|wait_event<|StartPull<|send_notif>|owner:nixl_call:_get_notifs"
 step "done"

@@ -6,17 +6,10 @@
 #   rm -rf _base && mkdir _base && git archive fecf8ea kvxferd cuda bench | tar -x -C _base
 #   carry: [".whl", "_base"]
 . bench/device/env.sh
-ROOT=$PWD
 machine
 build_kernels
 build_base
 TESTS_S=300 gpu_tests "session 25, call 2" tests
 ab_own cp16 4 --pool dense:num_blocks=600 --pulls 2000
-step "timelines, 16 blocks"
-rm -rf /tmp/tl && mkdir -p /tmp/tl
-KVX_TIMELINE_DIR=/tmp/tl PYTHONPATH=$ROOT/bench/timeline_hook:$PYTHONPATH timeout 100 \
-  python3 bench/control_path.py --device cuda --pool dense:num_blocks=600 --pulls 1500 \
-  --json "$OUT/cp16-timeline.json" 2>&1 | head -1
-python3 -m bench.timeline_report /tmp/tl --skip 300 > "$OUT/timeline-16.txt" 2>&1
-grep -E "answer_in>|cuda_run_copy|wait_event<|StartPull<|settle|send_notif>" "$OUT/timeline-16.txt"
+timelines16 "answer_in>|cuda_run_copy|wait_event<|StartPull<|settle|send_notif>"
 step "done"

@@ -55,6 +55,15 @@ def held(table: LeaseTable, request_id: str, readers: int = 1) -> None:
     table.hold(request_id, [np.array([1, 2])], readers=readers, ttl_s=60)
 
 
+def read_once(table: LeaseTable, request_id: str) -> None:
+    """Hold, grant and notify ``request_id``: due from the grant until its READ_DONE."""
+    held(table, request_id)
+    ticket = table.confirm(request_id, "dec", 5).ticket
+    assert table.due.due(WINDOW_S)
+    assert table.notified(request_id, ticket)
+    assert not table.due.due(WINDOW_S)
+
+
 def test_nothing_is_due_before_a_grant() -> None:
     table = LeaseTable(clock=Clock())
     held(table, "r")
@@ -62,12 +71,7 @@ def test_nothing_is_due_before_a_grant() -> None:
 
 
 def test_a_grant_is_due_until_its_read_done() -> None:
-    table = LeaseTable(clock=Clock())
-    held(table, "r")
-    ticket = table.confirm("r", "dec", 5).ticket
-    assert table.due.due(WINDOW_S)
-    assert table.notified("r", ticket)
-    assert not table.due.due(WINDOW_S)
+    read_once(LeaseTable(clock=Clock()), "r")
 
 
 def test_two_grants_stay_due_until_both_are_notified() -> None:
@@ -114,11 +118,7 @@ def test_a_share_ended_another_way_is_due_only_until_the_window_passes() -> None
     clock.now += 2 * WINDOW_S
     assert not table.due.due(WINDOW_S)
     # ... and the count started again: the next grant's READ_DONE ends what is due.
-    held(table, "s")
-    ticket = table.confirm("s", "dec", 5).ticket
-    assert table.due.due(WINDOW_S)
-    assert table.notified("s", ticket)
-    assert not table.due.due(WINDOW_S)
+    read_once(table, "s")
 
 
 def test_a_renewed_confirmation_extends_the_window_without_counting_twice() -> None:
