@@ -52,7 +52,7 @@ from kvxferd.scenario.vllm_engines import (
     demo_prompts,
     engine_args,
     engine_env,
-    free_port,
+    free_ports,
     prompt_tokens,
 )
 from kvxferd.scenario.vllm_pair import (
@@ -203,18 +203,19 @@ def run(args: argparse.Namespace) -> int:
         n_rows: dict[str, Row] = {}
         n_ctl: Row | None = None
         if nixl_installed():
+            port_p, port_d = free_ports(2)
             np_env = engine_env(
                 bind_p,
                 {
                     "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-                    "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+                    "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port_p),
                 },
             )
             nd_env = engine_env(
                 bind_d,
                 {
                     "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-                    "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+                    "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port_d),
                 },
             )
             t0 = time.monotonic()
