@@ -42,6 +42,7 @@ from typing import Any
 from kvxferd.errors import KvxferdError
 from kvxferd.scenario.client import state_name
 from kvxferd.scenario.daemons import DaemonError, DaemonOptions, DaemonSet
+from kvxferd.scenario.ports import free_ports
 from kvxferd.scenario.vllm_engines import (
     BLOCK_SIZE,
     DAEMON_EXTRA,
@@ -52,7 +53,6 @@ from kvxferd.scenario.vllm_engines import (
     demo_prompts,
     engine_args,
     engine_env,
-    free_ports,
     prompt_tokens,
 )
 from kvxferd.scenario.vllm_pair import (

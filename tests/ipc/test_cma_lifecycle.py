@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -18,6 +17,7 @@ import pytest
 
 from kvxferd.scenario.daemons import READY_TIMEOUT_S, DaemonOptions, DaemonSet
 from kvxferd.scenario.daemons import Daemon as Proc
+from kvxferd.scenario.ports import free_port
 from kvxferd.v1 import scheduler_pb2
 from tests.ipc.test_cma_daemons import CMA, DIRECT, DONE, Client, run
 from tests.service.conftest import Daemon, launch
@@ -25,12 +25,6 @@ from tests.service.conftest import Daemon, launch
 SPEC = "dense:num_blocks=64"
 CANCELLED = scheduler_pb2.TRANSFER_STATE_CANCELLED
 TRANSFERRING = scheduler_pb2.TRANSFER_STATE_TRANSFERRING
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def view(ds: DaemonSet, name: str) -> Daemon:

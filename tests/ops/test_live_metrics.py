@@ -22,7 +22,6 @@ import json
 import math
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -38,6 +37,7 @@ from grpc import aio
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvxferd.scenario.daemons import DaemonOptions
+from kvxferd.scenario.ports import free_port
 from kvxferd.v1 import common_pb2, engine_pb2, engine_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tests.service.conftest import Daemons, launch
 
@@ -72,12 +72,6 @@ def _ids(ids: list[int]) -> common_pb2.GroupBlockIds:
     return common_pb2.GroupBlockIds(groups=[common_pb2.BlockIds(ids=ids)])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _get(url: str, timeout: float = 10.0) -> str:
     with urllib.request.urlopen(url, timeout=timeout) as r:
         body: bytes = r.read()
@@ -88,7 +82,7 @@ class PromServer:
     """A real Prometheus on loopback scraping the daemons every second."""
 
     def __init__(self, tmp: Path, targets: list[str]) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         cfg = tmp / "prometheus.yml"
         cfg.write_text(
             json.dumps(  # JSON is YAML

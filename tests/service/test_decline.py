@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +20,7 @@ import pytest
 
 from kvxferd.client import Declined, KvxferdRpcError, SchedulerClient
 from kvxferd.scenario.daemons import DaemonOptions
+from kvxferd.scenario.ports import free_port
 from kvxferd.v1 import common_pb2, scheduler_pb2
 from kvxferd.wire.codec import group_ids_to_proto
 from tests.push.conftest import mode_config
@@ -286,7 +286,7 @@ def test_a_decline_in_flight_or_of_unknown_outcome_keeps_this_daemon_off_the_req
 def test_a_decline_after_the_owner_restarted_handshakes_again(tmp_path: Path) -> None:
     """A helper's review: after the prefill daemon restarted at the same address, DeclinePull
     failed UNAUTHENTICATED (the old session) until some pull handshook again."""
-    port = _free_port()
+    port = free_port()
     prefill = DaemonOptions("prefill", SPEC, fill_seed=5, extra=("--listen", f"127.0.0.1:{port}"))
     for sub in ("a", "b", "d"):
         (tmp_path / sub).mkdir()
@@ -306,12 +306,6 @@ def test_a_decline_after_the_owner_restarted_handshakes_again(tmp_path: Path) ->
     finally:
         decoders.stop()
         owners.stop()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_a_decline_after_a_push_pull_read_the_request_is_refused_here(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ import pytest
 from grpc import aio
 
 from kvxferd.scenario.daemons import DaemonOptions, DaemonSet
+from kvxferd.scenario.ports import free_port
 from kvxferd.v1 import engine_pb2, engine_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from kvxferd.wire.codec import group_ids_to_proto
 from tests.service.conftest import Daemon, launch
@@ -21,12 +22,6 @@ from tests.service.test_service_pull import Client, run
 
 SPEC = "dense:num_blocks=64"
 DONE = scheduler_pb2.TRANSFER_STATE_DONE
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def pull_verified(

@@ -1,4 +1,4 @@
-"""free_ports (kvxferd/scenario/vllm_engines.py): ports for a program that binds the port it is
+"""free_ports (kvxferd/scenario/ports.py): ports for a program that binds the port it is
 given (vLLM's NIXL side channel), distinct, free, and below the kernel's ephemeral range where
 one is free there, so that no bind to port 0 or outgoing connection can take one meanwhile."""
 
@@ -9,14 +9,14 @@ import socket
 
 import pytest
 
-from kvxferd.scenario import vllm_engines
-from kvxferd.scenario.vllm_engines import LOW_PORTS, free_ports
+from kvxferd.scenario import ports as port_mod
+from kvxferd.scenario.ports import LOW_PORTS, free_ports
 
 
 def test_ports_are_distinct_free_and_below_the_ephemeral_range() -> None:
     ports = free_ports(8, random.Random(3))
     assert len(set(ports)) == 8
-    top = min(LOW_PORTS[1], vllm_engines._ephemeral_low())
+    top = min(LOW_PORTS[1], port_mod._ephemeral_low())
     assert all(LOW_PORTS[0] <= p < top for p in ports), ports
     held = []
     try:
@@ -31,7 +31,7 @@ def test_ports_are_distinct_free_and_below_the_ephemeral_range() -> None:
 
 def test_a_taken_port_is_never_given() -> None:
     rng = random.Random(5)
-    first = rng.randrange(LOW_PORTS[0], min(LOW_PORTS[1], vllm_engines._ephemeral_low()))
+    first = rng.randrange(LOW_PORTS[0], min(LOW_PORTS[1], port_mod._ephemeral_low()))
     with socket.socket() as taken:
         try:
             taken.bind(("127.0.0.1", first))
@@ -41,6 +41,6 @@ def test_a_taken_port_is_never_given() -> None:
 
 
 def test_without_a_free_low_port_the_kernel_chooses(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(vllm_engines, "_ephemeral_low", lambda: LOW_PORTS[0])  # no low range
+    monkeypatch.setattr(port_mod, "_ephemeral_low", lambda: LOW_PORTS[0])  # no low range
     ports = free_ports(2)
     assert len(set(ports)) == 2 and all(p > 0 for p in ports)
