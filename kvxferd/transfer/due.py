@@ -1,13 +1,20 @@
-"""Which READ_DONE notifications are due soon: the owner's lease table tells the notification
-pump (kvxferd/transfer/owner.py) when it granted a share, whose reader will READ and notify
-within milliseconds, so that the pump polls promptly until the notification came instead of at
-the NIXL agent's idle pace (5 ms: 2.5 ms more on average before the blocks go back).
+"""Which READ_DONE notifications are due: the owner's lease table tells the notification pump
+(kvxferd/transfer/owner.py) of every share it grants, whose reader will READ and then notify,
+so that the pump polls promptly while one of them is still reading instead of at the NIXL
+agent's idle pace (5 ms: 2.5 ms more on average before the blocks go back).
+
+A share is due from its grant until it leaves READING, whichever way: its READ_DONE, FinishPull,
+a decline, its lapse (the table's reaping lapses a share past its expiry), its engine's detach.
+The pump asks :meth:`ReadDue.wait` how long to wait: the short wait within a window after the
+last grant (a same-host copy ends within milliseconds), a slower one after it while a share
+still reads (a long READ between hosts), none when nothing is due.
 
 It also hands each READ_DONE's time since its grant to a hook (the owner's
 ``kvxferd_lease_read_seconds``: how long one read holds the blocks, notification included).
 
-Pure and clock-injected, like the lease table that feeds it (under its lock) from the service
-loop, while the pump asks from the NIXL thread: its own lock keeps the two consistent.
+Clock-injected, like the lease table that feeds it (under its own lock) from the service loop,
+while the pump asks from the NIXL thread: this class's lock keeps the list consistent; a share's
+state is read without the table's lock (one attribute: at worst one poll more or less).
 """
 
 from __future__ import annotations
@@ -16,45 +23,51 @@ import math
 import threading
 from collections.abc import Callable
 
+from kvxferd.transfer.lease import Share, ShareState
+
 
 class ReadDue:
-    """Shares granted and not yet notified, and when the last one was granted."""
+    """The shares granted and not yet seen to end, and when the last one was granted."""
 
     def __init__(self, clock: Callable[[], float]) -> None:
         self._clock = clock
         self._lock = threading.Lock()
         self.granted_at = -math.inf  # the clock's time of the last grant
-        self._count = 0
+        self._shares: list[Share] = []
         self.on_grant: Callable[[], None] | None = None  # after each grant: must not block
         # Each READ_DONE counted, with the seconds since its share's grant (a metric's observe).
         self.on_read_done: Callable[[float], None] | None = None
 
-    def granted(self, now: float, *, new: bool) -> None:
-        """A reader confirmed: a share was granted (``new``) or renewed, and it is about to
+    def granted(self, share: Share, now: float, *, new: bool) -> None:
+        """A reader confirmed: ``share`` was granted (``new``) or renewed, and it is about to
         READ; the hook runs (it wakes a resting pump)."""
         with self._lock:
             self.granted_at = now
-            self._count += new
+            if new:
+                self._shares.append(share)
         if self.on_grant is not None:
             self.on_grant()
 
     def notified(self, since_grant_s: float) -> None:
         """A granted share's READ_DONE was counted, ``since_grant_s`` after its grant."""
-        with self._lock:
-            self._count = max(0, self._count - 1)
         if self.on_read_done is not None:
             self.on_read_done(since_grant_s)
 
-    def due(self, within_s: float) -> bool:
-        """Whether a READ_DONE is due: a share was granted less than ``within_s`` ago and not
-        every share granted meanwhile has been notified. A share that ends some other way
-        (FinishPull, a decline, its lapse) keeps the answer True only until ``within_s`` after
-        the last grant, when the count starts again from zero."""
+    def wait(self, window_s: float, short_s: float, long_s: float) -> float | None:
+        """How long the pump may wait before its next poll: ``short_s`` while a share is still
+        reading and one was granted less than ``window_s`` ago, ``long_s`` while one is still
+        reading after that, None when none is (the agent's idle wait)."""
         with self._lock:
-            if self._clock() - self.granted_at >= within_s:
-                self._count = 0
-                return False
-            return self._count > 0
+            shares = self._shares
+            if any(s.state is not ShareState.READING for s in shares):
+                shares = self._shares = [s for s in shares if s.state is ShareState.READING]
+            if not shares:
+                return None
+            return short_s if self._clock() - self.granted_at < window_s else long_s
+
+    def __len__(self) -> int:
+        """Shares granted and not yet seen to end (as of the last :meth:`wait`)."""
+        return len(self._shares)
 
 
 __all__ = ["ReadDue"]

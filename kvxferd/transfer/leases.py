@@ -80,7 +80,7 @@ class LeaseTable:
         self._lock = threading.Lock()
         self._callbacks: list[ReleaseCallback] = []
         self.stray_notifications = 0
-        self.due = ReadDue(clock)  # the READ_DONEs due soon (kvxferd/transfer/due.py)
+        self.due = ReadDue(clock)  # the READ_DONEs due (kvxferd/transfer/due.py)
 
     def subscribe(self, callback: ReleaseCallback) -> None:
         self._callbacks.append(callback)
@@ -178,7 +178,7 @@ class LeaseTable:
                 else:
                     share.expires_at = max(share.expires_at, now + extend)
                 view = lease_view(lease, share)
-                self.due.granted(now, new=new)
+                self.due.granted(share, now, new=new)
         self._notify([rel] if rel else [])
         if lease is None:
             raise self._missing(request_id)

@@ -9,10 +9,11 @@ Undecodable and stray messages are dropped and reported to ``on_result``
 an owner finished writing into this daemon's blocks) go to ``on_write_done(sender, note)``,
 which says whether they completed a push this daemon is waiting for; while ``expecting()`` says
 one is due, the pump polls back to back (``busy_poll_s``) instead of at the agent's idle pace.
-A reader's READ_DONE is due within milliseconds of its share being granted: until it came, for
-at most ``read_due_s`` after the last grant (:mod:`kvxferd.transfer.due`), the pump asks for
-a short wait between polls (:meth:`NotificationPump.prompt_reads`), so the blocks go back
-to the engine sooner: at the agent's idle pace (5 ms) a READ_DONE waits 2.5 ms on average.
+A reader's READ_DONE is due from its share's grant until the share ends
+(:mod:`kvxferd.transfer.due`): meanwhile the pump asks for a short wait between polls within
+``read_due_s`` of the last grant and a longer one after it (:meth:`NotificationPump.prompt_reads`),
+so the blocks go back to the engine sooner: at the agent's idle pace (5 ms) a READ_DONE waits
+2.5 ms on average.
 :class:`ReleaseFeed` turns the table's release callbacks into an async iterator for the service
 layer.
 """
@@ -33,9 +34,13 @@ from kvxferd.transfer.leases import LeaseTable, Released
 log = logging.getLogger(__name__)
 
 READ_DUE_SPIN_S = 20e-6
-"""The pump's wait between polls while a READ_DONE is due, where the daemon busy polls."""
+"""The pump's wait between polls while a READ_DONE is due within the window after a grant,
+where the daemon busy polls."""
 READ_DUE_WAIT_S = 0.5e-3
-"""... and where it does not: ten wake-ups in a 5 ms window, not the agent's one."""
+"""... and where it does not."""
+READ_DUE_LONG_S = 1e-3
+"""... and after the window while a share still reads (a long READ between hosts): 1,000
+wake-ups a second (4 % of a core on the 2-core VM), not the agent's 200."""
 
 
 class NotificationPump:
@@ -54,9 +59,9 @@ class NotificationPump:
         self.on_write_done: Callable[[str, notify.Notification], bool] | None = None
         self.expecting: Callable[[], bool] | None = None
         self.busy_poll_s = 20e-6
-        self.read_due_s = 0.0  # after a grant, poll at read_due_wait_s for this long (0: off)
-        self.read_due_wait_s = 0.0
-        self._resting = False  # the last poll asked for the agent's idle wait
+        self.read_due_s = 0.0  # after a grant, poll at read_due_wait_s this long (0: off)
+        self.read_due_wait_s = 0.0  # then at READ_DUE_LONG_S while a share still reads
+        self._resting = False  # the last poll asked for more than the short wait
         self._agent = agent
         self._leases = leases
         self._reap_interval_s = reap_interval_s
@@ -68,9 +73,10 @@ class NotificationPump:
         self._agent.add_poller(self.poll)
 
     def prompt_reads(self, window_s: float, *, spin: bool) -> None:
-        """For ``window_s`` after each share is granted, poll every :data:`READ_DUE_SPIN_S`
-        (``spin``: the daemon busy polls, kvxferd/busypoll.py) or :data:`READ_DUE_WAIT_S`;
-        ``window_s = 0`` turns it off."""
+        """While a granted share still reads: for ``window_s`` after the last grant poll every
+        :data:`READ_DUE_SPIN_S` (``spin``: the daemon busy polls, kvxferd/busypoll.py) or
+        :data:`READ_DUE_WAIT_S`, then every :data:`READ_DUE_LONG_S`; ``window_s = 0`` turns it
+        off (the agent's idle pace)."""
         if not window_s >= 0:
             raise ValueError(f"the read-due window must be >= 0 s, got {window_s}")
         self.read_due_s = window_s
@@ -138,9 +144,11 @@ class NotificationPump:
             return self.busy_poll_s  # a WRITE_DONE is due: do not sleep the idle wait
         # Resting from before the check: a grant after it wakes the thread (_granted).
         self._resting = True
-        if self.read_due_s and self._leases.due.due(self.read_due_s):
-            self._resting = False
-            return self.read_due_wait_s  # a share was just granted: its READ_DONE is due
+        if self.read_due_s:
+            wait = self._leases.due.wait(self.read_due_s, self.read_due_wait_s, READ_DUE_LONG_S)
+            if wait is not None:  # a granted share still reads: its READ_DONE is due
+                self._resting = wait > self.read_due_wait_s  # past the window: a grant wakes it
+                return wait
         return None
 
     def _report(self, result: str) -> None:

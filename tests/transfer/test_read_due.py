@@ -1,7 +1,8 @@
-"""A READ_DONE is due soon after a share is granted: the lease table says when one is
-(``LeaseTable.due``, kvxferd/transfer/due.py); the notification pump then polls at a short
-wait instead of the agent's idle one, and a grant wakes a resting NIXL thread
-(kvxferd/transfer/owner.py); ``NixlThread.wake`` cuts the thread's wait short."""
+"""A READ_DONE is due from a share's grant until the share ends: the lease table says how long
+the pump may wait (``LeaseTable.due``, kvxferd/transfer/due.py), short within a window after
+the last grant, longer after it, the agent's idle wait once nothing is due; a grant wakes a
+resting NIXL thread (kvxferd/transfer/owner.py); ``NixlThread.wake`` cuts the thread's wait
+short."""
 
 from __future__ import annotations
 
@@ -15,8 +16,13 @@ import pytest
 from kvxferd.errors import LeaseRefused
 from kvxferd.nixl.worker import NixlThread
 from kvxferd.transfer import notify
-from kvxferd.transfer.leases import LeaseTable
-from kvxferd.transfer.owner import READ_DUE_SPIN_S, READ_DUE_WAIT_S, NotificationPump
+from kvxferd.transfer.leases import LeaseTable, ReleaseReason
+from kvxferd.transfer.owner import (
+    READ_DUE_LONG_S,
+    READ_DUE_SPIN_S,
+    READ_DUE_WAIT_S,
+    NotificationPump,
+)
 
 WINDOW_S = 0.005
 
@@ -55,19 +61,26 @@ def held(table: LeaseTable, request_id: str, readers: int = 1) -> None:
     table.hold(request_id, [np.array([1, 2])], readers=readers, ttl_s=60)
 
 
+SHORT, LONG = 1e-5, 1e-3  # the waits the tests ask ReadDue.wait for
+
+
+def due(table: LeaseTable) -> float | None:
+    return table.due.wait(WINDOW_S, SHORT, LONG)
+
+
 def read_once(table: LeaseTable, request_id: str) -> None:
     """Hold, grant and notify ``request_id``: due from the grant until its READ_DONE."""
     held(table, request_id)
     ticket = table.confirm(request_id, "dec", 5).ticket
-    assert table.due.due(WINDOW_S)
+    assert due(table) == SHORT
     assert table.notified(request_id, ticket)
-    assert not table.due.due(WINDOW_S)
+    assert due(table) is None
 
 
 def test_nothing_is_due_before_a_grant() -> None:
     table = LeaseTable(clock=Clock())
     held(table, "r")
-    assert not table.due.due(WINDOW_S)
+    assert due(table) is None
 
 
 def test_a_grant_is_due_until_its_read_done() -> None:
@@ -81,9 +94,9 @@ def test_two_grants_stay_due_until_both_are_notified() -> None:
     ta = table.confirm("a", "dec", 5).ticket
     tb = table.confirm("b", "dec", 5).ticket
     assert table.notified("a", ta)
-    assert table.due.due(WINDOW_S)
+    assert due(table) == SHORT and len(table.due) == 1
     assert table.notified("b", tb)
-    assert not table.due.due(WINDOW_S)
+    assert due(table) is None and len(table.due) == 0
 
 
 def test_each_counted_read_done_reports_its_time_since_the_grant() -> None:
@@ -105,20 +118,40 @@ def test_a_stray_notification_does_not_end_what_is_due() -> None:
     ticket = table.confirm("r", "dec", 5).ticket
     assert not table.notified("r", ticket + 1)  # the wrong ticket
     assert not table.notified("other", ticket)  # an unknown request
-    assert table.due.due(WINDOW_S)
+    assert due(table) == SHORT
 
 
-def test_a_share_ended_another_way_is_due_only_until_the_window_passes() -> None:
+def test_a_share_still_reading_after_the_window_is_due_at_the_longer_wait() -> None:
+    clock = Clock()
+    table = LeaseTable(clock=clock)
+    held(table, "r")
+    ticket = table.confirm("r", "dec", 60).ticket
+    clock.now += 2 * WINDOW_S  # a long READ between hosts
+    assert due(table) == LONG
+    assert table.notified("r", ticket)
+    assert due(table) is None
+
+
+@pytest.mark.parametrize("how", ["finish", "decline", "lapse", "detach", "reader_gone"])
+def test_a_share_ended_without_a_notification_is_no_longer_due(how: str) -> None:
     clock = Clock()
     table = LeaseTable(clock=clock)
     held(table, "r")
     table.confirm("r", "dec", 5)
-    table.finish("r", "dec", done=True)  # FinishPull: no notification comes
-    assert table.due.due(WINDOW_S)
-    clock.now += 2 * WINDOW_S
-    assert not table.due.due(WINDOW_S)
-    # ... and the count started again: the next grant's READ_DONE ends what is due.
-    read_once(table, "s")
+    assert due(table) == SHORT
+    if how == "finish":
+        table.finish("r", "dec", done=True)  # FinishPull
+    elif how == "decline":
+        table.decline("r", "dec")
+    elif how == "lapse":
+        clock.now += 6  # past the share's 5 s: the pump's reaping lapses it
+        table.reap()
+    elif how == "detach":
+        table.cancel("r", ReleaseReason.ENGINE_DETACHED)
+    else:
+        table.reader_gone("dec")
+    assert due(table) is None
+    read_once(table, "s")  # and the next grant is due until its own READ_DONE
 
 
 def test_a_renewed_confirmation_extends_the_window_without_counting_twice() -> None:
@@ -129,9 +162,9 @@ def test_a_renewed_confirmation_extends_the_window_without_counting_twice() -> N
     clock.now += WINDOW_S * 0.8
     assert table.confirm("r", "dec", 5).ticket == ticket  # the same share, renewed
     clock.now += WINDOW_S * 0.8  # past the first grant's window, not the renewal's
-    assert table.due.due(WINDOW_S)
+    assert due(table) == SHORT and len(table.due) == 1
     assert table.notified("r", ticket)
-    assert not table.due.due(WINDOW_S)
+    assert due(table) is None
 
 
 def test_a_refused_confirmation_is_not_a_grant() -> None:
@@ -167,12 +200,20 @@ def test_the_pump_polls_promptly_while_a_read_done_is_due(spin: bool, wait: floa
     assert "r" not in table  # and the blocks went back
 
 
-def test_the_pump_rests_once_the_window_passed_without_a_notification() -> None:
-    pump, _, clock = pump_with(spin=True)
-    held(pump._leases, "r")
-    pump._leases.confirm("r", "dec", 5)
+def test_past_the_window_the_pump_polls_slower_and_a_grant_wakes_it() -> None:
+    pump, agent, clock = pump_with(spin=True)
+    table = pump._leases
+    for rid in ("r", "s"):
+        held(table, rid)
+    table.confirm("r", "dec", 60)
     assert pump.poll() == READ_DUE_SPIN_S
-    clock.now += 2 * WINDOW_S
+    clock.now += 2 * WINDOW_S  # still reading: a long READ
+    assert pump.poll() == READ_DUE_LONG_S
+    wakes = agent.wakes
+    table.confirm("s", "dec", 60)  # a new grant: the short wait again, at once
+    assert agent.wakes == wakes + 1
+    assert pump.poll() == READ_DUE_SPIN_S
+    clock.now += 61  # both shares lapse unread: nothing is due any more
     assert pump.poll() is None
 
 
