@@ -25,6 +25,10 @@ from collections.abc import Callable
 
 from kvxferd.transfer.lease import Share, ShareState
 
+PRUNE_AT = 64
+"""Shares kept before a grant drops the ended ones: :meth:`ReadDue.wait` drops them too, but a
+table whose pump does not ask (``prompt_reads`` off) must not keep every share it granted."""
+
 
 class ReadDue:
     """The shares granted and not yet seen to end, and when the last one was granted."""
@@ -34,6 +38,7 @@ class ReadDue:
         self._lock = threading.Lock()
         self.granted_at = -math.inf  # the clock's time of the last grant
         self._shares: list[Share] = []
+        self._prune_at = PRUNE_AT  # the list is pruned on a grant once this long
         self.on_grant: Callable[[], None] | None = None  # after each grant: must not block
         # Each READ_DONE counted, with the seconds since its share's grant (a metric's observe).
         self.on_read_done: Callable[[float], None] | None = None
@@ -44,7 +49,11 @@ class ReadDue:
         with self._lock:
             self.granted_at = now
             if new:
-                self._shares.append(share)
+                shares = self._shares
+                if len(shares) >= self._prune_at:  # bounded when nothing asks (no pump)
+                    shares = self._shares = [s for s in shares if s.state is ShareState.READING]
+                    self._prune_at = max(PRUNE_AT, 2 * len(shares))
+                shares.append(share)
         if self.on_grant is not None:
             self.on_grant()
 
@@ -70,4 +79,4 @@ class ReadDue:
         return len(self._shares)
 
 
-__all__ = ["ReadDue"]
+__all__ = ["PRUNE_AT", "ReadDue"]

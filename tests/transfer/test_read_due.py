@@ -16,6 +16,7 @@ import pytest
 from kvxferd.errors import LeaseRefused
 from kvxferd.nixl.worker import NixlThread
 from kvxferd.transfer import notify
+from kvxferd.transfer.due import PRUNE_AT
 from kvxferd.transfer.leases import LeaseTable, ReleaseReason
 from kvxferd.transfer.owner import (
     READ_DUE_LONG_S,
@@ -152,6 +153,18 @@ def test_a_share_ended_without_a_notification_is_no_longer_due(how: str) -> None
         table.reader_gone("dec")
     assert due(table) is None
     read_once(table, "s")  # and the next grant is due until its own READ_DONE
+
+
+def test_ended_shares_are_not_kept_when_nothing_asks() -> None:
+    table = LeaseTable(clock=Clock())
+    for i in range(1000):  # granted and read, and no pump ever asks what is due
+        read_done = f"r{i}"
+        held(table, read_done)
+        assert table.notified(read_done, table.confirm(read_done, "dec", 5).ticket)
+    assert len(table.due) <= 2 * PRUNE_AT
+    held(table, "still")
+    table.confirm("still", "dec", 5)
+    assert due(table) == SHORT and len(table.due) == 1  # the one still reading
 
 
 def test_a_renewed_confirmation_extends_the_window_without_counting_twice() -> None:
