@@ -49,11 +49,9 @@ class ReadDue:
         with self._lock:
             self.granted_at = now
             if new:
-                shares = self._shares
-                if len(shares) >= self._prune_at:  # bounded when nothing asks (no pump)
-                    shares = self._shares = [s for s in shares if s.state is ShareState.READING]
-                    self._prune_at = max(PRUNE_AT, 2 * len(shares))
-                shares.append(share)
+                if len(self._shares) >= self._prune_at:  # bounded when nothing asks (no pump)
+                    self._prune_at = max(PRUNE_AT, 2 * len(self._prune()))
+                self._shares.append(share)
         if self.on_grant is not None:
             self.on_grant()
 
@@ -67,12 +65,15 @@ class ReadDue:
         reading and one was granted less than ``window_s`` ago, ``long_s`` while one is still
         reading after that, None when none is (the agent's idle wait)."""
         with self._lock:
-            shares = self._shares
-            if any(s.state is not ShareState.READING for s in shares):
-                shares = self._shares = [s for s in shares if s.state is ShareState.READING]
-            if not shares:
+            if not self._prune():
                 return None
             return short_s if self._clock() - self.granted_at < window_s else long_s
+
+    def _prune(self) -> list[Share]:
+        """Drop the shares that left READING (lock held); the ones still reading."""
+        if any(s.state is not ShareState.READING for s in self._shares):
+            self._shares = [s for s in self._shares if s.state is ShareState.READING]
+        return self._shares
 
     def __len__(self) -> int:
         """Shares granted and not yet seen to end (as of the last :meth:`wait`)."""

@@ -315,7 +315,7 @@ class LeaseTable:
         """How many shares ``reader`` is reading now."""
         with self._lock:
             shares = [lease.shares.get(reader) for lease in self._leases.values()]
-        return sum(1 for s in shares if s is not None and s.state is ShareState.READING)
+            return sum(1 for s in shares if s is not None and s.state is ShareState.READING)
 
     def reap(self) -> list[Released]:
         """Lapse shares past their expiry and release the leases that can end (a full scan)."""
