@@ -32,10 +32,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--strategy", default="kernel", help="the decode daemon's transfer.strategy")
     ap.add_argument("--blocks", type=int, default=BLOCKS, help=f"blocks per pull ({BLOCKS})")
+    ap.add_argument(
+        "--gap-ms", type=float, default=0.0, help="idle time before each timed pull (0)"
+    )
     ap.add_argument("--json", default="", help="also write the figures here")
     args = ap.parse_args(argv)
     fig = measure(
-        args.pool, args.device, args.pulls, args.warmup, strategy=args.strategy, n=args.blocks
+        args.pool,
+        args.device,
+        args.pulls,
+        args.warmup,
+        strategy=args.strategy,
+        n=args.blocks,
+        gap_s=args.gap_ms / 1e3,
     )
     stages = ", ".join(f"{k} {v:.3f}" for k, v in fig["stages_p50_ms"].items())
     cpu = fig["cpu_ms_per_pull"]

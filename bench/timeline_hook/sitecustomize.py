@@ -136,6 +136,12 @@ def _install() -> None:
         return update(self, transfer_id, **changes)
 
     pulls.PullBook.update = traced_update  # type: ignore[method-assign]
+    import gc
+
+    def traced_gc(phase: str, info: dict[str, int]) -> None:
+        _stamp(f"gc{info.get('generation', '?')}{'>' if phase == 'start' else '<'}")
+
+    gc.callbacks.append(traced_gc)
 
 
 def _dump() -> None:

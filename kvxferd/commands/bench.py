@@ -69,6 +69,7 @@ examples:
   kvxferd bench --sizes 16384 --strategy cma,direct   host memory: CMA vs DIRECT vs raw, floor
 """
 
+WARMUP_PULLS = 3  # untimed pulls of each size through the daemons (--warmup), as raw
 STAGED_STAGES = frozenset(("chunks", "gather", "gather_rpc", "read", "scatter", "slot_wait"))
 STRATEGIES = ("auto", "direct", "staged", "kernel", "cma", "push")
 
@@ -143,6 +144,16 @@ def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--repeat", type=positive_int, default=3, metavar="N", help="runs per cell (median; 3)"
+    )
+    p.add_argument(
+        "--warmup",
+        type=positive_int,
+        default=WARMUP_PULLS,
+        metavar="N",
+        help=(
+            "untimed pulls of each size through the daemons before its timed ones (default"
+            f" {WARMUP_PULLS}: a daemon's first pulls of a size run slower, docs/benchmarks.md)"
+        ),
     )
     p.add_argument(
         "--latency-pulls",
@@ -240,6 +251,7 @@ def run(args: argparse.Namespace) -> int:
             "pool_blocks": workload.shape.num_blocks,
         },
         "repeat": args.repeat,
+        "warmup": args.warmup,
         "seed": args.seed,
         "strategies": args.strategy,
         "ucx_env": ucx_note,
@@ -268,6 +280,7 @@ def run(args: argparse.Namespace) -> int:
                     verify=not args.no_verify,
                     strategy=strategy,
                     latency_pulls=args.latency_pulls if i == 0 else 0,
+                    warmup=args.warmup,
                 )
             except (BenchFailure, DaemonError, RpcFailure) as exc:
                 # This strategy's rows say why; the other strategies are still measured.
@@ -304,7 +317,8 @@ def run(args: argparse.Namespace) -> int:
         " <strategy>: <what ran>:"
         " StartPull with wait to its answer (the terminal status) on the decode daemon's"
         " scheduler socket (server.scheduler_socket) through two daemons, after"
-        " one untimed pull of the size; x raw / x naive:"
+        f" {args.warmup} untimed pull{'s' if args.warmup > 1 else ''} of the size;"
+        " x raw / x naive:"
         " the row's median over theirs; transport: what served the row (for NIXL rows inferred"
         " from a READ's rate: kvxferd.ipc.transport)"
     )

@@ -88,12 +88,13 @@ def measure_daemons(
     verify: bool = True,
     strategy: str = "auto",
     latency_pulls: int = 0,
+    warmup: int = 1,
 ) -> dict[str, Any]:
     """Pull every cell ``repeat`` times through a prefill and a decode daemon running
     ``transfer.strategy = strategy``, or both in ``transfer.mode = push`` for ``"push"`` (logs
-    under ``workdir``), verifying each cell's first pull
-    when ``verify``; then ``latency_pulls`` small pulls. Returns the latency figures ({} when
-    none were asked)."""
+    under ``workdir``), after ``warmup`` untimed pulls of the cell, verifying each cell's last
+    timed pull when ``verify``; then ``latency_pulls`` small pulls. Returns the latency
+    figures ({} when none were asked)."""
     pool = f"dense:num_blocks={workload.shape.num_blocks}"
     pulls = latency_pulls
     # "push": both daemons in transfer.mode = push (the prefill daemon WRITEs, docs/nixl.md §9)
@@ -135,8 +136,12 @@ def measure_daemons(
             puller.pull(*block_ids(workload, 256, CONTIGUOUS, WARMUP_REP, seed))  # handshake
             for cell in cells:
                 say(f"  kvxferd  {cell.tokens:>6} tokens {cell.pattern}")
-                # Untimed: the first pull of a size (buffers and tables grown, kernels loaded).
-                puller.pull(*block_ids(workload, cell.tokens, cell.pattern, WARMUP_REP, seed))
+                # Untimed: the first pulls of a size (buffers and tables grown, kernels loaded),
+                # each of other blocks, as traffic is: the first two pulls of new blocks after
+                # a repeated one ran up to 1.5x slower (docs/benchmarks.md, Session 26).
+                for k in range(warmup):
+                    warm = block_ids(workload, cell.tokens, cell.pattern, WARMUP_REP + k, seed)
+                    puller.pull(*warm)
                 for rep in range(repeat):
                     local, remote = block_ids(workload, cell.tokens, cell.pattern, rep, seed)
                     out = puller.pull(local, remote, socket=True)
@@ -155,7 +160,9 @@ def measure_daemons(
                             f"kvxferd {cell.tokens} tokens: the daemon moved {st.nbytes} bytes,"
                             f" the request is {cell.nbytes}"
                         )
-                    if verify and rep == 0:
+                    # The last pull is checked: Checksum's work on both daemons would slow
+                    # the next timed pull.
+                    if verify and rep == repeat - 1:
                         cell.mismatches = puller.verify(local, remote, seed + rep)
                         if cell.mismatches:
                             raise BenchFailure(

@@ -102,8 +102,17 @@ def pulling_pair(options: list[DaemonOptions]) -> Iterator[tuple[DaemonSet, Daem
 
 
 def measure(
-    pool: str, device: str, pulls: int, warmup: int, *, strategy: str, n: int = BLOCKS
+    pool: str,
+    device: str,
+    pulls: int,
+    warmup: int,
+    *,
+    strategy: str,
+    n: int = BLOCKS,
+    gap_s: float = 0.0,
 ) -> dict[str, Any]:
+    """``pulls`` pulls of ``n`` random blocks after ``warmup`` untimed ones; ``gap_s``: the
+    daemons are left idle that long after each pull's release (a pull after a quiet spell)."""
     blocks = checked_blocks(pool, n)
     options = [prefill_daemon(pool, device), decode_daemon("decode", pool, device, strategy)]
     rng = np.random.default_rng(0)
@@ -123,6 +132,8 @@ def measure(
         strategies: set[int] = set()
         t0 = time.perf_counter()
         for _ in range(pulls):
+            if gap_s > 0:
+                time.sleep(gap_s)
             out = puller.pull(ids(), ids(), socket=True)
             ms.append(out.seconds * 1e3)
             if not math.isnan(out.release_seconds):  # NaN: the WatchReleases stream failed
@@ -143,7 +154,9 @@ def measure(
         "strategies_seen": sorted(strategies),
         "pulls": pulls,
         "blocks": n,
+        "gap_s": gap_s,
         "wall_s": wall,
+        "ms": ms,  # every timed pull, in order
         "p50_ms": statistics.median(ms),
         "p90_ms": float(np.percentile(ms, 90)),
         "p99_ms": float(np.percentile(ms, 99)),

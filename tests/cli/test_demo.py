@@ -143,6 +143,7 @@ def test_bench_smoke(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "kvxferd", "bench", "--sizes", "256", "--repeat", "1"]
     cmd += ["--latency-pulls", "3", "--strategy", "direct,auto", "--json", str(out)]
+    cmd += ["--warmup", "2"]
     proc = subprocess.run(
         cmd, cwd=REPO, capture_output=True, text=True, timeout=DEMO_TIMEOUT_S, check=False
     )
@@ -153,6 +154,7 @@ def test_bench_smoke(tmp_path: Path) -> None:
     doc = json.loads(out.read_text())
     assert doc["ok"] is True and doc["error"] == ""
     assert doc["machine"]["cores"] >= 1 and doc["versions"]["torch"]
+    assert doc["warmup"] == 2 and "after 2 untimed pulls of the size" in proc.stdout
     rows = {r["pattern"]: r for r in doc["rows"]}
     assert set(rows) == {CONTIGUOUS, FRAGMENTED}
     for r in rows.values():

@@ -5,6 +5,7 @@ the strategy that ran)."""
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 
@@ -34,3 +35,13 @@ def test_a_pull_must_fit_in_the_pool() -> None:
     """Each pull draws that many distinct blocks on each side, before any daemon starts."""
     with pytest.raises(SystemExit, match="pick 1 to 80"):
         control_path.measure("dense:num_blocks=80", "cpu", 1, 0, strategy="kernel", n=81)
+
+
+@pytest.mark.slow
+def test_the_gap_leaves_the_daemons_idle_before_each_timed_pull() -> None:
+    """``gap_s``: each timed pull comes that long after the one before (the wall covers the
+    gaps), and every timed pull is listed in order."""
+    fig = control_path.measure(control_path.TINY, "cpu", 8, 1, strategy="kernel", gap_s=0.05)
+    assert fig["gap_s"] == 0.05 and len(fig["ms"]) == 8
+    assert fig["wall_s"] >= 8 * 0.05
+    assert statistics.median(fig["ms"]) == pytest.approx(fig["p50_ms"])  # the p50 is theirs
