@@ -13,8 +13,10 @@ For each request size (tokens) and block-ID pattern, on the dense Llama-3-8B-sha
   itself costs, no daemon;
 * **kvxferd**, one row per ``--strategy`` (``kernel``, ``direct``, ``staged``, ``auto``,
   ``cma``: ``kernel`` with the row named for what it runs on host memory): a prefill and a
-  decode daemon (``kvxferd serve``); the time from ``StartPull`` to the terminal status on
-  ``WatchTransfers``, bytes from the status; the row names what ran;
+  decode daemon (``kvxferd serve``); the time from ``StartPull`` to the terminal status,
+  bytes from the status, after ``--warmup`` untimed pulls of the size (each of other blocks;
+  the last timed pull is the one verified, so that no timed pull follows a Checksum); the row
+  names what ran;
 
 each with GB/s, x raw and x naive, and the transport it used (raw: the copy engine; naive and
 floor: inferred from the floor's rate like the daemons' probe; kvxferd: the decode daemon's
