@@ -33,9 +33,11 @@ from kvxferd.transfer.leases import LeaseTable, Released
 
 log = logging.getLogger(__name__)
 
-READ_DUE_SPIN_S = 20e-6
-"""The pump's wait between polls while a READ_DONE is due within the window after a grant,
-where the daemon busy polls."""
+SPIN_S = 20e-6
+"""The pump's wait between polls when a notification is due and it should come promptly: a
+WRITE_DONE while a push is expected, or a READ_DONE within the window after a grant where the
+daemon busy polls (:data:`READ_DUE_SPIN_S`)."""
+READ_DUE_SPIN_S = SPIN_S
 READ_DUE_WAIT_S = 0.5e-3
 """... and where it does not."""
 READ_DUE_LONG_S = 1e-3
@@ -58,7 +60,7 @@ class NotificationPump:
         self.on_result = on_result
         self.on_write_done: Callable[[str, notify.Notification], bool] | None = None
         self.expecting: Callable[[], bool] | None = None
-        self.busy_poll_s = 20e-6
+        self.busy_poll_s = SPIN_S
         self.read_due_s = 0.0  # after a grant, poll at read_due_wait_s this long (0: off)
         self.read_due_wait_s = 0.0  # then at READ_DUE_LONG_S while a share still reads
         self._resting = False  # the last poll asked for more than the short wait
