@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 26, call 4: every gpu test at this tree, then the bench's 1 GiB KERNEL row by session
+# Session 26, call 4: the bench's 1 GiB KERNEL row by session
 # 25's method (_base, 45aa34f) and this tree's, alternating, on another machine.
 #   rm -rf _base && mkdir _base && git archive 45aa34f kvxferd cuda bench | tar -x -C _base
 #   carry: [".whl", "_base"]
@@ -7,7 +7,7 @@
 ROOT=$PWD
 machine
 build_kernels
-TESTS_S=260 gpu_tests "session 26" tests
+
 perrep() { python3 -c "
 import json,sys
 r=json.load(open(sys.argv[1]))['rows'][0]
