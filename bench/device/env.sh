@@ -105,3 +105,23 @@ timelines16() {
   python3 -m bench.timeline_report /tmp/tl --skip 300 > "$OUT/timeline-16.txt" 2>&1
   grep -E "$1" "$OUT/timeline-16.txt" | head -30
 }
+# perrep JSON: the kvxferd row's pulls of a `kvxferd bench --json` file, rep by rep, and its x naive.
+perrep() { python3 -c "
+import json,sys
+r=json.load(open(sys.argv[1]))['rows'][0]
+print('  ms by rep:', ' '.join(f'{x:.2f}' for x in r['kvxferd']['ms']), '| x naive', round(r['kvxferd_vs_naive'],1))" "$1"; }
+# bench_ab TAG ARGS...: `kvxferd bench --device cuda ARGS`, each side its own tree's (_base, then
+# this tree) in each round of $ROUNDS (default "1 2"); the naive and kvxferd rows and the result
+# printed, then the kvxferd row rep by rep. JSON: $OUT/TAG-<side>-<round>.json.
+bench_ab() {
+  local tag=$1 root=$PWD dir round side; shift
+  for round in ${ROUNDS:-1 2}; do
+    for side in base new; do
+      dir=$root; [ "$side" = base ] && dir=$root/_base
+      step "bench ($tag): $side, round $round"
+      (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout 200 python3 -m kvxferd bench --device cuda \
+        "$@" --json "$OUT/$tag-$side-$round.json" 2>&1 | grep -E "kvxferd kernel: |naive \(1|^result")
+      perrep "$OUT/$tag-$side-$round.json"
+    done
+  done
+}
