@@ -7,6 +7,12 @@ No GPU is needed: the owner's regions are "mapped" through the CPU stand-ins of 
 on random block IDs of the llama-shaped pool (32 layers, 64 KiB per block per layer):
 
     python -m bench.host_work [--blocks 16] [--pool dense:num_blocks=600] [--calls 3000]
+        [--between none|sleep:US|spin:US|thrash:MB]
+
+``--between`` says what runs between two timed pulls, to tell the interpreter's speed with its
+caches warm (``none``: pulls back to back) from its speed as a daemon runs the same steps, with
+other work between its pulls: ``sleep:US`` sleeps, ``spin:US`` spins on the clock, ``thrash:MB``
+writes a buffer of that many MiB (this process's own caches evicted).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import argparse
 import random
 import statistics
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -35,7 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pool", default="dense:num_blocks=600")
     ap.add_argument("--blocks", type=int, default=16)
     ap.add_argument("--calls", type=int, default=3000)
+    ap.add_argument("--between", default="none", help="none, sleep:US, spin:US or thrash:MB")
     args = ap.parse_args(argv)
+    between = _between(args.between)
     spec = preset(args.pool).with_memory(MemoryType.VRAM)
     owner, pool = KVPool.allocate(preset(args.pool)), KVPool.allocate(preset(args.pool))
     fakes = FakeHost()
@@ -56,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     def one() -> tuple[float, float, float]:
         local = rng.sample(range(n_blocks), args.blocks)
         remote = rng.sample(range(n_blocks), args.blocks)
+        between()
         t0 = time.perf_counter()
         plan = plan_pull(spec, spec, [local], [remote], prefix_caching=True)
         part = plan.per_rank[0]
@@ -80,11 +90,38 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(300):
         one()
     times = [one() for _ in range(args.calls)]
-    print(f"{args.calls} pulls of {args.blocks} blocks ({args.pool}), p50 us:")
+    shape = f"{args.pool}, between: {args.between}"
+    print(f"{args.calls} pulls of {args.blocks} blocks ({shape}), p50 us:")
     for i, name in enumerate(("plan_pull", "decide", "kernel_ready")):
         print(f"  {name:13s} {statistics.median(t[i] for t in times) * 1e6:7.1f}")
     print(f"  {'total':13s} {statistics.median(sum(t) for t in times) * 1e6:7.1f}")
     return 0
+
+
+def _between(what: str) -> Callable[[], None]:
+    """What runs before each pull (``--between``)."""
+    kind, _, value = what.partition(":")
+    if kind == "none":
+        return lambda: None
+    amount = float(value) if value else 0.0
+    if kind == "sleep":
+        return lambda: time.sleep(amount / 1e6)
+    if kind == "spin":
+
+        def spin() -> None:
+            end = time.perf_counter() + amount / 1e6
+            while time.perf_counter() < end:
+                pass
+
+        return spin
+    if kind == "thrash":
+        buf = np.zeros(int(amount * (1 << 20)), dtype=np.uint8)
+
+        def thrash() -> None:
+            np.add(buf, 1, out=buf)
+
+        return thrash
+    raise SystemExit(f"--between: none, sleep:US, spin:US or thrash:MB, not {what!r}")
 
 
 if __name__ == "__main__":
