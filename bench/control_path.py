@@ -35,6 +35,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--gap-ms", type=float, default=0.0, help="idle time before each timed pull (0)"
     )
+    ap.add_argument(
+        "--distinct",
+        type=int,
+        default=0,
+        help="cycle through this many block-ID lists drawn once (0: new random IDs each pull)",
+    )
     ap.add_argument("--json", default="", help="also write the figures here")
     args = ap.parse_args(argv)
     fig = measure(
@@ -45,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         strategy=args.strategy,
         n=args.blocks,
         gap_s=args.gap_ms / 1e3,
+        distinct=args.distinct,
     )
     stages = ", ".join(f"{k} {v:.3f}" for k, v in fig["stages_p50_ms"].items())
     cpu = fig["cpu_ms_per_pull"]

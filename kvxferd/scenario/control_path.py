@@ -10,6 +10,7 @@ on the decode daemon's scheduler socket, then waits for the prefill daemon to re
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 import statistics
@@ -110,14 +111,22 @@ def measure(
     strategy: str,
     n: int = BLOCKS,
     gap_s: float = 0.0,
+    distinct: int = 0,
 ) -> dict[str, Any]:
     """``pulls`` pulls of ``n`` random blocks after ``warmup`` untimed ones; ``gap_s``: the
-    daemons are left idle that long after each pull's release (a pull after a quiet spell)."""
+    daemons are left idle that long after each pull's release (a pull after a quiet spell);
+    ``distinct``: when > 0, the pulls cycle through that many block-ID lists drawn once (each
+    side's), so that a study can tell the host work of a pull it has seen before from a new
+    one's (bench/memo_hook)."""
     blocks = checked_blocks(pool, n)
     options = [prefill_daemon(pool, device), decode_daemon("decode", pool, device, strategy)]
     rng = np.random.default_rng(0)
+    drawn = [random_ids(rng, blocks, n) for _ in range(2 * distinct)]
+    turn = itertools.count()
 
     def ids() -> Int64Array:
+        if drawn:
+            return drawn[next(turn) % len(drawn)]
         return random_ids(rng, blocks, n)
 
     with pulling_pair(options) as (daemons, puller):
@@ -155,6 +164,7 @@ def measure(
         "pulls": pulls,
         "blocks": n,
         "gap_s": gap_s,
+        "distinct": distinct,
         "wall_s": wall,
         "ms": ms,  # every timed pull, in order
         "p50_ms": statistics.median(ms),
