@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Session 27, call 5: call 4's 16-block A/B (host work as it is / kept for a repeated request,
+# bench/memo_hook) in three more rounds, then the bench's 1 GiB random rows once (naive and
+# KERNEL in the same run, for x naive).
+#   carry: [".whl"]
+. bench/device/env.sh
+machine
+build_kernels
+cp() { # LABEL HOOKDIR ARGS...
+  local label=$1 hook=$2; shift 2
+  step "control path: $label"
+  PYTHONPATH=${hook:+$PWD/$hook:}$PYTHONPATH timeout 120 python3 bench/control_path.py \
+    --device cuda --distinct 8 "$@" --json "$OUT/cp-$label.json" 2>&1 | head -2
+}
+for round in 3 4 5; do
+  cp "16-plain-$round" "" --pool dense:num_blocks=600 --pulls 1500
+  cp "16-memo-$round" bench/memo_hook --pool dense:num_blocks=600 --pulls 1500
+done
+step "bench, 1 GiB random"
+timeout 240 python3 -m kvxferd bench --device cuda --sizes 8192 --patterns fragmented \
+  --strategy kernel --repeat 5 --json "$OUT/bench-1g.json" > "$OUT/bench-1g.txt" 2>"$OUT/bench-1g.err"
+echo "bench rc=$?"; grep -E "8192" "$OUT/bench-1g.txt"; perrep "$OUT/bench-1g.json"
