@@ -125,3 +125,12 @@ bench_ab() {
     done
   done
 }
+# control_memo LABEL HOOKDIR [ARGS...]: bench.control_path on cuda:0 cycling through 8 block-ID
+# lists (--distinct 8), with HOOKDIR (e.g. bench/memo_hook; "" for none) ahead on PYTHONPATH;
+# ARGS are the control path's. JSON: $OUT/cp-LABEL.json.
+control_memo() {
+  local label=$1 hook=$2; shift 2
+  step "control path: $label"
+  PYTHONPATH=${hook:+$PWD/$hook:}$PYTHONPATH timeout 120 python3 bench/control_path.py \
+    --device cuda --distinct 8 "$@" --json "$OUT/cp-$label.json" 2>&1 | head -2
+}

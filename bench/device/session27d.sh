@@ -7,15 +7,9 @@
 . bench/device/env.sh
 machine
 build_kernels
-cp() { # LABEL HOOKDIR ARGS...
-  local label=$1 hook=$2; shift 2
-  step "control path: $label"
-  PYTHONPATH=${hook:+$PWD/$hook:}$PYTHONPATH timeout 120 python3 bench/control_path.py \
-    --device cuda --distinct 8 "$@" --json "$OUT/cp-$label.json" 2>&1 | head -2
-}
 for round in 1 2; do
-  cp "16-plain-$round" "" --pool dense:num_blocks=600 --pulls 1500
-  cp "16-memo-$round" bench/memo_hook --pool dense:num_blocks=600 --pulls 1500
-  cp "512-plain-$round" "" --pool dense:num_blocks=1200 --blocks 512 --pulls 300 --warmup 30
-  cp "512-memo-$round" bench/memo_hook --pool dense:num_blocks=1200 --blocks 512 --pulls 300 --warmup 30
+  control_memo "16-plain-$round" "" --pool dense:num_blocks=600 --pulls 1500
+  control_memo "16-memo-$round" bench/memo_hook --pool dense:num_blocks=600 --pulls 1500
+  control_memo "512-plain-$round" "" --pool dense:num_blocks=1200 --blocks 512 --pulls 300 --warmup 30
+  control_memo "512-memo-$round" bench/memo_hook --pool dense:num_blocks=1200 --blocks 512 --pulls 300 --warmup 30
 done

@@ -6,15 +6,9 @@
 . bench/device/env.sh
 machine
 build_kernels
-cp() { # LABEL HOOKDIR ARGS...
-  local label=$1 hook=$2; shift 2
-  step "control path: $label"
-  PYTHONPATH=${hook:+$PWD/$hook:}$PYTHONPATH timeout 120 python3 bench/control_path.py \
-    --device cuda --distinct 8 "$@" --json "$OUT/cp-$label.json" 2>&1 | head -2
-}
 for round in 3 4 5; do
-  cp "16-plain-$round" "" --pool dense:num_blocks=600 --pulls 1500
-  cp "16-memo-$round" bench/memo_hook --pool dense:num_blocks=600 --pulls 1500
+  control_memo "16-plain-$round" "" --pool dense:num_blocks=600 --pulls 1500
+  control_memo "16-memo-$round" bench/memo_hook --pool dense:num_blocks=600 --pulls 1500
 done
 step "bench, 1 GiB random"
 timeout 240 python3 -m kvxferd bench --device cuda --sizes 8192 --patterns fragmented \

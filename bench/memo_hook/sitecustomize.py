@@ -16,6 +16,7 @@ are made each time.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import kvxferd.daemon.moves as _moves
@@ -27,55 +28,36 @@ _MEMO: dict[tuple[object, ...], Any] = {}
 MAX = 4096
 
 
-def _key(kind: str, req: Any, peer: object) -> tuple[object, ...]:
-    local = tuple(a.tobytes() for a in req.local_ids)
-    remote = tuple(a.tobytes() for a in req.remote_ids)
-    return (kind, local, remote, id(peer))
-
-
-def _hit(key: tuple[object, ...], peer: object, part: object = None) -> Any:
-    """The value kept under ``key`` if it was made for this very peer (and plan part)."""
+def _kept(kind: str, req: Any, peer: object, part: object, make: Callable[[], Any]) -> Any:
+    """The value kept for this request (its ID lists), made for this very peer generation (and
+    plan part), else ``make()``'s, kept unless it is DIRECT's prepared descriptors (None or a
+    transfer's own lists: only KERNEL's ReadyPull is kept of ``prepare``)."""
+    key = (
+        kind,
+        tuple(a.tobytes() for a in req.local_ids),
+        tuple(a.tobytes() for a in req.remote_ids),
+    )
     got = _MEMO.get(key)
     if got is not None and got[0] is peer and got[2] is part:
-        return got
-    return None
-
-
-def _put(key: tuple[object, ...], peer: object, value: Any, part: object = None) -> None:
-    if len(_MEMO) >= MAX:
-        _MEMO.clear()
-    _MEMO[key] = (peer, value, part)
+        return got[1]
+    value = make()
+    if kind != "prepare" or isinstance(value, ReadyPull):
+        if len(_MEMO) >= MAX:
+            _MEMO.clear()
+        _MEMO[key] = (peer, value, part)
+    return value
 
 
 def plan(self: Any, req: Any, remote: Any) -> Any:
-    key = _key("plan", req, remote)
-    got = _hit(key, remote)
-    if got is not None:
-        return got[1]
-    value = _plan(self, req, remote)
-    _put(key, remote, value)
-    return value
+    return _kept("plan", req, remote, None, lambda: _plan(self, req, remote))
 
 
 def choose(self: Any, req: Any, link: Any, plan_: Any, part: Any) -> Any:
-    key = _key("choose", req, link.remote)
-    got = _hit(key, link.remote, part)
-    if got is not None:
-        return got[1]
-    value = _choose(self, req, link, plan_, part)
-    _put(key, link.remote, value, part)
-    return value
+    return _kept("choose", req, link.remote, part, lambda: _choose(self, req, link, plan_, part))
 
 
 def prepare(self: Any, req: Any, link: Any, part: Any, staged: Any) -> Any:
-    key = _key("prepare", req, link.remote)
-    got = _hit(key, link.remote, part)
-    if got is not None:
-        return got[1]
-    value = _prepare(self, req, link, part, staged)
-    if isinstance(value, ReadyPull):
-        _put(key, link.remote, value, part)
-    return value
+    return _kept("prepare", req, link.remote, part, lambda: _prepare(self, req, link, part, staged))
 
 
 _Mover.plan, _Mover.choose, _Mover.prepare = plan, choose, prepare

@@ -16,7 +16,7 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +77,18 @@ def random_ids(rng: np.random.Generator, blocks: int, n: int) -> Int64Array:
     return out
 
 
+def id_source(
+    rng: np.random.Generator, blocks: int, n: int, distinct: int = 0
+) -> Callable[[], Int64Array]:
+    """Each call: the next side's ``n`` random IDs of ``blocks`` (a pull draws two, local then
+    remote); with ``distinct`` > 0 the same ``distinct`` pairs, drawn once, in turn."""
+    if distinct <= 0:
+        return lambda: random_ids(rng, blocks, n)
+    drawn = [random_ids(rng, blocks, n) for _ in range(2 * distinct)]
+    turn = itertools.cycle(drawn)
+    return lambda: next(turn)
+
+
 @contextlib.contextmanager
 def pulling_pair(options: list[DaemonOptions]) -> Iterator[tuple[DaemonSet, DaemonPuller]]:
     """Two real daemons, ``prefill`` and ``decode`` (the one with the scheduler socket), started
@@ -120,14 +132,7 @@ def measure(
     one's (bench/memo_hook)."""
     blocks = checked_blocks(pool, n)
     options = [prefill_daemon(pool, device), decode_daemon("decode", pool, device, strategy)]
-    rng = np.random.default_rng(0)
-    drawn = [random_ids(rng, blocks, n) for _ in range(2 * distinct)]
-    turn = itertools.count()
-
-    def ids() -> Int64Array:
-        if drawn:
-            return drawn[next(turn) % len(drawn)]
-        return random_ids(rng, blocks, n)
+    ids = id_source(np.random.default_rng(0), blocks, n, distinct)
 
     with pulling_pair(options) as (daemons, puller):
         pre, dec = daemons["prefill"].ready, daemons["decode"].ready
@@ -184,6 +189,7 @@ __all__ = [
     "checked_blocks",
     "cpu_seconds",
     "decode_daemon",
+    "id_source",
     "measure",
     "pool_blocks",
     "prefill_daemon",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import statistics
 
+import numpy as np
 import pytest
 
 from kvxferd.scenario import control_path
@@ -29,6 +30,19 @@ def test_the_pool_must_name_its_blocks() -> None:
     assert control_path.pool_blocks("dense:num_blocks=40,head_size=8") == 40
     with pytest.raises(SystemExit, match="num_blocks"):
         control_path.pool_blocks("dense:head_size=8")
+
+
+def test_distinct_pulls_cycle_through_pairs_drawn_once() -> None:
+    """--distinct K: pull k reads pair k mod K (local, remote), each a fresh draw of distinct
+    IDs; without it every side of every pull is a new draw."""
+    ids = control_path.id_source(np.random.default_rng(0), 40, 5, distinct=3)
+    pulls = [(ids(), ids()) for _ in range(7)]
+    for k, (local, remote) in enumerate(pulls):
+        assert local.shape == remote.shape == (5,) and len(set(local.tolist())) == 5
+        assert pulls[k % 3][0] is local and pulls[k % 3][1] is remote
+    assert len({p[0].tobytes() for p in pulls[:3]} | {p[1].tobytes() for p in pulls[:3]}) == 6
+    fresh = control_path.id_source(np.random.default_rng(0), 40, 5)
+    assert len({fresh().tobytes() for _ in range(8)}) == 8
 
 
 def test_a_pull_must_fit_in_the_pool() -> None:
