@@ -110,6 +110,14 @@ perrep() { python3 -c "
 import json,sys
 r=json.load(open(sys.argv[1]))['rows'][0]
 print('  ms by rep:', ' '.join(f'{x:.2f}' for x in r['kvxferd']['ms']), '| x naive', round(r['kvxferd_vs_naive'],1))" "$1"; }
+# bench_1g: the bench's 1 GiB random rows once (naive and KERNEL in one run, for x naive), the
+# kvxferd row rep by rep. Output: $OUT/bench-1g.{json,txt,err}.
+bench_1g() {
+  step "bench, 1 GiB random"
+  timeout 240 python3 -m kvxferd bench --device cuda --sizes 8192 --patterns fragmented \
+    --strategy kernel --repeat 5 --json "$OUT/bench-1g.json" > "$OUT/bench-1g.txt" 2>"$OUT/bench-1g.err"
+  echo "bench rc=$?"; grep -E "8192" "$OUT/bench-1g.txt"; perrep "$OUT/bench-1g.json"
+}
 # bench_ab TAG ARGS...: `kvxferd bench --device cuda ARGS`, each side its own tree's (_base, then
 # this tree) in each round of $ROUNDS (default "1 2"); the naive and kvxferd rows and the result
 # printed, then the kvxferd row rep by rep. JSON: $OUT/TAG-<side>-<round>.json.

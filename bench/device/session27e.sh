@@ -10,7 +10,4 @@ for round in 3 4 5; do
   control_memo "16-plain-$round" "" --pool dense:num_blocks=600 --pulls 1500
   control_memo "16-memo-$round" bench/memo_hook --pool dense:num_blocks=600 --pulls 1500
 done
-step "bench, 1 GiB random"
-timeout 240 python3 -m kvxferd bench --device cuda --sizes 8192 --patterns fragmented \
-  --strategy kernel --repeat 5 --json "$OUT/bench-1g.json" > "$OUT/bench-1g.txt" 2>"$OUT/bench-1g.err"
-echo "bench rc=$?"; grep -E "8192" "$OUT/bench-1g.txt"; perrep "$OUT/bench-1g.json"
+bench_1g

@@ -16,10 +16,7 @@ for round in 1 2; do
       --blocks 512 --pulls 300 --gap-ms $gap
   done
 done
-step "bench, 1 GiB random"
-timeout 240 python3 -m kvxferd bench --device cuda --sizes 8192 --patterns fragmented \
-  --strategy kernel --repeat 5 --json "$OUT/bench-1g.json" > "$OUT/bench-1g.txt" 2>"$OUT/bench-1g.err"
-echo "bench rc=$?"; grep -E "8192" "$OUT/bench-1g.txt"; perrep "$OUT/bench-1g.json"
+bench_1g
 step "summary: 512-block pulls, p50 ms (plan / build / confirm stages)"
 python3 - "$OUT" <<'EOF'
 import json, pathlib, sys
